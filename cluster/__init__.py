@@ -1,0 +1,1 @@
+"""mlx-pd: cluster package."""

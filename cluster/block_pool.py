@@ -1,0 +1,162 @@
+"""KV block bookkeeping: ids, reference counts, the prefix cache and LRU eviction. No arrays here.
+
+Worked example (block_size 4, 6 blocks; block 0 is the null block that padding writes into, never handed
+out): a 10-token prompt needs 3 blocks -> `allocate(3)` returns [1, 2, 3], each with ref_cnt 1. After its
+first 8 tokens are computed, blocks 1 and 2 are full and `cache_block` registers their chained hashes.
+When the request ends, `free([1, 2, 3])` drops the ref counts to 0 and appends the blocks to the free
+queue in reverse (3, 2, 1), so the tail of a sequence is evicted before its head. A second request with
+the same first 8 tokens finds [1, 2] with `find_cached_prefix` and `touch`es them (ref_cnt 1, out of the
+free queue). A later `allocate` takes blocks in free-queue order, least recently freed first (3 here:
+uncached, so nothing is evicted); taking a cached block forgets its hash (eviction). The design is vLLM v1's BlockPool (vllm/v1/core/block_pool.py).
+
+Every change to the set of cached hashes is recorded as a KV event with a monotonically increasing
+sequence number, for the router's prefix index; at most 65536 undrained events are kept (a consumer
+that falls behind sees a gap in `seq` and resyncs).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+
+@dataclass
+class Block:
+    """One KV block's bookkeeping: who uses it (`ref_cnt`) and what it holds when cached."""
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: Optional[int] = None
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class KVEvent:
+    """A change to the cached set: `kind` is "stored", "removed" or "cleared" (all blocks dropped)."""
+
+    seq: int
+    kind: str
+    block_hashes: tuple[int, ...] = ()
+
+
+@dataclass
+class BlockPool:
+    """Block ids 1..num_blocks-1 for sequences; block 0 is the null block (padding target).
+
+    Raises `ValueError` from `allocate` when asked for more blocks than are free (callers check
+    `num_free_blocks` first: running out is a scheduling decision, never an exception path).
+    """
+
+    num_blocks: int
+    enable_caching: bool = True
+    blocks: list[Block] = field(init=False)
+    _free: "OrderedDict[int, None]" = field(init=False)
+    _cached: dict[int, int] = field(init=False)
+    _events: "deque[KVEvent]" = field(init=False, default_factory=lambda: deque(maxlen=65536))
+    _event_seq: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 2:
+            raise ValueError(f"num_blocks={self.num_blocks} is invalid: need >= 2 (block 0 is reserved)")
+        self.blocks = [Block(i) for i in range(self.num_blocks)]
+        self.blocks[0].ref_cnt = 1  # the null block is never freed
+        self._free = OrderedDict((i, None) for i in range(1, self.num_blocks))
+        self._cached = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that `allocate` can hand out now (free, cached or not)."""
+        return len(self._free)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """All blocks except the null block."""
+        return self.num_blocks - 1
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks currently findable by hash (in use or free)."""
+        return len(self._cached)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` free blocks (least recently freed first), evicting their cached hashes. ref_cnt -> 1."""
+        if n > len(self._free):
+            raise ValueError(f"cannot allocate {n} blocks: only {len(self._free)} free")
+        ids = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            self._evict(block)
+            block.ref_cnt = 1
+            ids.append(block_id)
+        return ids
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference from each block; blocks reaching 0 join the free queue, tail first."""
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            assert block.ref_cnt > 0 and block_id != 0, f"double free of block {block_id}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block_id] = None
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Add a reference to each (cache-hit) block, taking free ones out of the free queue."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_cnt == 0:
+                del self._free[block_id]
+            block.ref_cnt += 1
+
+    def find_cached_prefix(self, hashes: Sequence[int], token_ids: Sequence[int], block_size: int) -> list[int]:
+        """The longest run of cached blocks from block 0 whose hashes AND token ids match the prompt."""
+        if not self.enable_caching:
+            return []
+        hit: list[int] = []
+        for i, block_hash in enumerate(hashes):
+            block_id = self._cached.get(block_hash)
+            if block_id is None:
+                break
+            if self.blocks[block_id].token_ids != tuple(token_ids[i * block_size:(i + 1) * block_size]):
+                break  # a hash collision: a miss, never a wrong answer
+            hit.append(block_id)
+        return hit
+
+    def cache_block(self, block_id: int, block_hash: int, token_ids: Sequence[int]) -> None:
+        """Register a full, computed block under its chained hash (first holder of a hash wins)."""
+        if not self.enable_caching:
+            return
+        block = self.blocks[block_id]
+        if block.block_hash is not None or block_hash in self._cached:
+            return
+        block.block_hash = block_hash
+        block.token_ids = tuple(token_ids)
+        self._cached[block_hash] = block_id
+        self._emit("stored", (block_hash,))
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached hash (blocks in use stay allocated but are no longer findable)."""
+        n = len(self._cached)
+        for block_id in self._cached.values():
+            block = self.blocks[block_id]
+            block.block_hash, block.token_ids = None, ()
+        self._cached.clear()
+        self._emit("cleared", ())
+        return n
+
+    def drain_events(self) -> list[KVEvent]:
+        """Return and forget the events recorded since the last call."""
+        events = list(self._events)
+        self._events.clear()
+        return events
+
+    def _evict(self, block: Block) -> None:
+        if block.block_hash is not None:
+            del self._cached[block.block_hash]
+            self._emit("removed", (block.block_hash,))
+            block.block_hash, block.token_ids = None, ()
+
+    def _emit(self, kind: str, hashes: tuple[int, ...]) -> None:
+        self._event_seq += 1
+        self._events.append(KVEvent(self._event_seq, kind, hashes))

@@ -1,0 +1,73 @@
+"""The interface the router uses to reach an engine, wherever it runs.
+
+Single-node mode implements it over an in-process channel (`cluster.local.LocalEngineClient`); cluster
+mode implements it over ZeroMQ. The router depends on this protocol only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AsyncIterator, Protocol
+
+from cluster.request import GenerateRequest, RequestOutput
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of an engine's load, for `/metrics`, `/health` and placement.
+
+    Counts are sequences and KV blocks; `kv_block_size` is tokens per block.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_kv_blocks_total: int = 0
+    num_kv_blocks_free: int = 0
+    kv_block_size: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens served from it
+
+
+class EngineError(RuntimeError):
+    """The engine cannot take the request now (dead, stopping, or over its queue bound).
+
+    `retry_after` (seconds) is set when the condition is transient (overload): the router answers 503 with
+    a `Retry-After` header; otherwise it answers 503 without one.
+    """
+
+    def __init__(self, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineClient(Protocol):
+    """What the router needs from an engine.
+
+    Invariants: `generate` yields `RequestOutput` deltas for exactly one request and ends after the delta
+    whose `finish_reason` is set; if the consumer stops iterating early (client disconnect: the async
+    generator is closed or its task cancelled), the request is aborted and its KV blocks are freed.
+    """
+
+    model_name: str
+    max_model_len: int
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Submit `request` and iterate its output deltas. Raises `EngineError` if it cannot be accepted."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; a no-op for unknown or finished ids."""
+        ...
+
+    def stats(self) -> EngineStats:
+        """The latest load snapshot (cheap, non-blocking)."""
+        ...
+
+    def is_healthy(self) -> bool:
+        """False once the engine loop has died."""
+        ...
+
+    async def clear_prefix_cache(self) -> int:
+        """Drop every unreferenced cached block; returns how many were dropped."""
+        ...

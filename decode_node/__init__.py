@@ -1,0 +1,1 @@
+"""mlx-pd: decode_node package."""

@@ -1,0 +1,191 @@
+"""The engine core: schedule, run, postprocess, emit — one step at a time, on one thread.
+
+Single-node mode runs this colocated engine (it prefills everything itself); the decode worker wraps the
+same core. `step()` never raises for a request's sake: a failing step fails the sequences it ran with
+`FinishReason.ERROR` and the engine carries on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import mlx.core as mx
+
+from cluster.block_pool import BlockPool
+from cluster.config import EngineConfig
+from cluster.detokenizer import OutputText
+from cluster.hashing import block_extra_key
+from cluster.kv_cache import KVStore, kv_bytes_per_block
+from cluster.model import ModelSpec
+from cluster.request import FinishReason, GenerateRequest, RequestOutput
+from cluster.runner import BatchItem, ModelRunner
+from cluster.sampling import make_key, prompt_logprobs, sample
+from cluster.sequence import Sequence
+from decode_node.scheduler import ScheduledBatch, Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Continuous batching over a paged KV pool for one model.
+
+    Raises `ValueError` from `add_request` when a request can never run here (prompt at or over the
+    context limit, or larger than the whole KV pool); the message says what to change.
+    """
+
+    def __init__(self, model, tokenizer, spec: ModelSpec, config: EngineConfig):
+        self.model, self.tokenizer, self.spec, self.config = model, tokenizer, spec, config
+        self.block_size = config.block_size
+        self.max_model_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
+        per_block = kv_bytes_per_block(spec, config.block_size, config.dtype, config.kv_bits, config.kv_group_size)
+        num_blocks = config.num_blocks or 1 + int(config.kv_cache_gb * 2**30 // per_block)
+        if num_blocks < 2:
+            raise ValueError(f"kv_cache_gb={config.kv_cache_gb} holds no block of {per_block} bytes")
+        self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
+        self.store = KVStore(spec, num_blocks, config.block_size, config.dtype, config.kv_bits, config.kv_group_size)
+        self.runner = ModelRunner(model, self.store)
+        self.kv_format = f"{config.dtype}/kv{config.kv_bits or 'full'}/g{config.kv_group_size}/b{config.block_size}"
+        self.scheduler = Scheduler(config, self.pool, self._extra_key)
+        self.eos_ids = set(spec.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self.sequences: dict[str, Sequence] = {}
+
+    def _extra_key(self, cache_salt: Optional[str]) -> int:
+        return block_extra_key(self.spec.model_id, self.spec.revision, self.kv_format, cache_salt)
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    def check_request(self, request: GenerateRequest) -> int:
+        """Validate `request` for this engine; returns its clamped max_tokens. Raises ValueError."""
+        n = len(request.prompt_token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens but the context limit is {self.max_model_len}: "
+                             f"shorten the prompt to at most {self.max_model_len - 1} tokens")
+        capacity = self.pool.num_usable_blocks * self.block_size
+        if n + 1 > capacity:
+            raise ValueError(f"the prompt has {n} tokens but this engine's KV pool holds {capacity}: "
+                             "shorten the prompt or start the server with a larger --kv-cache-gb")
+        if any(t < 0 or t >= self.spec.vocab_size for t in request.prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
+        return min(request.sampling.max_tokens, self.max_model_len - n, capacity - n)
+
+    def add_request(self, request: GenerateRequest) -> Optional[RequestOutput]:
+        """Queue a request (validated by `check_request`). Returns a final output at once if it
+        asks for no tokens, else None."""
+        if request.request_id in self.sequences:
+            raise ValueError(f"request_id {request.request_id!r} is already running")
+        max_tokens = self.check_request(request)
+        sp = request.sampling
+        seq = Sequence(request, max_tokens=max_tokens)
+        seq.output_text = OutputText(self.tokenizer, request.prompt_token_ids, sp.stop)
+        seq.rng_key = None if sp.greedy else make_key(sp.seed)
+        if max_tokens == 0 and sp.prompt_logprobs is None:
+            return self._final(seq, FinishReason.LENGTH)
+        self.sequences[request.request_id] = seq
+        self.scheduler.add(seq)
+        return None
+
+    def abort(self, request_id: str) -> Optional[RequestOutput]:
+        """Stop a request and free its blocks; returns its final `abort` output (None if unknown)."""
+        seq = self.sequences.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq)
+        return self._final(seq, FinishReason.ABORT)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the loop ------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; returns the output deltas it produced."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        try:
+            return self._run(batch)
+        except Exception as exc:  # a bad step fails its requests, never the engine
+            logger.exception("engine step failed")
+            return [self._fail(seq, f"engine step failed: {exc}") for seq, _ in batch.items]
+
+    def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        items, sample_rows = [], []
+        for i, (seq, n) in enumerate(batch.items):
+            start = seq.num_computed_tokens
+            want_plp = seq.request.sampling.prompt_logprobs is not None and start < seq.num_prompt_tokens
+            items.append(BatchItem(seq.block_table, start, seq.token_ids[start:start + n], want_plp))
+            if start + n == len(seq.token_ids):
+                sample_rows.append(i)
+        logits = self.runner.forward(items)
+        last = [lg[-1] if it.want_all_logits else lg for lg, it in zip(logits, items)]
+        sampled: dict[int, tuple] = {}
+        if sample_rows:
+            seqs = [batch.items[i][0] for i in sample_rows]
+            keys = [s.rng_key for s in seqs]
+            tokens, lps = sample(mx.stack([last[i] for i in sample_rows]), [s.request.sampling for s in seqs],
+                                 [s.request.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs], keys)
+            for row, seq, key, tok, lp in zip(sample_rows, seqs, keys, tokens, lps):
+                seq.rng_key = key
+                sampled[row] = (tok, lp)
+        else:
+            mx.eval(logits)
+        outputs = []
+        for i, ((seq, n), item) in enumerate(zip(batch.items, items)):
+            if item.want_all_logits:
+                self._collect_prompt_logprobs(seq, item, logits[i])
+            seq.num_computed_tokens += n
+            self.scheduler.cache_computed_blocks(seq)
+            if i in sampled and seq.max_tokens == 0:  # echo-only request: prompt logprobs, no token
+                self.sequences.pop(seq.request_id, None)
+                self.scheduler.finish(seq)
+                outputs.append(self._final(seq, FinishReason.LENGTH))
+            elif i in sampled:
+                outputs.append(self._append_token(seq, *sampled[i]))
+        return outputs
+
+    def _collect_prompt_logprobs(self, seq: Sequence, item: BatchItem, logits: mx.array) -> None:
+        start, end = item.start, min(item.start + len(item.token_ids), seq.num_prompt_tokens - 1)
+        if end > start and len(seq.prompt_logprobs) == start:  # not again after a preemption
+            targets = seq.token_ids[start + 1:end + 1]
+            seq.prompt_logprobs.extend(prompt_logprobs(logits[:end - start], targets,
+                                                       seq.request.sampling.prompt_logprobs))
+
+    def _append_token(self, seq: Sequence, token: int, logprob) -> RequestOutput:
+        now = time.monotonic()
+        seq.first_token_time = seq.first_token_time or now
+        seq.token_ids.append(token)
+        sp = seq.request.sampling
+        reason, text = None, ""
+        if (token in self.eos_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
+            reason = FinishReason.STOP
+        else:
+            text, stopped = seq.output_text.add(token)
+            if stopped:
+                reason = FinishReason.STOP
+        if reason is None and seq.num_output_tokens >= seq.max_tokens:
+            reason = FinishReason.LENGTH
+        plp = None
+        if seq.num_output_tokens == 1 and sp.prompt_logprobs is not None:
+            plp = tuple(seq.prompt_logprobs)
+        if reason is not None:
+            text += seq.output_text.finish()
+            self.sequences.pop(seq.request_id, None)
+            self.scheduler.finish(seq)
+        return self._output(seq, (token,), text, (logprob,) if logprob else None, reason, plp)
+
+    def _output(self, seq: Sequence, token_ids: tuple, text: str, logprobs, reason, plp=None,
+                error: Optional[str] = None) -> RequestOutput:
+        return RequestOutput(seq.request_id, token_ids, text, logprobs, plp, reason, seq.num_prompt_tokens,
+                             seq.num_cached_tokens, seq.num_output_tokens, error)
+
+    def _final(self, seq: Sequence, reason: FinishReason, error: Optional[str] = None) -> RequestOutput:
+        plp = tuple(seq.prompt_logprobs) if seq.request.sampling.prompt_logprobs is not None else None
+        return self._output(seq, (), "", () if seq.request.sampling.logprobs is not None else None,
+                            reason, plp, error)
+
+    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
+        self.sequences.pop(seq.request_id, None)
+        self.scheduler.finish(seq)
+        return self._final(seq, FinishReason.ERROR, message)

@@ -1,0 +1,1 @@
+"""mlx-pd: kv_transfer package."""

@@ -1,0 +1,1 @@
+"""mlx-pd: prefill_node package."""
