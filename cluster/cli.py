@@ -1,0 +1,147 @@
+"""The `mlx-pd` command: serve (single-node), generate (one prompt from the shell), bench.
+
+Documented environment variables: MLX_PD_CACHE (model cache folder), MLX_PD_NO_OPENBLAS=1 (do not
+preload OpenBLAS on Linux), MLX_PD_API_KEY (default for --api-key).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import uuid
+from typing import Optional, Sequence
+
+from cluster.config import EngineConfig
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    p.add_argument("--model", default=None,
+                   help="mlx-lm model folder, .gguf file or Hugging Face repo id (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", default=None, help="name clients use in the `model` field")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="weights and KV dtype (default: float32 on Linux's CPU backend, bfloat16 on a Mac)")
+    p.add_argument("--kv-cache-gb", type=float, default=d.kv_cache_gb, help="KV pool budget in GiB")
+    p.add_argument("--kv-bits", type=int, default=None, choices=[4, 8], help="quantize KV blocks")
+    p.add_argument("--kv-group-size", type=int, default=d.kv_group_size, choices=[32, 64, 128])
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences in the running batch")
+    p.add_argument("--prefill-chunk-size", type=int, default=d.prefill_chunk_size)
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix-cache reuse")
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    dtype = args.dtype or ("bfloat16" if sys.platform == "darwin" else "float32")
+    return EngineConfig(block_size=args.block_size, kv_cache_gb=args.kv_cache_gb, max_num_seqs=args.max_num_seqs,
+                        prefill_chunk_size=args.prefill_chunk_size, max_model_len=args.max_model_len, dtype=dtype,
+                        kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                        enable_prefix_caching=not args.no_prefix_caching)
+
+
+def _start(args: argparse.Namespace):
+    """Load the model with a progress bar; returns (client, model folder)."""
+    from tqdm import tqdm
+
+    from cluster.local import start_local_engine
+
+    with tqdm(total=1, desc="loading model", unit="model", file=sys.stderr, leave=False) as bar:
+        client, path = start_local_engine(args.model, _engine_config(args), args.served_model_name)
+        bar.update(1)
+    return client, path
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from router.app import create_app
+    from router.tokenizer import RouterTokenizer
+
+    client, path = _start(args)
+    app = create_app(client, RouterTokenizer.from_path(path), served_model_names=[client.model_name],
+                     api_key=args.api_key or None)
+    print(f"mlx-pd: serving {client.model_name} at http://{args.host}:{args.port}/v1 "
+          f"(context {client.max_model_len} tokens)", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from cluster.model import load_tokenizer
+    from cluster.request import GenerateRequest, SamplingParams
+
+    client, path = _start(args)
+    tokenizer = load_tokenizer(path)
+    if args.raw:
+        ids = tokenizer.encode(args.prompt)
+    else:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed)
+
+    async def go() -> Optional[str]:
+        last = None
+        async for out in client.generate(GenerateRequest(uuid.uuid4().hex, tuple(ids), params)):
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+            last = out
+        sys.stdout.write("\n")
+        return last.error if last else None
+
+    error = asyncio.run(go())
+    if error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_bench(argv: Sequence[str]) -> int:
+    from benchmarks.cli import main as bench_main  # lazy: cluster imports no sibling at module level
+
+    return bench_main(list(argv))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlx-pd", description="Prefill/decode-disaggregated LLM serving on MLX")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve the OpenAI API from one process (single-node mode)")
+    _add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=os.environ.get("MLX_PD_API_KEY"),
+                       help="require `Authorization: Bearer KEY` (default: $MLX_PD_API_KEY, else open)")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    gen = sub.add_parser("generate", help="generate from one prompt, streaming to the terminal")
+    _add_engine_args(gen)
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    sub.add_parser("bench", help="load-test OpenAI endpoints (see `mlx-pd bench --help`)", add_help=False)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the `mlx-pd` console script."""
+    from cluster.platform import reexec_with_openblas
+
+    reexec_with_openblas()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        return cmd_bench(argv[1:])
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return {"serve": cmd_serve, "generate": cmd_generate}[args.command](args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"mlx-pd: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
