@@ -1,0 +1,52 @@
+"""A real single-node server (router + engine thread, real SmolLM2) on a free loopback port, for tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def live_server(api_key: str | None = None, **engine_config):
+    """Yield (base_url, client) for a server over the shared real model with `engine_config`."""
+    import uvicorn
+
+    from cluster.local import EngineThread, LocalEngineClient
+    from cluster.model import DEFAULT_MODEL
+    from router.app import create_app
+    from router.tokenizer import RouterTokenizer
+    from tests.engine_helpers import make_engine
+
+    core = make_engine(**engine_config)
+    thread = EngineThread(core).start()
+    client = LocalEngineClient(thread, DEFAULT_MODEL)
+    tokenizer = RouterTokenizer(core.tokenizer)
+    app = create_app(client, tokenizer, served_model_names=[DEFAULT_MODEL], api_key=api_key)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    runner = threading.Thread(target=server.run, daemon=True)
+    runner.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    try:
+        yield base, client
+    finally:
+        server.should_exit = True
+        runner.join(10)
+        thread.stop()
