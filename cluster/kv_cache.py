@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import mlx.core as mx
+import numpy as np
 
 from cluster.model import ModelSpec
 
@@ -96,13 +97,16 @@ class BatchLayout:
         """Layout for B sequences; sequence b writes positions [starts[b], starts[b] + num_new[b])."""
         B, T = len(starts), max(num_new)
         L = max(s + n for s, n in zip(starts, num_new))
-        write, gather = [], []
-        for table, start, n in zip(block_tables, starts, num_new):
+        write = np.zeros((B, T), dtype=np.int32)  # padding lands in the null block (block 0)
+        gather = np.zeros((B, L), dtype=np.int32)
+        in_block = np.arange(block_size, dtype=np.int32)
+        for b, (table, start, n) in enumerate(zip(block_tables, starts, num_new)):
             ctx = start + n
-            slots = [table[p // block_size] * block_size + p % block_size for p in range(ctx)]
-            write.extend(slots[start:])
-            write.extend(range(T - n))  # padding lands in the null block (block 0)
-            gather.append(slots + [0] * (L - ctx))
+            nb = -(-ctx // block_size)
+            slots = (np.asarray(table[:nb], dtype=np.int32)[:, None] * block_size + in_block).ravel()[:ctx]
+            write[b, :n] = slots[start:]
+            write[b, n:] = np.arange(T - n) % block_size
+            gather[b, :ctx] = slots
         if B == 1:
             offset: Union[int, mx.array] = starts[0]
             mask: Union[None, str, mx.array] = None if T == 1 else "causal"
@@ -113,7 +117,7 @@ class BatchLayout:
             k = mx.arange(L)[None, None, None, :]
             ctx_arr = mx.array([s + n for s, n in zip(starts, num_new)], dtype=mx.int32)[:, None, None, None]
             mask = (k <= start_arr + q) & (k < ctx_arr)
-        return cls(mx.array(write, dtype=mx.int32), mx.array(gather, dtype=mx.int32), offset, mask)
+        return cls(mx.array(write.ravel()), mx.array(gather), offset, mask)
 
 
 class LayerCacheView:
