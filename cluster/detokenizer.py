@@ -93,7 +93,7 @@ class IncrementalDetokenizer:
 
 
 class StopStringMatcher:
-    """Cut streamed text at the earliest stop string, holding back only what could start one.
+    """Cut streamed text before the first stop string, holding back only what could start one.
 
     `feed(text)` returns (text safe to emit now, stopped). It holds back the longest suffix of the
     pending text that is a prefix of some stop string, so a stop string split across feeds is still
