@@ -1,0 +1,187 @@
+"""From a validated OpenAI request to the `GenerateRequest`s the engine runs.
+
+The steps every request takes, in order:
+
+    tokenize (chat template or completion prompt)
+    -> reject a prompt that leaves no room: prompt_tokens >= max_model_len  (400, naming both numbers)
+    -> max_tokens = min(requested or the context left, max_model_len - prompt_tokens)
+    -> SamplingParams (its ValueError becomes a 400 naming the field)
+    -> n GenerateRequests "<base>-0" ... "<base>-{n-1}"; with a seed, choice i uses seed + i,
+       so streamed and non-streamed answers with the same seed are the same.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Optional, Union
+
+from cluster.request import GenerateRequest, SamplingParams
+from router.errors import APIError, bad_request
+from router.openai_schema import INT64_MAX, ChatCompletionRequest, CompletionRequest
+from router.tokenizer import ChatTemplateError, RouterTokenizer
+
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy (as in vLLM): dividing by ~0 overflows
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """Everything the serving code needs besides the engine: the prompt, the choices, the output options.
+
+    `logprobs` is the number of alternatives per generated token (None = no logprobs); `echo` (completions
+    only) prepends `prompt_text` and, with logprobs, the prompt's logprobs.
+    """
+
+    request_id: str
+    model: str
+    prompt_token_ids: tuple[int, ...]
+    prompt_text: str
+    requests: tuple[GenerateRequest, ...]
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    logprobs: Optional[int]
+    echo: bool = False
+
+    @property
+    def n(self) -> int:
+        """How many choices."""
+        return len(self.requests)
+
+
+def check_token_ids(ids: list[int], vocab_size: int, field: str) -> None:
+    """400 unless every id is a token id of this model."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"{field}: token id {bad} is out of range: this model's ids are 0..{vocab_size - 1}",
+                          field)
+
+
+async def tokenize_chat(req: ChatCompletionRequest, tok: RouterTokenizer) -> tuple[str, list[int]]:
+    """(prompt text, token ids) of the chat messages; 400 when the template rejects them."""
+    messages = []
+    for m in req.messages:
+        role = "system" if m.role == "developer" else m.role
+        message = {"role": role, "content": m.content or ""}
+        if m.name:
+            message["name"] = m.name
+        messages.append(message)
+    try:
+        return await tok.arender_chat(messages)
+    except ChatTemplateError as exc:
+        raise bad_request(str(exc), "messages") from exc
+
+
+async def tokenize_completion(req: CompletionRequest, tok: RouterTokenizer) -> tuple[str, list[int]]:
+    """(prompt text, token ids) of a completion prompt given as text or as token ids."""
+    if isinstance(req.prompt, str):
+        ids = await tok.aencode(req.prompt)
+        if not ids:
+            raise bad_request("prompt: it encodes to no tokens; send a non-empty prompt", "prompt")
+        return req.prompt, ids
+    check_token_ids(req.prompt, tok.vocab_size, "prompt")
+    text = await tok.adecode(req.prompt) if req.echo else ""
+    return text, list(req.prompt)
+
+
+def clamp_max_tokens(requested: Optional[int], num_prompt_tokens: int, max_model_len: int,
+                     param: str = "prompt") -> int:
+    """The tokens to generate: `requested` (None = all) clamped to the context left; 400 if none is left."""
+    left = max_model_len - num_prompt_tokens
+    if left <= 0:
+        raise APIError(400, f"the prompt has {num_prompt_tokens} tokens but this model's context is "
+                            f"{max_model_len} tokens, which leaves no room for the completion: "
+                            f"shorten the prompt to at most {max_model_len - 1} tokens",
+                       param=param, code="context_length_exceeded")
+    return left if requested is None else min(requested, left)
+
+
+def build_sampling(req: Union[ChatCompletionRequest, CompletionRequest], *, max_tokens: int,
+                   logprobs: Optional[int], prompt_logprobs: Optional[int],
+                   tok: RouterTokenizer) -> SamplingParams:
+    """SamplingParams for one choice (seed not yet offset); 400 naming the field on a bad value."""
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    stop_ids = list(req.stop_token_ids or ())
+    check_token_ids(stop_ids, tok.vocab_size, "stop_token_ids")
+    if not req.ignore_eos:  # the tokenizer's end-of-turn ids, in case the engine knows fewer
+        stop_ids += [t for t in tok.eos_token_ids if t not in stop_ids]
+    bias = []
+    for key, value in (req.logit_bias or {}).items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias: key {key!r} is not a token id", "logit_bias") from None
+        check_token_ids([token_id], tok.vocab_size, "logit_bias")
+        bias.append((token_id, value))
+    temperature = 1.0 if req.temperature is None else req.temperature
+    if 0 < temperature < GREEDY_BELOW:
+        temperature = 0.0
+    top_k = req.top_k or 0
+    if top_k == -1 or top_k >= tok.vocab_size:  # -1 is vLLM's "off"; k >= vocab keeps every token
+        top_k = 0
+    fields = dict(
+        max_tokens=max_tokens, temperature=temperature,
+        top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
+        min_p=req.min_p or 0.0, repetition_penalty=1.0 if req.repetition_penalty is None
+        else req.repetition_penalty,
+        presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+        logit_bias=tuple(bias), logprobs=logprobs, prompt_logprobs=prompt_logprobs, stop=stop,
+        stop_token_ids=tuple(stop_ids), ignore_eos=req.ignore_eos, seed=req.seed)
+    try:
+        return SamplingParams(**fields)
+    except ValueError as exc:
+        message = str(exc)
+        field = message.split("=", 1)[0] if "=" in message else None
+        raise bad_request(message, field if field in fields else None) from exc
+
+
+def seeded(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index`'s params: seed + index (wrapped into int64), or unchanged without a seed."""
+    if sampling.seed is None or index == 0:
+        return sampling
+    seed = sampling.seed + index
+    if seed > INT64_MAX:
+        seed -= 2**64
+    return replace(sampling, seed=seed)
+
+
+def make_requests(request_id: str, prompt_ids: list[int], sampling: SamplingParams, n: int,
+                  cache_salt: Optional[str], arrival_time: Optional[float] = None
+                  ) -> tuple[GenerateRequest, ...]:
+    """The n GenerateRequests of one HTTP request, ids f"{request_id}-{i}"."""
+    arrival = time.time() if arrival_time is None else arrival_time
+    prompt = tuple(prompt_ids)
+    return tuple(GenerateRequest(request_id=f"{request_id}-{i}", prompt_token_ids=prompt,
+                                 sampling=seeded(sampling, i), cache_salt=cache_salt,
+                                 arrival_time=arrival) for i in range(n))
+
+
+async def prepare_chat(req: ChatCompletionRequest, tok: RouterTokenizer, *, request_id: str,
+                       model: str, max_model_len: int, arrival_time: float) -> PreparedRequest:
+    """Validate and tokenize a chat request into its GenerateRequests."""
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs: set logprobs to true to use top_logprobs", "top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    text, ids = await tokenize_chat(req, tok)
+    max_tokens = clamp_max_tokens(req.requested_max_tokens, len(ids), max_model_len, "messages")
+    sampling = build_sampling(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=None, tok=tok)
+    return PreparedRequest(
+        request_id=request_id, model=model, prompt_token_ids=tuple(ids), prompt_text=text,
+        requests=make_requests(request_id, ids, sampling, req.n or 1, req.cache_salt, arrival_time),
+        max_tokens=max_tokens, stream=req.stream, include_usage=req.include_usage, logprobs=logprobs)
+
+
+async def prepare_completion(req: CompletionRequest, tok: RouterTokenizer, *, request_id: str,
+                             model: str, max_model_len: int, arrival_time: float) -> PreparedRequest:
+    """Validate and tokenize a completion request into its GenerateRequests."""
+    text, ids = await tokenize_completion(req, tok)
+    requested = 16 if req.max_tokens is None else req.max_tokens
+    max_tokens = clamp_max_tokens(requested, len(ids), max_model_len)
+    prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+    sampling = build_sampling(req, max_tokens=max_tokens, logprobs=req.logprobs,
+                              prompt_logprobs=prompt_logprobs, tok=tok)
+    return PreparedRequest(
+        request_id=request_id, model=model, prompt_token_ids=tuple(ids), prompt_text=text,
+        requests=make_requests(request_id, ids, sampling, req.n or 1, req.cache_salt, arrival_time),
+        max_tokens=max_tokens, stream=req.stream, include_usage=req.include_usage,
+        logprobs=req.logprobs, echo=req.echo)

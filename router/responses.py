@@ -1,0 +1,227 @@
+"""Turning engine deltas into OpenAI bodies: streamed chunks and whole answers, chat and completions.
+
+`Accumulator` keeps each choice's text, token count and logprobs, so a streamed answer and the
+non-streamed one are built from the same state. The counts obey one rule:
+
+    usage.completion_tokens = sum over choices of tokens delivered = sum of logprob entries (when asked)
+
+(the engine's cumulative `num_output_tokens` must agree; a mismatch is logged as an engine bug.)
+
+Logprobs: -inf (and NaN) become -9999.0, as OpenAI reports them, since JSON has no infinities.
+Chat format: `logprobs.content = [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]`.
+Legacy (completions) format: `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}`,
+where `top_logprobs` always includes the sampled token (so up to k+1 entries, as OpenAI documents) and
+`text_offset` counts characters of the display strings from the start of the returned text.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from cluster.request import FinishReason, RequestOutput, TokenLogprob
+from router.errors import APIError
+from router.openai_schema import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
+                                  ChatLogprobs, ChatMessageOut, CompletionChoice, CompletionLogprobs,
+                                  CompletionResponse, DeltaMessage, PromptTokensDetails, TokenLogprobOut,
+                                  TopLogprob, Usage)
+from router.params import PreparedRequest
+from router.tokenizer import RouterTokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def clamp_logprob(value: float) -> float:
+    """A JSON-safe logprob: finite values >= -9999.0; -inf and NaN become -9999.0."""
+    return max(value, -9999.0) if math.isfinite(value) else -9999.0
+
+
+def finish_error(out: RequestOutput) -> Optional[APIError]:
+    """The error to report for a choice the engine ended with `error` or `abort`, else None."""
+    if out.finish_reason == FinishReason.ERROR:
+        return APIError(500, f"the engine failed this request: {out.error or 'unknown error'}",
+                        code="engine_error")
+    if out.finish_reason == FinishReason.ABORT:
+        return APIError(503, "the engine aborted this request", code="engine_aborted")
+    return None
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has delivered so far."""
+
+    index: int
+    texts: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: Optional[tuple[TokenLogprob, ...]] = None
+    finish_reason: Optional[str] = None
+    num_cached_tokens: int = 0
+    started: bool = False  # streaming: the first chunk (role / echo) was sent
+    text_offset: int = 0  # legacy logprobs: characters emitted so far
+
+
+class Accumulator:
+    """Per-choice state of one request, fed with every delta in order."""
+
+    def __init__(self, prepared: PreparedRequest):
+        self.prepared = prepared
+        self.choices = [ChoiceState(i) for i in range(prepared.n)]
+
+    def add(self, index: int, out: RequestOutput) -> ChoiceState:
+        """Record one delta of choice `index`."""
+        state = self.choices[index]
+        if out.text:
+            state.texts.append(out.text)
+        state.num_tokens += len(out.token_ids)
+        if out.logprobs:
+            state.logprobs.extend(out.logprobs)
+        if out.prompt_logprobs is not None and state.prompt_logprobs is None:
+            state.prompt_logprobs = out.prompt_logprobs
+        state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+        if out.finish_reason is not None:
+            state.finish_reason = FinishReason(out.finish_reason).value
+            if out.num_output_tokens and out.num_output_tokens != state.num_tokens:
+                logger.warning("request %s: the engine counts %d output tokens but delivered %d; usage "
+                               "reports the delivered count", out.request_id, out.num_output_tokens,
+                               state.num_tokens)
+        return state
+
+    def usage(self) -> Usage:
+        """Usage of the whole request (prompt counted once; cached tokens of choice 0)."""
+        prompt = len(self.prepared.prompt_token_ids)
+        completion = sum(c.num_tokens for c in self.choices)
+        cached = self.choices[0].num_cached_tokens if self.choices else 0
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+class _Formatter:
+    def __init__(self, prepared: PreparedRequest, tok: RouterTokenizer, created: int):
+        self.p = prepared
+        self.tok = tok
+        self.created = created
+
+    def _top(self, entry: TokenLogprob) -> list[tuple[int, float]]:
+        return list(entry.top[: self.p.logprobs or 0])
+
+
+class ChatFormatter(_Formatter):
+    """Chunks and answers of /v1/chat/completions."""
+
+    def _entries(self, logprobs: Sequence[TokenLogprob]) -> list[TokenLogprobOut]:
+        tok = self.tok
+        return [TokenLogprobOut(
+            token=tok.token_text(e.token_id), logprob=clamp_logprob(e.logprob),
+            bytes=list(tok.token_bytes(e.token_id)),
+            top_logprobs=[TopLogprob(token=tok.token_text(t), logprob=clamp_logprob(lp),
+                                     bytes=list(tok.token_bytes(t))) for t, lp in self._top(e)])
+            for e in logprobs]
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Optional[Usage] = None) -> str:
+        return ChatCompletionChunk(id=self.p.request_id, created=self.created, model=self.p.model,
+                                   choices=choices, usage=usage).model_dump_json()
+
+    def first_chunks(self) -> list[str]:
+        """One chunk per choice with `delta.role = "assistant"`, sent before any content."""
+        return [self._chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+                for i in range(self.p.n)]
+
+    def delta_chunk(self, state: ChoiceState, out: RequestOutput) -> Optional[str]:
+        """The chunk for one delta (None when it carries nothing); logprobs ride with their tokens."""
+        if not (out.token_ids or out.text or out.finished):
+            return None
+        logprobs = None
+        if self.p.logprobs is not None:
+            logprobs = ChatLogprobs(content=self._entries(out.logprobs or ()))
+        delta = DeltaMessage(content=out.text) if (out.text or out.token_ids) else DeltaMessage()
+        return self._chunk([ChatChunkChoice(index=state.index, delta=delta, logprobs=logprobs,
+                                            finish_reason=state.finish_reason if out.finished else None)])
+
+    def usage_chunk(self, usage: Usage) -> str:
+        """The final `choices: []` chunk of `stream_options.include_usage`."""
+        return self._chunk([], usage)
+
+    def response(self, acc: Accumulator) -> ChatCompletionResponse:
+        """The non-streamed answer."""
+        choices = [ChatChoice(
+            index=c.index, message=ChatMessageOut(content="".join(c.texts)), finish_reason=c.finish_reason,
+            logprobs=ChatLogprobs(content=self._entries(c.logprobs)) if self.p.logprobs is not None else None)
+            for c in acc.choices]
+        return ChatCompletionResponse(id=self.p.request_id, created=self.created, model=self.p.model,
+                                      choices=choices, usage=acc.usage())
+
+
+class CompletionFormatter(_Formatter):
+    """Chunks and answers of /v1/completions (with `echo` and legacy logprobs)."""
+
+    def _legacy(self, logprobs: CompletionLogprobs, state: ChoiceState, token_id: int,
+                logprob: Optional[float], top: Optional[dict[str, float]]) -> None:
+        text = self.tok.token_text(token_id)
+        logprobs.tokens.append(text)
+        logprobs.token_logprobs.append(logprob)
+        logprobs.top_logprobs.append(top)
+        logprobs.text_offset.append(state.text_offset)
+        state.text_offset += len(text)
+
+    def _add_entries(self, logprobs: CompletionLogprobs, state: ChoiceState,
+                     entries: Sequence[TokenLogprob]) -> None:
+        for e in entries:
+            top = {self.tok.token_text(t): clamp_logprob(lp) for t, lp in self._top(e)}
+            top.setdefault(self.tok.token_text(e.token_id), clamp_logprob(e.logprob))
+            self._legacy(logprobs, state, e.token_id, clamp_logprob(e.logprob), top)
+
+    def _add_prompt(self, logprobs: CompletionLogprobs, state: ChoiceState) -> None:
+        ids = self.p.prompt_token_ids
+        self._legacy(logprobs, state, ids[0], None, None)
+        given = list(state.prompt_logprobs or ())
+        for pos, token_id in enumerate(ids[1:]):
+            if pos < len(given):
+                self._add_entries(logprobs, state, [given[pos]])
+            else:  # the engine sent fewer prompt logprobs than prompt tokens
+                self._legacy(logprobs, state, token_id, None, None)
+
+    def _choice_parts(self, state: ChoiceState, text: str, entries: Sequence[TokenLogprob],
+                      first: bool) -> tuple[str, Optional[CompletionLogprobs]]:
+        logprobs = CompletionLogprobs() if self.p.logprobs is not None else None
+        if first and self.p.echo:
+            text = self.p.prompt_text + text
+            if logprobs is not None:
+                self._add_prompt(logprobs, state)
+        if logprobs is not None:
+            self._add_entries(logprobs, state, entries)
+        return text, logprobs
+
+    def first_chunks(self) -> list[str]:
+        """Completions send nothing before the first delta (the echo rides on it)."""
+        return []
+
+    def delta_chunk(self, state: ChoiceState, out: RequestOutput) -> Optional[str]:
+        """The chunk for one delta (None when it carries nothing)."""
+        first = not state.started
+        state.started = True
+        if not (out.token_ids or out.text or out.finished or (first and self.p.echo)):
+            return None
+        text, logprobs = self._choice_parts(state, out.text, out.logprobs or (), first)
+        choice = CompletionChoice(index=state.index, text=text, logprobs=logprobs,
+                                  finish_reason=state.finish_reason if out.finished else None)
+        return CompletionResponse(id=self.p.request_id, created=self.created, model=self.p.model,
+                                  choices=[choice]).model_dump_json()
+
+    def usage_chunk(self, usage: Usage) -> str:
+        """The final `choices: []` chunk of `stream_options.include_usage`."""
+        return CompletionResponse(id=self.p.request_id, created=self.created, model=self.p.model,
+                                  choices=[], usage=usage).model_dump_json()
+
+    def response(self, acc: Accumulator) -> CompletionResponse:
+        """The non-streamed answer."""
+        choices = []
+        for c in acc.choices:
+            c.text_offset = 0
+            text, logprobs = self._choice_parts(c, "".join(c.texts), c.logprobs, True)
+            choices.append(CompletionChoice(index=c.index, text=text, logprobs=logprobs,
+                                            finish_reason=c.finish_reason))
+        return CompletionResponse(id=self.p.request_id, created=self.created, model=self.p.model,
+                                  choices=choices, usage=acc.usage())

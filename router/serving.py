@@ -1,0 +1,144 @@
+"""Serving one prepared request: run its choices on the engine, answer whole or as an SSE stream.
+
+Failure rules (what the client sees):
+
+    EngineError before any output       503 (+ Retry-After when `retry_after` is set)
+    ValueError from engine.generate()    400 (the engine's own check of the request)
+    a choice finished "error"/"abort"   500 / 503 before the stream started, else an SSE error event
+    nothing from the engine for          504 before the stream started, else an SSE error event
+      `stall_timeout_s`
+    any other engine failure             500 (`engine_error`) or an SSE error event
+    client disconnect                    every unfinished choice is aborted; nothing more is sent
+
+A stream always ends with `data: [DONE]` unless the client is gone. A streamed answer starts (status
+200 and headers) when the first delta arrives, so an engine that refuses the request still gets a
+proper status code; until then a side task watches for a disconnect, as for non-streamed answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import AsyncIterator, Optional, Union
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from cluster.engine_client import EngineClient, EngineError
+from cluster.request import FinishReason, RequestOutput
+from router.errors import CLIENT_CLOSED, APIError, engine_unavailable
+from router.metrics import RouterMetrics
+from router.params import PreparedRequest
+from router.responses import Accumulator, ChatFormatter, CompletionFormatter, finish_error
+from router.streams import (SSE_DONE, ChoiceStreams, ClientDisconnected, EngineStreamEnded, SSEResponse,
+                            StallTimeout, sse_event, watch_disconnect)
+
+logger = logging.getLogger(__name__)
+
+Formatter = Union[ChatFormatter, CompletionFormatter]
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """The HTTP error for an exception raised while running a request's choices."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineError):
+        return engine_unavailable(f"the engine cannot take this request now: {exc}", exc.retry_after)
+    if isinstance(exc, StallTimeout):
+        return APIError(504, f"{exc}; the request was aborted", code="timeout")
+    if isinstance(exc, ClientDisconnected):
+        return APIError(CLIENT_CLOSED, "the client disconnected", code="client_disconnected")
+    if isinstance(exc, ValueError):  # the engine's own request check (e.g. LocalEngineClient.check_request)
+        return APIError(400, f"the engine rejected this request: {exc}")
+    if isinstance(exc, EngineStreamEnded):
+        return APIError(500, str(exc), code="engine_error")
+    logger.error("the engine failed a request", exc_info=exc)
+    return APIError(500, f"the engine failed this request: {type(exc).__name__}: {exc}", code="engine_error")
+
+
+def _synthetic_outputs(prepared: PreparedRequest) -> Optional[list[RequestOutput]]:
+    """Finished outputs for max_tokens 0 (no engine call), unless echo needs the prompt's logprobs."""
+    if prepared.max_tokens != 0 or (prepared.echo and prepared.logprobs is not None):
+        return None
+    return [RequestOutput(request_id=r.request_id, finish_reason=FinishReason.LENGTH,
+                          num_prompt_tokens=len(prepared.prompt_token_ids)) for r in prepared.requests]
+
+
+async def serve_prepared(http_request: Request, prepared: PreparedRequest, formatter: Formatter, *,
+                         engine: EngineClient, metrics: Optional[RouterMetrics], stall_timeout_s: float,
+                         arrival: float) -> Response:
+    """Run `prepared` on the engine and answer it (JSON, or SSE when `prepared.stream`)."""
+    streams = ChoiceStreams(engine, prepared.requests, stall_timeout_s=stall_timeout_s, metrics=metrics,
+                            arrival=arrival, synthetic=_synthetic_outputs(prepared))
+    acc = Accumulator(prepared)
+    if metrics is not None:
+        metrics.prompt_tokens.inc(len(prepared.prompt_token_ids))
+    streams.start()
+    try:
+        async with watch_disconnect(http_request, streams):
+            first = await streams.next()
+            if not prepared.stream:
+                await _collect(first, streams, acc)
+        error = finish_error(first[1])
+        if error is not None:
+            raise error
+    except asyncio.CancelledError:
+        await streams.aclose()
+        raise
+    except Exception as exc:
+        await streams.aclose()
+        raise to_api_error(exc) from exc
+    if not prepared.stream:
+        await streams.aclose()
+        _count_cached(metrics, acc)
+        return Response(formatter.response(acc).model_dump_json(), media_type="application/json")
+    return SSEResponse(_events(first, streams, acc, formatter, metrics), on_close=streams.aclose)
+
+
+async def _collect(first: tuple[int, RequestOutput], streams: ChoiceStreams, acc: Accumulator) -> None:
+    index, out = first
+    while True:
+        acc.add(index, out)
+        error = finish_error(out)
+        if error is not None:
+            raise error
+        if streams.done:
+            return
+        index, out = await streams.next()
+
+
+async def _events(first: tuple[int, RequestOutput], streams: ChoiceStreams, acc: Accumulator,
+                  formatter: Formatter, metrics: Optional[RouterMetrics]) -> AsyncIterator[str]:
+    """The SSE body: first chunks, one chunk per delta, the usage chunk, then [DONE]."""
+    try:
+        for chunk in formatter.first_chunks():
+            yield sse_event(chunk)
+        index, out = first
+        while True:
+            state = acc.add(index, out)
+            error = finish_error(out)
+            if error is not None:
+                yield sse_event(json.dumps(error.body()))
+                break
+            chunk = formatter.delta_chunk(state, out)
+            if chunk is not None:
+                yield sse_event(chunk)
+            if streams.done:
+                if acc.prepared.include_usage:
+                    yield sse_event(formatter.usage_chunk(acc.usage()))
+                _count_cached(metrics, acc)
+                break
+            index, out = await streams.next()
+    except ClientDisconnected:
+        return
+    except Exception as exc:
+        yield sse_event(json.dumps(to_api_error(exc).body()))
+    finally:
+        await streams.aclose()
+    yield SSE_DONE
+
+
+def _count_cached(metrics: Optional[RouterMetrics], acc: Accumulator) -> None:
+    if metrics is not None:
+        metrics.prefix_cache_hit_tokens.inc(sum(c.num_cached_tokens for c in acc.choices))
