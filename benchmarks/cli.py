@@ -1,0 +1,164 @@
+"""`mlx-pd bench`: load-test an OpenAI endpoint, or compare mlx-pd with mlx_lm.server side by side.
+
+    mlx-pd bench --url http://127.0.0.1:8000 --concurrency 4 --num-requests 32 --max-tokens 64
+    mlx-pd bench --url http://127.0.0.1:8000 --rate 0.5 --num-requests 32          # Poisson arrivals
+    mlx-pd bench --compare --concurrency 1,4,8 --num-requests 16,32,48 --max-tokens 64 --out results.json
+
+Every run warms up first (not measured), sends unique prompts (unless --shared-prefix), and reports
+p50/p90/p99. See docs/BENCHMARKS.md for the rules and the latest numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shlex
+import signal
+import sys
+from typing import Optional, Sequence
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,4,8, got {text!r}")
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def _token_ids(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids like 0,2, got {text!r}")
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"token ids are >= 0, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `mlx-pd bench`."""
+    p = argparse.ArgumentParser(prog="mlx-pd bench", epilog=__doc__.split("\n\n", 1)[1],
+                                description="Load-test an OpenAI endpoint, or compare mlx-pd with "
+                                            "mlx_lm.server side by side.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--url", help="an OpenAI endpoint: server root, /v1 base or full /v1/chat/completions")
+    target.add_argument("--compare", action="store_true",
+                        help="start mlx-pd and mlx_lm.server on the same model and compare them")
+    p.add_argument("--concurrency", type=_int_list, default=None,
+                   help="requests in flight (closed loop); a list like 1,4,8 runs one level each "
+                        "(default 1; with --rate, a cap on requests in flight)")
+    p.add_argument("--rate", type=float, default=None, help="Poisson arrivals at this many requests/s (open loop)")
+    p.add_argument("--num-requests", type=_int_list, default=[32],
+                   help="measured requests per level (per server with --compare); one count, or one per level")
+    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (ignore_eos is sent)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up requests (default: max(2, concurrency))")
+    p.add_argument("--model", default=None, help="`model` field to send (default: left out; --url only)")
+    p.add_argument("--api-key", default=None, help="bearer key for --url")
+    p.add_argument("--model-dir", default=None,
+                   help="mlx-lm model folder both servers load with --compare (default: the imported SmolLM2)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="--compare: our server's dtype and the default model folder's (default float32)")
+    p.add_argument("--rounds", type=int, default=4, help="--compare: alternating rounds per level (at most)")
+    p.add_argument("--shared-prefix", action="store_true",
+                   help="do not make prompts unique (measures the prefix cache)")
+    p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos: true")
+    p.add_argument("--suppress-tokens", type=_token_ids, default=(),
+                   help="--url: token ids to send with logit_bias -100 (e.g. the EOS ids, for servers without "
+                        "ignore_eos)")
+    p.add_argument("--no-eos-bias", action="store_true",
+                   help="--compare: do not suppress the model's EOS ids with logit_bias (mlx_lm.server has no "
+                        "ignore_eos, so its answers may then be shorter)")
+    p.add_argument("--seed", type=int, default=0, help="seed of prompt order, prefixes and arrivals")
+    p.add_argument("--out", default=None, help="write the full results (per-request records too) as JSON")
+    p.add_argument("--markdown", default=None, help="--compare: also write the tables as Markdown here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def _levels(args: argparse.Namespace) -> list[Optional[int]]:
+    if args.concurrency:
+        return list(args.concurrency)
+    return [None] if args.rate else [1]
+
+
+def _run_url(args: argparse.Namespace) -> int:
+    from benchmarks.loadgen import WorkloadConfig, run_benchmark
+    from benchmarks.report import print_single, write_json
+
+    cfg = WorkloadConfig(url=args.url, model=args.model, max_tokens=args.max_tokens, api_key=args.api_key,
+                         ignore_eos=not args.no_ignore_eos, suppress_token_ids=args.suppress_tokens)
+    levels = _levels(args)
+    counts = args.num_requests * len(levels) if len(args.num_requests) == 1 else args.num_requests
+    if len(counts) != len(levels):
+        print("mlx-pd bench: error: give one --num-requests or one per concurrency level", file=sys.stderr)
+        return 2
+    results = []
+    for c, n in zip(levels, counts):
+        result = asyncio.run(run_benchmark(cfg, num_requests=n, concurrency=c, rate=args.rate,
+                                           warmup_requests=args.warmup, seed=args.seed,
+                                           shared_prefix=args.shared_prefix, progress=not args.no_progress))
+        print_single(result)
+        results.append(result)
+    write_json(results[0] if len(results) == 1 else {"runs": results}, args.out)
+    return 1 if any(r["summary"]["errors"] for r in results) else 0
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from benchmarks.compare import run_compare
+    from benchmarks.report import markdown_compare, print_compare, write_json
+
+    if args.rate is not None:
+        print("mlx-pd bench: error: --compare runs fixed concurrency levels; drop --rate", file=sys.stderr)
+        return 2
+    levels = args.concurrency or [1, 4, 8]
+    result = run_compare(levels, args.num_requests, max_tokens=args.max_tokens, model_dir=args.model_dir,
+                         dtype=args.dtype, rounds=args.rounds, seed=args.seed, progress=not args.no_progress,
+                         suppress_eos=not args.no_eos_bias,
+                         log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    result["command"] = "mlx-pd bench " + shlex.join(args.argv)
+    print_compare(result)
+    write_json(result, args.out)
+    if args.markdown:
+        Path(args.markdown).write_text(markdown_compare(result), encoding="utf-8")
+    errors = sum(s["errors"] for level in result["levels"] for s in level["servers"].values())
+    return 1 if errors else 0
+
+
+def _sigterm_as_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: Sequence[str]) -> int:
+    """Run `mlx-pd bench` with `argv` (the arguments after `bench`); returns the exit code.
+
+    1 when any measured request failed, 2 for bad arguments or a failed setup, 130 on Ctrl-C.
+    """
+    args = build_parser().parse_args(list(argv))
+    args.argv = list(argv)
+    if args.max_tokens < 1:
+        print("mlx-pd bench: error: --max-tokens must be >= 1", file=sys.stderr)
+        return 2
+    if args.rate is not None and args.rate <= 0:
+        print("mlx-pd bench: error: --rate must be > 0", file=sys.stderr)
+        return 2
+    previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)  # stop servers on SIGTERM too
+    try:
+        return _run_compare(args) if args.compare else _run_url(args)
+    except KeyboardInterrupt:
+        print("mlx-pd bench: interrupted", file=sys.stderr)
+        return 130
+    except (RuntimeError, ValueError, FileNotFoundError) as exc:
+        print(f"mlx-pd bench: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

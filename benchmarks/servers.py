@@ -1,0 +1,168 @@
+"""Starting, health-checking, measuring and stopping the servers a comparison runs against.
+
+    with ServerProcess("mlx-pd", mlx_pd_command(port, model_dir), port) as srv:
+        srv.wait_healthy(deadline_s=300)
+        ... load ...
+        srv.memory()   # {"rss_mib": ..., "peak_rss_mib": ...}
+
+Each server runs in its own session (process group), with OpenBLAS preloaded on Linux
+(:func:`cluster.platform.preload_env`), its output going to a log file. Leaving the ``with`` block,
+normally, on an error or on Ctrl-C, sends SIGTERM to the group, then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import httpx
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mlx_pd_command(port: int, model_dir: str, dtype: str = "float32") -> list[str]:
+    """argv for our server (single-node mode) on `port`."""
+    return [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--model", str(model_dir),
+            "--dtype", dtype, "--log-level", "warning"]
+
+
+def mlx_lm_command(port: int, model_dir: str) -> list[str]:
+    """argv for mlx-lm's own server (``python -m mlx_lm server``) on `port`."""
+    return [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir), "--port", str(port),
+            "--log-level", "WARNING"]
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return out
+
+
+def _proc_status_kib(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def process_memory(pid: int) -> dict:
+    """Resident memory of `pid` and its descendants in MiB: ``{rss_mib, peak_rss_mib, processes, source}``.
+
+    Uses psutil when installed (peak RSS is then unknown off Linux), else ``/proc/PID/status``
+    (VmRSS, VmHWM). The peak is summed over processes, an upper bound of the tree's true peak.
+    """
+    try:
+        import psutil
+    except ImportError:
+        psutil = None
+    if psutil is not None:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+        rss = sum(p.memory_info().rss for p in procs) / 2**20
+        peak = None
+        if Path(f"/proc/{pid}/status").exists():
+            peak = sum(_proc_status_kib(p.pid, "VmHWM") for p in procs) / 1024
+        return {"rss_mib": rss, "peak_rss_mib": peak, "processes": len(procs), "source": "psutil"}
+    pids, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        pids.append(p)
+        todo += _children(p)
+    rss = sum(_proc_status_kib(p, "VmRSS") for p in pids) / 1024
+    peak = sum(_proc_status_kib(p, "VmHWM") for p in pids) / 1024
+    return {"rss_mib": rss, "peak_rss_mib": peak, "processes": len(pids), "source": "/proc/PID/status"}
+
+
+class ServerProcess:
+    """One server subprocess: start, wait until `/health` answers 200, measure memory, stop."""
+
+    def __init__(self, name: str, argv: Sequence[str], port: int, *, env: Optional[dict] = None,
+                 log_dir: Optional[str] = None, cwd: Optional[str] = None):
+        self.name, self.argv, self.port = name, list(argv), port
+        self.env, self.cwd = env, cwd
+        self.log_path = Path(log_dir or tempfile.gettempdir()) / f"bench-{name}-{port}.log"
+        self.proc: Optional[subprocess.Popen] = None
+
+    @property
+    def url(self) -> str:
+        """The server's root URL."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "ServerProcess":
+        """Start the process (its own session, OpenBLAS preloaded, output to `log_path`)."""
+        from cluster.platform import preload_env
+
+        env = {**os.environ, **(self.env or {})}
+        env.update(preload_env(env))
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
+                                         start_new_session=True)
+        return self
+
+    def log_tail(self, n: int = 20) -> str:
+        """The last `n` lines of the server's output."""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def wait_healthy(self, deadline_s: float = 300.0, interval_s: float = 0.5) -> float:
+        """Poll ``GET /health`` until 200; return seconds waited. Raises RuntimeError if the process
+        exits or the deadline passes (with the tail of its log)."""
+        assert self.proc is not None, "start() first"
+        t0 = time.monotonic()
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} before it was healthy:\n"
+                                   f"{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5.0).status_code == 200:
+                    return time.monotonic() - t0
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - t0 > deadline_s:
+                raise RuntimeError(f"{self.name} was not healthy after {deadline_s:.0f} s (log {self.log_path}):\n"
+                                   f"{self.log_tail()}")
+            time.sleep(interval_s)
+
+    def memory(self) -> dict:
+        """Resident memory of the server's process tree (see :func:`process_memory`)."""
+        assert self.proc is not None, "start() first"
+        return process_memory(self.proc.pid)
+
+    def stop(self, grace_s: float = 15.0) -> Optional[int]:
+        """SIGTERM the server's process group, SIGKILL after `grace_s`; return the exit code."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                return self.proc.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                continue
+        return self.proc.poll()
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
