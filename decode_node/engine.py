@@ -114,12 +114,16 @@ class EngineCore:
         items, sample_rows = [], []
         for i, (seq, n) in enumerate(batch.items):
             start = seq.num_computed_tokens
-            want_plp = seq.request.sampling.prompt_logprobs is not None and start < seq.num_prompt_tokens
-            items.append(BatchItem(seq.block_table, start, seq.token_ids[start:start + n], want_plp))
-            if start + n == len(seq.token_ids):
+            samples = start + n == len(seq.token_ids)
+            if seq.request.sampling.prompt_logprobs is not None and start < seq.num_prompt_tokens:
+                want = "all"
+            else:
+                want = "last" if samples else "none"
+            items.append(BatchItem(seq.block_table, start, seq.token_ids[start:start + n], want))
+            if samples:
                 sample_rows.append(i)
         logits = self.runner.forward(items)
-        last = [lg[-1] if it.want_all_logits else lg for lg, it in zip(logits, items)]
+        last = [lg[-1] if it.logits == "all" else lg for lg, it in zip(logits, items)]
         sampled: dict[int, tuple] = {}
         if sample_rows:
             seqs = [batch.items[i][0] for i in sample_rows]
@@ -129,11 +133,9 @@ class EngineCore:
             for row, seq, key, tok, lp in zip(sample_rows, seqs, keys, tokens, lps):
                 seq.rng_key = key
                 sampled[row] = (tok, lp)
-        else:
-            mx.eval(logits)
         outputs = []
         for i, ((seq, n), item) in enumerate(zip(batch.items, items)):
-            if item.want_all_logits:
+            if item.logits == "all":
                 self._collect_prompt_logprobs(seq, item, logits[i])
             seq.num_computed_tokens += n
             self.scheduler.cache_computed_blocks(seq)
