@@ -28,6 +28,11 @@ class EngineConfig:
     - `kv_bits` / `kv_group_size`: quantized KV (mlx-lm's names); None = unquantized.
     - `enable_prefix_caching`: reuse cached full blocks across requests.
     - `max_waiting`: requests queued before new ones get 503 with Retry-After.
+    - `decode_mirror_gb`: GiB for contiguous copies of the decode batch's contexts kept between decode
+      steps (`cluster.decode_mirror`); 0 disables it (every step gathers from the pool). Not part of
+      `kv_cache_gb`: the two add up to the KV memory.
+    - `queue_timeout_s`: a request still waiting for its first admission after this many seconds (the KV
+      pool stayed full) is aborted with a message; the router answers 503 with Retry-After.
     """
 
     block_size: int = 32
@@ -41,6 +46,8 @@ class EngineConfig:
     kv_group_size: int = 64
     enable_prefix_caching: bool = True
     max_waiting: int = 256
+    queue_timeout_s: float = 120.0
+    decode_mirror_gb: float = 0.25
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> ValueError:
@@ -64,5 +71,9 @@ class EngineConfig:
             raise bad("kv_bits", "must be 4, 8 or unset")
         if self.kv_group_size not in (32, 64, 128):
             raise bad("kv_group_size", "must be 32, 64 or 128 (the group sizes mx.quantize accepts)")
+        if not self.decode_mirror_gb >= 0:
+            raise bad("decode_mirror_gb", "must be >= 0 (0 disables the decode mirror)")
+        if not self.queue_timeout_s > 0:
+            raise bad("queue_timeout_s", "must be > 0 seconds")
         if self.max_waiting < 1:
             raise bad("max_waiting", "must be >= 1")

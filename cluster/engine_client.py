@@ -53,7 +53,11 @@ class EngineClient(Protocol):
     max_model_len: int
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        """Submit `request` and iterate its output deltas. Raises `EngineError` if it cannot be accepted."""
+        """Submit `request` and iterate its output deltas.
+
+        Raises `EngineError` when the engine cannot take it now (dead, overloaded) and `ValueError` when
+        the request can never run on this engine (prompt too long for the context or the KV pool, token
+        ids outside the vocabulary); the message says what to change (the router answers 400)."""
         ...
 
     async def abort(self, request_id: str) -> None:

@@ -25,6 +25,7 @@ from typing import Optional, Sequence, Union
 import mlx.core as mx
 import numpy as np
 
+from cluster.decode_mirror import DecodeMirror, MirrorStep
 from cluster.model import ModelSpec
 
 
@@ -46,7 +47,7 @@ class KVStore:
     """Per-layer K/V arrays indexed by slot (see the module docstring for the layout)."""
 
     def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: str = "float32",
-                 kv_bits: Optional[int] = None, kv_group_size: int = 64):
+                 kv_bits: Optional[int] = None, kv_group_size: int = 64, mirror_budget_bytes: int = 0):
         if kv_bits is not None and spec.head_dim % kv_group_size:
             raise ValueError(f"kv_group_size={kv_group_size} does not divide head_dim={spec.head_dim}")
         self.spec, self.num_blocks, self.block_size = spec, num_blocks, block_size
@@ -63,6 +64,8 @@ class KVStore:
         self.keys = [make() for _ in range(spec.num_layers)]
         self.values = [make() for _ in range(spec.num_layers)]
         mx.eval(self.keys, self.values)
+        per_token = kv_bytes_per_block(spec, 1, dtype, kv_bits, kv_group_size)
+        self.mirror = DecodeMirror(per_token, mirror_budget_bytes) if mirror_budget_bytes > 0 else None
 
     @property
     def nbytes(self) -> int:
@@ -84,12 +87,25 @@ class BatchLayout:
     gather_slots: int32 [B, L], each sequence's context slots, padded with slot 0.
     offset: the position of the first new token: an int when B == 1, else int32 [B] (rope accepts both).
     mask: None (B == 1, T == 1), "causal" (B == 1), or bool [B, 1, T, L].
+    mirror: set for decode steps served from the DecodeMirror (then gather_slots is None).
     """
 
     write_slots: mx.array
-    gather_slots: mx.array
+    gather_slots: Optional[mx.array]
     offset: Union[int, mx.array]
     mask: Union[None, str, mx.array]
+    mirror: Optional[MirrorStep] = None
+
+    @classmethod
+    def build_decode(cls, store: "KVStore", rows: Sequence[str], block_tables: Sequence[Sequence[int]],
+                     starts: Sequence[int]) -> "BatchLayout":
+        """Layout for a decode step (one new token per row): from the mirror when it fits, else gathered."""
+        bs = store.block_size
+        step = store.mirror.plan(rows, block_tables, starts, bs) if store.mirror is not None else None
+        if step is None:
+            return cls.build(block_tables, starts, [1] * len(starts), bs)
+        write = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, starts)]
+        return cls(mx.array(write, dtype=mx.int32), None, step.offset, step.mask, step)
 
     @classmethod
     def build(cls, block_tables: Sequence[Sequence[int]], starts: Sequence[int], num_new: Sequence[int],
@@ -127,22 +143,30 @@ class LayerCacheView:
         self.store, self.layer, self.batch = store, layer, batch
         self.offset = batch.offset
 
-    def _write_and_gather(self, arrays: list, new):
-        """Scatter `new` [N, H, *] into `arrays[layer]`, return the gathered [B, H, L, *]."""
-        arrays[self.layer] = _scatter(arrays[self.layer], self.batch.write_slots, new)
-        return _gather(arrays[self.layer], self.batch.gather_slots)
+    def _update(self, arrays: list, part: Optional[int], new: mx.array, name: tuple) -> mx.array:
+        """Scatter `new` [N, H, d] into the pool array (`arrays[layer]`, or its `part` when quantized) and
+        return the step's contexts [B, H, L, d] (from the mirror on decode steps that use it)."""
+        if part is None:
+            arrays[self.layer] = pool = _scatter(arrays[self.layer], self.batch.write_slots, new)
+        else:
+            parts = list(arrays[self.layer])
+            parts[part] = pool = _scatter(parts[part], self.batch.write_slots, new)
+            arrays[self.layer] = tuple(parts)
+        if self.batch.mirror is not None:
+            return self.store.mirror.fetch(name, pool, new, self.batch.mirror, _gather)
+        return _gather(pool, self.batch.gather_slots)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """keys/values [B, kv_heads, T, head_dim] -> the full contexts [B, kv_heads, L, head_dim]."""
-        return (self._write_and_gather(self.store.keys, _flatten_new(keys)),
-                self._write_and_gather(self.store.values, _flatten_new(values)))
+        return (self._update(self.store.keys, None, _flatten_new(keys), ("k", self.layer)),
+                self._update(self.store.values, None, _flatten_new(values), ("v", self.layer)))
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         """The step's attention mask (see BatchLayout); sliding windows are not supported."""
         if window_size is not None:
             raise NotImplementedError("sliding-window attention is not supported by the paged KV cache")
         mask = self.batch.mask
-        if return_array and isinstance(mask, str):
+        if return_array and isinstance(mask, str):  # only B == 1 prefill uses "causal", never the mirror
             L = self.batch.gather_slots.shape[1]
             mask = (mx.arange(L - N, L)[:, None] >= mx.arange(L)[None])
         return mask
@@ -157,17 +181,11 @@ class QuantizedLayerCacheView(LayerCacheView):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """keys/values [B, kv_heads, T, head_dim] -> (packed, scales, biases) tuples over the contexts."""
-        q = lambda x: mx.quantize(_flatten_new(x), group_size=self.group_size, bits=self.bits)  # noqa: E731
-        return tuple(
-            tuple(self._write_part(arrays, i, part) for i, part in enumerate(q(new)))
-            for arrays, new in ((self.store.keys, keys), (self.store.values, values))
-        )
-
-    def _write_part(self, arrays: list, i: int, part: mx.array) -> mx.array:
-        parts = list(arrays[self.layer])
-        parts[i] = _scatter(parts[i], self.batch.write_slots, part)
-        arrays[self.layer] = tuple(parts)
-        return _gather(parts[i], self.batch.gather_slots)
+        out = []
+        for arrays, new, kind in ((self.store.keys, keys, "k"), (self.store.values, values, "v")):
+            parts = mx.quantize(_flatten_new(new), group_size=self.group_size, bits=self.bits)
+            out.append(tuple(self._update(arrays, i, p, (kind, self.layer, i)) for i, p in enumerate(parts)))
+        return tuple(out)
 
 
 def _flatten_new(x: mx.array) -> mx.array:

@@ -30,6 +30,7 @@ class BatchItem:
     start: int
     token_ids: Sequence[int]
     logits: str = "last"
+    seq_key: Optional[str] = None  # identifies the sequence across decode steps (for the decode mirror)
 
 
 def split_head(model) -> Optional[tuple[Callable, Callable]]:
@@ -61,8 +62,11 @@ class ModelRunner:
         num_new = [len(it.token_ids) for it in items]
         T = max(num_new)
         tokens = mx.array([list(it.token_ids) + [0] * (T - len(it.token_ids)) for it in items], dtype=mx.int32)
-        layout = BatchLayout.build([it.block_table for it in items], [it.start for it in items], num_new,
-                                   self.store.block_size)
+        tables, starts = [it.block_table for it in items], [it.start for it in items]
+        if T == 1 and all(it.seq_key is not None for it in items):
+            layout = BatchLayout.build_decode(self.store, [it.seq_key for it in items], tables, starts)
+        else:
+            layout = BatchLayout.build(tables, starts, num_new, self.store.block_size)
         views = self.store.views(layout)
         if self._split is None:
             hidden, head = self.model(tokens, cache=views), (lambda x: x)

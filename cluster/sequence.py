@@ -1,9 +1,9 @@
 """Worker-local state of one request: token ids, counters, blocks and output text.
 
-Counters, not phases (nano-vllm): a sequence is "prefilling" while `num_computed_tokens < len(token_ids)
-- 1`... more precisely, the engine computes KV for `token_ids[num_computed_tokens:]` chunk by chunk;
-when everything but the last token is computed, feeding the last token yields the logits of the next one.
-After a preemption `num_computed_tokens` returns to 0 and the same counters recompute prompt and output.
+Counters, not phases (nano-vllm): the engine computes KV for `token_ids[num_computed_tokens:]`, chunk by
+chunk; the step that feeds the last token yields the logits of the next one, which is sampled and
+appended. A sequence is "prefilling" while more than one token remains uncomputed. After a preemption
+`num_computed_tokens` returns to 0 and the same counters recompute prompt and output.
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ class EngineCore:
         if num_blocks < 2:
             raise ValueError(f"kv_cache_gb={config.kv_cache_gb} holds no block of {per_block} bytes")
         self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
-        self.store = KVStore(spec, num_blocks, config.block_size, config.dtype, config.kv_bits, config.kv_group_size)
+        self.store = KVStore(spec, num_blocks, config.block_size, config.dtype, config.kv_bits, config.kv_group_size,
+                             mirror_budget_bytes=int(config.decode_mirror_gb * 2**30))
         self.runner = ModelRunner(model, self.store)
         self.kv_format = f"{config.dtype}/kv{config.kv_bits or 'full'}/g{config.kv_group_size}/b{config.block_size}"
         self.scheduler = Scheduler(config, self.pool, self._extra_key)
@@ -101,13 +102,16 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns the output deltas it produced."""
+        expired = [self._expire(seq) for seq in self.scheduler.expired(time.monotonic() - self.config.queue_timeout_s)]
         batch = self.scheduler.schedule()
         if batch is None:
-            return []
+            return expired
         try:
-            return self._run(batch)
+            return expired + self._run(batch)
         except Exception as exc:  # a bad step fails its requests, never the engine
             logger.exception("engine step failed")
+            if self.store.mirror is not None:
+                self.store.mirror.reset()
             return [self._fail(seq, f"engine step failed: {exc}") for seq, _ in batch.items]
 
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
@@ -119,7 +123,8 @@ class EngineCore:
                 want = "all"
             else:
                 want = "last" if samples else "none"
-            items.append(BatchItem(seq.block_table, start, seq.token_ids[start:start + n], want))
+            items.append(BatchItem(seq.block_table, start, seq.token_ids[start:start + n], want,
+                                   seq_key=None if batch.is_prefill else seq.request_id))
             if samples:
                 sample_rows.append(i)
         logits = self.runner.forward(items)
@@ -186,6 +191,12 @@ class EngineCore:
         plp = tuple(seq.prompt_logprobs) if seq.request.sampling.prompt_logprobs is not None else None
         return self._output(seq, (), "", () if seq.request.sampling.logprobs is not None else None,
                             reason, plp, error)
+
+    def _expire(self, seq: Sequence) -> RequestOutput:
+        self.sequences.pop(seq.request_id, None)
+        self.scheduler.finish(seq)
+        return self._final(seq, FinishReason.ABORT, f"it waited {self.config.queue_timeout_s:g} s for KV blocks "
+                                                     "(the server is at capacity); retry later")
 
     def _fail(self, seq: Sequence, message: str) -> RequestOutput:
         self.sequences.pop(seq.request_id, None)

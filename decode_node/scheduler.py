@@ -49,6 +49,10 @@ class Scheduler:
         """Queue a new sequence."""
         self.waiting.append(seq)
 
+    def expired(self, arrived_before: float) -> list[Sequence]:
+        """Waiting sequences never admitted yet that arrived before `arrived_before` (time.monotonic())."""
+        return [s for s in self.waiting if s.arrival < arrived_before and s.num_output_tokens == 0]
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from cluster.request import FinishReason, RequestOutput, TokenLogprob
-from router.errors import APIError
+from router.errors import APIError, engine_unavailable
 from router.openai_schema import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
                                   ChatLogprobs, ChatMessageOut, CompletionChoice, CompletionLogprobs,
                                   CompletionResponse, DeltaMessage, PromptTokensDetails, TokenLogprobOut,
@@ -38,13 +38,17 @@ def clamp_logprob(value: float) -> float:
     return max(value, -9999.0) if math.isfinite(value) else -9999.0
 
 
+ABORT_RETRY_AFTER_S = 5.0  # seconds a client should wait after an overload abort
+
+
 def finish_error(out: RequestOutput) -> Optional[APIError]:
     """The error to report for a choice the engine ended with `error` or `abort`, else None."""
     if out.finish_reason == FinishReason.ERROR:
         return APIError(500, f"the engine failed this request: {out.error or 'unknown error'}",
                         code="engine_error")
-    if out.finish_reason == FinishReason.ABORT:
-        return APIError(503, "the engine aborted this request", code="engine_aborted")
+    if out.finish_reason == FinishReason.ABORT:  # e.g. it waited too long for KV blocks: overload
+        message = f"the engine aborted this request: {out.error}" if out.error else "the engine aborted this request"
+        return engine_unavailable(message, ABORT_RETRY_AFTER_S)
     return None
 
 

@@ -119,3 +119,19 @@ def test_abort_frees_blocks():
     out = engine.abort("a")
     assert out.finish_reason is FinishReason.ABORT
     assert engine.pool.num_free_blocks == free and not engine.has_work()
+
+
+def test_request_waiting_too_long_for_blocks_is_aborted_with_a_message():
+    import time
+
+    engine = make_engine(block_size=8, num_blocks=5, queue_timeout_s=0.3)  # 4 usable blocks
+    engine.add_request(greedy("a", [5] * 20, 12, ignore_eos=True))  # holds 3 blocks, then 4
+    engine.step()
+    engine.add_request(greedy("b", [6] * 20, 4))  # needs 3 blocks: must wait
+    assert [o.request_id for o in engine.step()] == ["a"]
+    time.sleep(0.4)
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["b"].finish_reason is FinishReason.ABORT and "retry later" in outs["b"].error
+    while engine.has_work():
+        engine.step()
+    assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks

@@ -72,3 +72,34 @@ def test_bytes_per_block_and_group_size_validation():
     assert q4 < full / 3
     with pytest.raises(ValueError, match="does not divide head_dim"):
         KVStore(ModelSpec("t", "r", 1, 2, 1, 48, 10, 64, ()), 4, 4, kv_bits=8, kv_group_size=32)
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_decode_mirror_matches_contiguous_cache_across_batch_changes(kv_bits):
+    model, spec = tiny_model()
+    store = KVStore(spec, num_blocks=32, block_size=4, kv_bits=kv_bits, kv_group_size=32,
+                    mirror_budget_bytes=1 << 24)
+    runner = ModelRunner(model, store)
+    tol = 1e-4 if kv_bits is None else 5e-2
+    seqs = {"a": ([9, 3, 5, 7], list(range(3, 10))), "b": ([1, 12, 14], list(range(20, 23))),
+            "c": ([2, 4, 6, 8], list(range(40, 45)))}
+    for table, toks in seqs.values():
+        runner.forward([BatchItem(table, 0, toks, "none")])
+    plan = [("a", "b"), ("a", "b"), ("a", "b", "c"), ("a", "c"), ("a", "c")]  # joins and leaves
+    for step, rows in enumerate(plan):
+        items = [BatchItem(seqs[r][0], len(seqs[r][1]), [60 + step], seq_key=r) for r in rows]
+        logits = runner.forward(items)
+        assert runner.store.mirror.rows == rows
+        for r, lg in zip(rows, logits):
+            seqs[r][1].append(60 + step)
+            assert mx.allclose(lg, reference_logits(model, seqs[r][1]).astype(mx.float32), atol=tol).item()
+
+
+def test_decode_mirror_steps_aside_when_over_budget():
+    model, spec = tiny_model()
+    store = KVStore(spec, num_blocks=16, block_size=4, mirror_budget_bytes=1)  # nothing fits
+    runner = ModelRunner(model, store)
+    runner.forward([BatchItem([1, 2], 0, [5, 6, 7], "none")])
+    (lg,) = runner.forward([BatchItem([1, 2], 3, [8], seq_key="x")])
+    assert store.mirror.rows == ()
+    assert mx.allclose(lg, reference_logits(model, [5, 6, 7, 8]).astype(mx.float32), atol=1e-4).item()

@@ -77,3 +77,68 @@ def test_cache_salt_separates_tenants():
 
     salted = GenerateRequest("b", tuple(prompt), SamplingParams(max_tokens=2, temperature=0), cache_salt="tenant-b")
     assert run(engine, [salted])["b"].final.num_cached_tokens == 0
+
+
+def test_stop_string_then_shared_prefix_p3():
+    """A request that ended on a stop string leaves no block holding tokens past the stop; later requests
+    sharing its prefix equal cold."""
+    _, tokenizer, _ = real_model()
+    prompt = tokens(2 * B + 3, "Write the numbers one by one: one, two, three, ")
+    engine = make_engine()
+    full = run(make_engine(enable_prefix_caching=False), [greedy("f", prompt, 40, ignore_eos=True)])["f"]
+    stop = full.text[len(full.text) // 2:len(full.text) // 2 + 6]
+    first = run(engine, [greedy("s", prompt, 40, ignore_eos=True, stop=(stop,))])["s"]
+    assert first.final.finish_reason.value == "stop" and stop not in first.text
+    delivered = prompt + first.token_ids
+    for block in engine.pool.blocks:
+        if block.block_hash is not None:  # every cached block holds only prompt or delivered tokens
+            i = next(i for i in range(0, len(delivered), B) if tuple(delivered[i:i + B]) == block.token_ids)
+            assert i + B <= len(delivered) - 1  # the last delivered token was never fed, so never cached
+    follow = delivered + tokens(10, " and then the story continued ")
+    res = run(engine, [greedy("n", follow, 12, ignore_eos=True)])["n"]
+    assert res.token_ids == cold(follow) and res.final.num_cached_tokens > 0
+
+
+def test_random_prompts_two_rounds_equal_cold_p3():
+    import random
+
+    _, tokenizer, _ = real_model()
+    rng = random.Random(0)
+    alphabet = "abcdefghijklmnopqrstuvwxyz      .,;ÄéΩ東京"
+    prompts = [tokenizer.encode("".join(rng.choice(alphabet) for _ in range(512))) for _ in range(16)]
+    reqs = lambda tag: [greedy(f"{tag}{i}", p, 6) for i, p in enumerate(prompts)]  # noqa: E731
+    colds = run(make_engine(enable_prefix_caching=False, max_num_seqs=16), reqs("c"))
+    engine = make_engine(max_num_seqs=16, kv_cache_gb=1.0)  # room for both rounds' blocks
+    for rnd in ("a", "b"):
+        got = run(engine, reqs(rnd))
+        assert [got[f"{rnd}{i}"].token_ids for i in range(16)] == [colds[f"c{i}"].token_ids for i in range(16)]
+    assert sum(got[f"b{i}"].final.num_cached_tokens for i in range(16)) > 0
+
+
+def test_cached_prefix_extended_across_chunk_boundaries_p8():
+    """cases.md P8, second part, scaled to a 64-token chunk: a cached 59-token prefix extended by 3, 5
+    (total exactly one chunk) and 64 tokens equals a run with one unlimited chunk."""
+    base = tokens(59)
+    for extra in (3, 5, 64):
+        prompt = base + tokens(extra, "Extension words keep coming here ")
+        engine = make_engine(prefill_chunk_size=64)
+        run(engine, [greedy("p", base, 1)])
+        got = run(engine, [greedy("x", prompt, 8, logprobs=0)])["x"]
+        whole = run(make_engine(prefill_chunk_size=8192, enable_prefix_caching=False),
+                    [greedy("w", prompt, 8, logprobs=0)])["w"]
+        assert got.token_ids == whole.token_ids and got.final.num_cached_tokens == 32
+        assert all(abs(a.logprob - b.logprob) < 1e-3 for a, b in zip(got.logprobs, whole.logprobs))
+
+
+def test_constant_hash_collisions_fall_back_to_misses(monkeypatch):
+    """With every block hash forced equal, lookups compare token ids and miss; output equals cold."""
+    import cluster.hashing as hashing
+
+    monkeypatch.setattr(hashing, "hash_block", lambda parent, token_ids: 42)
+    engine = make_engine()
+    a, b = tokens(3 * B + 1), tokens(3 * B + 1, "Completely different words about cats and dogs ")
+    run(engine, [greedy("a", a, 2)])
+    res = run(engine, [greedy("b", b, 12, ignore_eos=True)])["b"]
+    assert res.final.num_cached_tokens == 0 and res.token_ids == cold(b)
+    again = run(engine, [greedy("a2", a, 12, ignore_eos=True)])["a2"]
+    assert again.token_ids == cold(a) and again.final.num_cached_tokens <= B
