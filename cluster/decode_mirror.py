@@ -82,14 +82,15 @@ class DecodeMirror:
         self.width += 1
         return MirrorStep(width, self.cap, rebuild, mask, offset)
 
-    def fetch(self, name: tuple, pool: mx.array, new: mx.array, step: MirrorStep, gather) -> mx.array:
+    def fetch(self, name: tuple, pool, new: mx.array, step: MirrorStep, gather) -> mx.array:
         """Append `new` [B, H, d] (one token per row) to buffer `name`; return its context [B, H, width+1, d].
 
-        `pool` [slots, H, d] is read (through `gather(pool, slots)`) only when the step rebuilds."""
+        `pool` is read, through `gather(pool, slots) -> [B, H, width, d]`, only when the step rebuilds.
+        The buffer has `new`'s dtype."""
         buf = self.buffers.get(name)
         if buf is None:
             B, H, d = new.shape
-            buf = mx.zeros((B, H, step.cap, d), pool.dtype)
+            buf = mx.zeros((B, H, step.cap, d), new.dtype)
             if step.rebuild_slots is not None:
                 buf[:, :, :step.width, :] = gather(pool, step.rebuild_slots)
         buf[:, :, step.width, :] = new.astype(buf.dtype)

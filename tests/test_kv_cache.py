@@ -46,16 +46,20 @@ def reference_logits(model, tokens: list[int]) -> mx.array:
     return model(mx.array([tokens]), cache=cache)[0, -1]
 
 
-@pytest.mark.parametrize("kv_bits", [None, 8])
-def test_paged_batched_chunked_forward_matches_contiguous_cache(kv_bits):
+KV_MODES = [(None, None), (8, False), (8, True), (4, True)]  # (kv_bits, dequantize_for_attention)
+
+
+@pytest.mark.parametrize("kv_bits,dequant", KV_MODES)
+def test_paged_batched_chunked_forward_matches_contiguous_cache(kv_bits, dequant):
     model, spec = tiny_model()
-    store = KVStore(spec, num_blocks=16, block_size=4, kv_bits=kv_bits, kv_group_size=32)
+    store = KVStore(spec, num_blocks=16, block_size=4, kv_bits=kv_bits, kv_group_size=32,
+                    dequantize_for_attention=dequant)
     runner = ModelRunner(model, store)
     a, b = list(range(3, 14)), list(range(20, 27))
     ta, tb = [9, 3, 5], [1, 12]  # scattered, non-contiguous blocks
     runner.forward([BatchItem(ta, 0, a[:6])])  # chunk 1 of a
     la, lb = runner.forward([BatchItem(ta, 6, a[6:]), BatchItem(tb, 0, b)])  # chunk 2 of a batched with b
-    tol = 1e-4 if kv_bits is None else 5e-2
+    tol = {None: 1e-4, 8: 5e-2, 4: 0.5}[kv_bits]
     assert mx.allclose(la, reference_logits(model, a).astype(mx.float32), atol=tol).item()
     assert mx.allclose(lb, reference_logits(model, b).astype(mx.float32), atol=tol).item()
     # one decode step for both, at different positions
@@ -74,13 +78,13 @@ def test_bytes_per_block_and_group_size_validation():
         KVStore(ModelSpec("t", "r", 1, 2, 1, 48, 10, 64, ()), 4, 4, kv_bits=8, kv_group_size=32)
 
 
-@pytest.mark.parametrize("kv_bits", [None, 8])
-def test_decode_mirror_matches_contiguous_cache_across_batch_changes(kv_bits):
+@pytest.mark.parametrize("kv_bits,dequant", KV_MODES)
+def test_decode_mirror_matches_contiguous_cache_across_batch_changes(kv_bits, dequant):
     model, spec = tiny_model()
     store = KVStore(spec, num_blocks=32, block_size=4, kv_bits=kv_bits, kv_group_size=32,
-                    mirror_budget_bytes=1 << 24)
+                    mirror_budget_bytes=1 << 24, dequantize_for_attention=dequant)
     runner = ModelRunner(model, store)
-    tol = 1e-4 if kv_bits is None else 5e-2
+    tol = {None: 1e-4, 8: 5e-2, 4: 0.5}[kv_bits]
     seqs = {"a": ([9, 3, 5, 7], list(range(3, 10))), "b": ([1, 12, 14], list(range(20, 23))),
             "c": ([2, 4, 6, 8], list(range(40, 45)))}
     for table, toks in seqs.values():
