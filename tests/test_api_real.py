@@ -227,3 +227,16 @@ def _abandon(base: str, prompt: str) -> None:
         httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 50}, timeout=0.5)
     except httpx.TimeoutException:
         pass  # the client gave up during prefill
+
+
+def test_request_that_waits_too_long_for_kv_blocks_gets_503_with_retry_after():
+    with live_server(block_size=8, num_blocks=17, queue_timeout_s=0.3, max_model_len=128) as (base, client):
+        first_body = {"model": MODEL, "prompt": "word " * 99, "ignore_eos": True, "max_tokens": 27, "stream": True}
+        with httpx.stream("POST", base + "/v1/completions", json=first_body, timeout=60) as first:
+            lines = first.iter_lines()  # keep a reference: a discarded iterator closes the stream
+            next(lines)  # it holds 13 of the 16 usable blocks from now on, 16 at the end
+            second = post(base, "/v1/completions", {"model": MODEL, "prompt": "other " * 40, "max_tokens": 4})
+            assert client.stats().num_running == 1  # the first is still running: nothing freed its blocks
+        assert second.status_code == 503 and "retry-after" in second.headers
+        assert "retry later" in second.json()["error"]["message"]
+        healthy_after(base)
