@@ -17,29 +17,48 @@ from typing import Optional, Sequence
 from cluster.config import EngineConfig
 
 
+ENGINE_FLAGS = {  # CLI flag -> EngineConfig field; unset flags leave the topology's (or the default) value
+    "block_size": int, "kv_cache_gb": float, "kv_bits": int, "kv_group_size": int, "max_num_seqs": int,
+    "prefill_chunk_size": int, "max_model_len": int, "dtype": str,
+}
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     d = EngineConfig()
+    p.add_argument("--topology", default=None,
+                   help="a topology file or name in topologies/ (default: built-in single-node settings); "
+                        "flags given on the command line override it")
     p.add_argument("--model", default=None,
                    help="mlx-lm model folder, .gguf file or Hugging Face repo id (default: SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", default=None, help="name clients use in the `model` field")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weights and KV dtype (default: float32 on Linux's CPU backend, bfloat16 on a Mac)")
-    p.add_argument("--kv-cache-gb", type=float, default=d.kv_cache_gb, help="KV pool budget in GiB")
+    p.add_argument("--kv-cache-gb", type=float, default=None, help=f"KV pool budget in GiB (default {d.kv_cache_gb})")
     p.add_argument("--kv-bits", type=int, default=None, choices=[4, 8], help="quantize KV blocks")
-    p.add_argument("--kv-group-size", type=int, default=d.kv_group_size, choices=[32, 64, 128])
-    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences in the running batch")
-    p.add_argument("--prefill-chunk-size", type=int, default=d.prefill_chunk_size)
+    p.add_argument("--kv-group-size", type=int, default=None, choices=[32, 64, 128],
+                   help=f"values per quantization group (default {d.kv_group_size})")
+    p.add_argument("--block-size", type=int, default=None, help=f"tokens per KV block (default {d.block_size})")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help=f"sequences in the running batch (default {d.max_num_seqs})")
+    p.add_argument("--prefill-chunk-size", type=int, default=None, help=f"default {d.prefill_chunk_size}")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix-cache reuse")
 
 
-def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    dtype = args.dtype or ("bfloat16" if sys.platform == "darwin" else "float32")
-    return EngineConfig(block_size=args.block_size, kv_cache_gb=args.kv_cache_gb, max_num_seqs=args.max_num_seqs,
-                        prefill_chunk_size=args.prefill_chunk_size, max_model_len=args.max_model_len, dtype=dtype,
-                        kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
-                        enable_prefix_caching=not args.no_prefix_caching)
+def _topology(args: argparse.Namespace):
+    from cluster.topology import TopologySpec, load_topology
+
+    return load_topology(args.topology) if args.topology else TopologySpec(name="single-node")
+
+
+def _engine_config(args: argparse.Namespace, topology) -> EngineConfig:
+    """EngineConfig defaults <- the topology's [engine] <- flags given on the command line."""
+    import dataclasses
+
+    overrides = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+    if args.no_prefix_caching:
+        overrides["enable_prefix_caching"] = False
+    return dataclasses.replace(topology.engine, **overrides)
 
 
 def _start(args: argparse.Namespace):
@@ -48,8 +67,11 @@ def _start(args: argparse.Namespace):
 
     from cluster.local import start_local_engine
 
+    topology = _topology(args)
+    model = args.model or topology.model.source
+    name = args.served_model_name or topology.model.served_name
     with tqdm(total=1, desc="loading model", unit="model", file=sys.stderr, leave=False) as bar:
-        client, path = start_local_engine(args.model, _engine_config(args), args.served_model_name)
+        client, path = start_local_engine(model, _engine_config(args, topology), name)
         bar.update(1)
     return client, path
 
@@ -60,12 +82,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from router.app import create_app
     from router.tokenizer import RouterTokenizer
 
+    topology = _topology(args)
+    host = args.host or topology.router.host
+    port = args.port or topology.router.port
     client, path = _start(args)
     app = create_app(client, RouterTokenizer.from_path(path), served_model_names=[client.model_name],
                      api_key=args.api_key or None)
-    print(f"mlx-pd: serving {client.model_name} at http://{args.host}:{args.port}/v1 "
+    print(f"mlx-pd: serving {client.model_name} at http://{host}:{port}/v1 "
           f"(context {client.max_model_len} tokens)", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=host, port=port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
 
 
@@ -109,8 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve the OpenAI API from one process (single-node mode)")
     _add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default=None,
+                       help="bind address (default: the topology's, 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=None, help="default: the topology's, 8000")
     serve.add_argument("--api-key", default=os.environ.get("MLX_PD_API_KEY"),
                        help="require `Authorization: Bearer KEY` (default: $MLX_PD_API_KEY, else open)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
