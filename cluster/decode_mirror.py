@@ -23,6 +23,13 @@ import mlx.core as mx
 import numpy as np
 
 
+def context_slots(block_table: Sequence[int], num_tokens: int, block_size: int) -> np.ndarray:
+    """Slots of positions [0, num_tokens) of a sequence: int32 [num_tokens] (see cluster/kv_cache.py)."""
+    nb = -(-num_tokens // block_size)
+    table = np.asarray(block_table[:nb], dtype=np.int32)
+    return (table[:, None] * block_size + np.arange(block_size, dtype=np.int32)).ravel()[:num_tokens]
+
+
 @dataclass
 class MirrorStep:
     """What one decode step does to the mirror: write column `width` (after rebuilding from
@@ -63,11 +70,8 @@ class DecodeMirror:
                 self.reset()
                 return None
             slots = np.zeros((len(rows), width), dtype=np.int32)
-            in_block = np.arange(block_size, dtype=np.int32)
             for b, (table, start) in enumerate(zip(block_tables, starts)):
-                nb = -(-start // block_size)
-                ctx = (np.asarray(table[:nb], dtype=np.int32)[:, None] * block_size + in_block).ravel()[:start]
-                slots[b, width - start:] = ctx
+                slots[b, width - start:] = context_slots(table, start, block_size)
             rebuild = mx.array(slots) if width else None
             self.rows, self.width, self.cap, self.buffers = rows, width, cap, {}
         width = self.width

@@ -25,7 +25,7 @@ from typing import Optional, Sequence, Union
 import mlx.core as mx
 import numpy as np
 
-from cluster.decode_mirror import DecodeMirror, MirrorStep
+from cluster.decode_mirror import DecodeMirror, MirrorStep, context_slots
 from cluster.model import ModelSpec
 
 
@@ -123,11 +123,9 @@ class BatchLayout:
         L = max(s + n for s, n in zip(starts, num_new))
         write = np.zeros((B, T), dtype=np.int32)  # padding lands in the null block (block 0)
         gather = np.zeros((B, L), dtype=np.int32)
-        in_block = np.arange(block_size, dtype=np.int32)
         for b, (table, start, n) in enumerate(zip(block_tables, starts, num_new)):
             ctx = start + n
-            nb = -(-ctx // block_size)
-            slots = (np.asarray(table[:nb], dtype=np.int32)[:, None] * block_size + in_block).ravel()[:ctx]
+            slots = context_slots(table, ctx, block_size)
             write[b, :n] = slots[start:]
             write[b, n:] = np.arange(T - n) % block_size
             gather[b, :ctx] = slots
