@@ -3,6 +3,9 @@
     mlx-pd bench --url http://127.0.0.1:8000 --concurrency 4 --num-requests 32 --max-tokens 64
     mlx-pd bench --url http://127.0.0.1:8000 --rate 0.5 --num-requests 32          # Poisson arrivals
     mlx-pd bench --compare --concurrency 1,4,8 --num-requests 16,32,48 --max-tokens 64 --out results.json
+    mlx-pd bench prefix --pairs 8 --system-tokens 1500      # TTFT: cached vs cold system prompt
+    mlx-pd bench chat --users 16 --system-prompts 4         # multi-tenant 2-turn chat: prefix hit rate
+    mlx-pd bench kv --engine-check --decode                 # KV bytes/token, capacity, 8-bit decode
 
 Every run warms up first (not measured), sends unique prompts (unless --shared-prefix), and reports
 p50/p90/p99. See docs/BENCHMARKS.md for the rules and the latest numbers.
@@ -130,6 +133,51 @@ def _run_compare(args: argparse.Namespace) -> int:
     return 1 if errors else 0
 
 
+SUBCOMMANDS = {
+    "prefix": "TTFT of a chat request whose long system prompt is cached vs cold (benchmarks/prefix_bench.py)",
+    "chat": "multi-tenant 2-turn chat workload: prefix hit rate vs the ideal, TTFT, throughput",
+    "kv": "KV bytes per token per format, sequences per budget, decode with quantized KV (benchmarks/kv_bench.py)",
+}
+
+
+def build_subcommand_parser(name: str) -> argparse.ArgumentParser:
+    """The argument parser of `mlx-pd bench prefix|chat|kv`."""
+    from benchmarks import kv_bench, prefix_bench
+
+    add = {"prefix": prefix_bench.add_prefix_args, "chat": prefix_bench.add_chat_args, "kv": kv_bench.add_kv_args}
+    module = kv_bench if name == "kv" else prefix_bench
+    p = argparse.ArgumentParser(prog=f"mlx-pd bench {name}", description=SUBCOMMANDS[name],
+                                epilog=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add[name](p)
+    return p
+
+
+def _run_subcommand(name: str, argv: Sequence[str]) -> int:
+    from pathlib import Path
+
+    from benchmarks import kv_bench, prefix_bench
+    from benchmarks.report import write_json
+
+    args = build_subcommand_parser(name).parse_args(list(argv))
+    if getattr(args, "max_tokens", 1) < 1:
+        print(f"mlx-pd bench {name}: error: --max-tokens must be >= 1", file=sys.stderr)
+        return 2
+    run = {"prefix": prefix_bench.run_prefix, "chat": prefix_bench.run_chat, "kv": kv_bench.run_kv}[name]
+    result = run(args)
+    result["command"] = f"mlx-pd bench {name} " + shlex.join(argv)
+    write_json(result, args.out)
+    if args.markdown:
+        tables = {"prefix": prefix_bench.prefix_tables, "chat": prefix_bench.chat_tables,
+                  "kv": kv_bench.kv_tables}[name](result)
+        Path(args.markdown).write_text(prefix_bench.markdown(tables), encoding="utf-8")
+    if name == "kv":
+        return 0
+    servers = result["servers"].values()
+    errors = sum(sum(k["errors"] for k in s["kinds"].values()) if name == "prefix" else s["summary"]["errors"]
+                 for s in servers)
+    return 1 if errors else 0
+
+
 def _sigterm_as_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -139,16 +187,21 @@ def main(argv: Sequence[str]) -> int:
 
     1 when any measured request failed, 2 for bad arguments or a failed setup, 130 on Ctrl-C.
     """
-    args = build_parser().parse_args(list(argv))
-    args.argv = list(argv)
-    if args.max_tokens < 1:
+    argv = list(argv)
+    sub = argv[0] if argv and argv[0] in SUBCOMMANDS else None
+    args = None if sub else build_parser().parse_args(argv)
+    if args is not None:
+        args.argv = argv
+    if args is not None and args.max_tokens < 1:
         print("mlx-pd bench: error: --max-tokens must be >= 1", file=sys.stderr)
         return 2
-    if args.rate is not None and args.rate <= 0:
+    if args is not None and args.rate is not None and args.rate <= 0:
         print("mlx-pd bench: error: --rate must be > 0", file=sys.stderr)
         return 2
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)  # stop servers on SIGTERM too
     try:
+        if sub:
+            return _run_subcommand(sub, argv[1:])
         return _run_compare(args) if args.compare else _run_url(args)
     except KeyboardInterrupt:
         print("mlx-pd bench: interrupted", file=sys.stderr)

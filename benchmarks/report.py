@@ -23,7 +23,8 @@ def _num(x: float, digits: int = 2) -> str:
     return "-" if x is None or math.isnan(x) else f"{x:.{digits}f}"
 
 
-def _print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]], out: TextIO) -> None:
+def _print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]], out: Optional[TextIO]) -> None:
+    out = out or sys.stdout  # resolved at call time: a default bound at import would pin a replaced stdout
     try:
         from rich.console import Console
         from rich.table import Table
@@ -53,7 +54,7 @@ def single_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
-def print_single(result: dict, out: TextIO = sys.stdout) -> None:
+def print_single(result: dict, out: Optional[TextIO] = None) -> None:
     """Print one load-generator run: the latency table and the throughput line."""
     s, c = result["summary"], result["config"]
     mode = f"rate {c['rate']}/s" if c.get("rate") else f"concurrency {c['concurrency']}"
@@ -102,7 +103,7 @@ def memory_rows(result: dict) -> list[list[str]]:
 MEMORY_HEADER = ["server", "RSS before load (MiB)", "RSS after run (MiB)", "peak RSS (MiB)"]
 
 
-def print_compare(result: dict, out: TextIO = sys.stdout) -> None:
+def print_compare(result: dict, out: Optional[TextIO] = None) -> None:
     """Print the comparison and memory tables (latencies in ms)."""
     _print_table(f"mlx-pd vs mlx_lm.server - max_tokens {result['max_tokens']}, latencies in ms",
                  COMPARE_HEADER, compare_rows(result), out)

@@ -19,7 +19,7 @@ from cluster.config import EngineConfig
 
 ENGINE_FLAGS = {  # CLI flag -> EngineConfig field; unset flags leave the topology's (or the default) value
     "block_size": int, "kv_cache_gb": float, "kv_bits": int, "kv_group_size": int, "max_num_seqs": int,
-    "prefill_chunk_size": int, "max_model_len": int, "dtype": str,
+    "prefill_chunk_size": int, "max_model_len": int, "dtype": str, "decode_mirror_gb": float,
 }
 
 
@@ -42,6 +42,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help=f"sequences in the running batch (default {d.max_num_seqs})")
     p.add_argument("--prefill-chunk-size", type=int, default=None, help=f"default {d.prefill_chunk_size}")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument("--decode-mirror-gb", type=float, default=None,
+                   help="GiB for contiguous decode-batch contexts kept between steps (default: as large as "
+                        "the KV pool; 0 disables)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix-cache reuse")
 
 
@@ -90,7 +93,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      api_key=args.api_key or None)
     print(f"mlx-pd: serving {client.model_name} at http://{host}:{port}/v1 "
           f"(context {client.max_model_len} tokens)", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=host, port=port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        client.thread.stop()
     return 0
 
 
@@ -116,7 +122,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return last.error if last else None
 
-    error = asyncio.run(go())
+    try:
+        error = asyncio.run(go())
+    finally:
+        client.thread.stop()  # join the engine thread before the interpreter tears MLX down
     if error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -35,8 +35,9 @@ class EngineConfig:
     - `enable_prefix_caching`: reuse cached full blocks across requests.
     - `max_waiting`: requests queued before new ones get 503 with Retry-After.
     - `decode_mirror_gb`: GiB for contiguous copies of the decode batch's contexts kept between decode
-      steps (`cluster.decode_mirror`); 0 disables it (every step gathers from the pool). Not part of
-      `kv_cache_gb`: the two add up to the KV memory.
+      steps (`cluster.decode_mirror`); None = as large as the KV pool, 0 disables it (every step gathers
+      from the pool). Not part of `kv_cache_gb`: the two add up to the KV memory at most (the mirror holds
+      only the running batch's contexts, so it is usually far smaller).
     - `queue_timeout_s`: a request still waiting for its first admission after this many seconds (the KV
       pool stayed full) is aborted with a message; the router answers 503 with Retry-After.
     """
@@ -53,7 +54,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_waiting: int = 256
     queue_timeout_s: float = 120.0
-    decode_mirror_gb: float = 0.25
+    decode_mirror_gb: Optional[float] = None
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> ValueError:
@@ -77,7 +78,7 @@ class EngineConfig:
             raise bad("kv_bits", "must be 4, 8 or unset")
         if self.kv_group_size not in (32, 64, 128):
             raise bad("kv_group_size", "must be 32, 64 or 128 (the group sizes mx.quantize accepts)")
-        if not self.decode_mirror_gb >= 0:
+        if self.decode_mirror_gb is not None and not self.decode_mirror_gb >= 0:
             raise bad("decode_mirror_gb", "must be >= 0 (0 disables the decode mirror)")
         if not self.queue_timeout_s > 0:
             raise bad("queue_timeout_s", "must be > 0 seconds")

@@ -45,12 +45,17 @@ class EngineCore:
             raise ValueError(f"kv_cache_gb={config.kv_cache_gb} holds no block of {per_block} bytes")
         self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
         self.store = KVStore(spec, num_blocks, config.block_size, config.dtype, config.kv_bits, config.kv_group_size,
-                             mirror_budget_bytes=int(config.decode_mirror_gb * 2**30))
+                             mirror_budget_bytes=self._mirror_budget(config, num_blocks * per_block))
         self.runner = ModelRunner(model, self.store)
         self.kv_format = f"{config.dtype}/kv{config.kv_bits or 'full'}/g{config.kv_group_size}/b{config.block_size}"
         self.scheduler = Scheduler(config, self.pool, self._extra_key)
         self.eos_ids = set(spec.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.sequences: dict[str, Sequence] = {}
+
+    @staticmethod
+    def _mirror_budget(config: EngineConfig, pool_bytes: int) -> int:
+        """Bytes for the decode mirror: `decode_mirror_gb`, or by default as much as the pool."""
+        return pool_bytes if config.decode_mirror_gb is None else int(config.decode_mirror_gb * 2**30)
 
     def _extra_key(self, cache_salt: Optional[str]) -> int:
         return block_extra_key(self.spec.model_id, self.spec.revision, self.kv_format, cache_salt)
