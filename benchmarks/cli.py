@@ -155,7 +155,7 @@ def build_subcommand_parser(name: str) -> argparse.ArgumentParser:
 def _run_subcommand(name: str, argv: Sequence[str]) -> int:
     from pathlib import Path
 
-    from benchmarks import kv_bench, prefix_bench
+    from benchmarks import kv_bench, prefix_bench, prefix_report
     from benchmarks.report import write_json
 
     args = build_subcommand_parser(name).parse_args(list(argv))
@@ -167,9 +167,9 @@ def _run_subcommand(name: str, argv: Sequence[str]) -> int:
     result["command"] = f"mlx-pd bench {name} " + shlex.join(argv)
     write_json(result, args.out)
     if args.markdown:
-        tables = {"prefix": prefix_bench.prefix_tables, "chat": prefix_bench.chat_tables,
+        tables = {"prefix": prefix_report.prefix_tables, "chat": prefix_report.chat_tables,
                   "kv": kv_bench.kv_tables}[name](result)
-        Path(args.markdown).write_text(prefix_bench.markdown(tables), encoding="utf-8")
+        Path(args.markdown).write_text(prefix_report.markdown(tables), encoding="utf-8")
     if name == "kv":
         return 0
     servers = result["servers"].values()

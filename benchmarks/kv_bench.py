@@ -181,9 +181,9 @@ def run_kv(args, log=None) -> dict:
                                       num_requests=args.num_requests, concurrency=args.concurrency,
                                       max_tokens=args.max_tokens, rounds=args.rounds, seed=args.seed, log=log)
     result["wall_s"] = time.perf_counter() - t0
-    from benchmarks.prefix_bench import _print
+    from benchmarks.prefix_report import print_tables
 
-    _print(kv_tables(result))
+    print_tables(kv_tables(result))
     return result
 
 
