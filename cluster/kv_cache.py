@@ -149,15 +149,21 @@ class LayerCacheView:
         self.store, self.layer, self.batch = store, layer, batch
         self.offset = batch.offset
 
-    def _update(self, arrays: list, part: Optional[int], new: mx.array, name: tuple) -> mx.array:
-        """Scatter `new` [N, H, d] into the pool array (`arrays[layer]`, or its `part` when quantized) and
-        return the step's contexts [B, H, L, d] (from the mirror on decode steps that use it)."""
+    def _store(self, arrays: list, part: Optional[int], new: mx.array) -> mx.array:
+        """Scatter `new` [N, H, d] into the pool array (`arrays[layer]`, or its `part` when quantized);
+        returns that pool array."""
         if part is None:
             arrays[self.layer] = pool = _scatter(arrays[self.layer], self.batch.write_slots, new)
         else:
             parts = list(arrays[self.layer])
             parts[part] = pool = _scatter(parts[part], self.batch.write_slots, new)
             arrays[self.layer] = tuple(parts)
+        return pool
+
+    def _update(self, arrays: list, part: Optional[int], new: mx.array, name: tuple) -> mx.array:
+        """Store `new` and return the step's contexts [B, H, L, d] (from the mirror on decode steps that
+        use it)."""
+        pool = self._store(arrays, part, new)
         if self.batch.mirror is not None:
             return self.store.mirror.fetch(name, pool, new, self.batch.mirror, _gather)
         return _gather(pool, self.batch.gather_slots)
@@ -211,9 +217,7 @@ class DequantizingLayerCacheView(LayerCacheView):
         for arrays, new, kind in ((store.keys, keys, "k"), (store.values, values, "v")):
             parts = mx.quantize(_flatten_new(new), group_size=gs, bits=bits)
             for i, part in enumerate(parts):  # the storage of record, as in the quantized view
-                pool_parts = list(arrays[self.layer])
-                pool_parts[i] = _scatter(pool_parts[i], self.batch.write_slots, part)
-                arrays[self.layer] = tuple(pool_parts)
+                self._store(arrays, i, part)
             pool = arrays[self.layer]
 
             def gather(_, slots, pool=pool):

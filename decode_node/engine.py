@@ -150,8 +150,7 @@ class EngineCore:
             seq.num_computed_tokens += n
             self.scheduler.cache_computed_blocks(seq)
             if i in sampled and seq.max_tokens == 0:  # echo-only request: prompt logprobs, no token
-                self.sequences.pop(seq.request_id, None)
-                self.scheduler.finish(seq)
+                self._retire(seq)
                 outputs.append(self._final(seq, FinishReason.LENGTH))
             elif i in sampled:
                 outputs.append(self._append_token(seq, *sampled[i]))
@@ -183,8 +182,7 @@ class EngineCore:
             plp = tuple(seq.prompt_logprobs)
         if reason is not None:
             text += seq.output_text.finish()
-            self.sequences.pop(seq.request_id, None)
-            self.scheduler.finish(seq)
+            self._retire(seq)
         return self._output(seq, (token,), text, (logprob,) if logprob else None, reason, plp)
 
     def _output(self, seq: Sequence, token_ids: tuple, text: str, logprobs, reason, plp=None,
@@ -197,13 +195,16 @@ class EngineCore:
         return self._output(seq, (), "", () if seq.request.sampling.logprobs is not None else None,
                             reason, plp, error)
 
-    def _expire(self, seq: Sequence) -> RequestOutput:
+    def _retire(self, seq: Sequence) -> None:
+        """Forget a finished sequence and free its blocks."""
         self.sequences.pop(seq.request_id, None)
         self.scheduler.finish(seq)
+
+    def _expire(self, seq: Sequence) -> RequestOutput:
+        self._retire(seq)
         return self._final(seq, FinishReason.ABORT, f"it waited {self.config.queue_timeout_s:g} s for KV blocks "
                                                      "(the server is at capacity); retry later")
 
     def _fail(self, seq: Sequence, message: str) -> RequestOutput:
-        self.sequences.pop(seq.request_id, None)
-        self.scheduler.finish(seq)
+        self._retire(seq)
         return self._final(seq, FinishReason.ERROR, message)
