@@ -1,4 +1,4 @@
-"""The `mlx-pd` command: serve (single-node), generate (one prompt from the shell), bench.
+"""The `mlx-pd` command: serve (single-node), generate (one prompt from the shell), bench, keys (CurveZMQ).
 
 Documented environment variables: MLX_PD_CACHE (model cache folder), MLX_PD_NO_OPENBLAS=1 (do not
 preload OpenBLAS on Linux), MLX_PD_API_KEY (default for --api-key).
@@ -138,6 +138,24 @@ def cmd_bench(argv: Sequence[str]) -> int:
     return bench_main(list(argv))
 
 
+def cmd_keys(args: argparse.Namespace) -> int:
+    """Create CurveZMQ keys in args.dir and print the topology snippet that references them."""
+    import json
+    from pathlib import Path
+
+    from cluster.transport import generate_keys
+
+    directory = Path(args.dir).expanduser().resolve()
+    keys = generate_keys(directory, overwrite=args.force)
+    print(f"mlx-pd: wrote CurveZMQ keys to {directory} (server.key, server.key_secret, client.key, "
+          f"client.key_secret; {len(keys.authorized_clients)} authorized client key(s))")
+    print("Reference them in the topology file:\n")
+    print(f"[security]\ncurve_keys_dir = {json.dumps(str(directory))}\n")
+    print(f"Copy {directory} to every machine of the cluster over a secure channel (e.g. scp -r); "
+          f"the *.key_secret files are secrets.")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlx-pd", description="Prefill/decode-disaggregated LLM serving on MLX")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -158,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     sub.add_parser("bench", help="load-test OpenAI endpoints (see `mlx-pd bench --help`)", add_help=False)
+    keys = sub.add_parser("keys", help="create CurveZMQ keys that encrypt and authenticate cluster sockets")
+    keys.add_argument("dir", help="folder for the keys (created with mode 0700)")
+    keys.add_argument("--force", action="store_true", help="replace keys already in DIR")
     return parser
 
 
@@ -165,15 +186,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the `mlx-pd` console script."""
     from cluster.platform import reexec_with_openblas
 
-    reexec_with_openblas()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] != ["keys"]:  # `keys` never touches MLX, so it needs no OpenBLAS re-exec
+        reexec_with_openblas()
     if argv[:1] == ["bench"]:
         return cmd_bench(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return {"serve": cmd_serve, "generate": cmd_generate}[args.command](args)
-    except (ValueError, FileNotFoundError) as exc:
+        return {"serve": cmd_serve, "generate": cmd_generate, "keys": cmd_keys}[args.command](args)
+    except (ValueError, FileNotFoundError, FileExistsError) as exc:
         print(f"mlx-pd: error: {exc}", file=sys.stderr)
         return 2
 

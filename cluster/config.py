@@ -84,3 +84,50 @@ class EngineConfig:
             raise bad("queue_timeout_s", "must be > 0 seconds")
         if self.max_waiting < 1:
             raise bad("max_waiting", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """How KV blocks move between a prefill worker and a decode worker (`kv_transfer/`).
+
+    - `timeout_s`: every wait of a transfer has this deadline (seconds): the sender's wait for a reservation
+      answer and for the final acknowledgement, and the receiver's wait between two messages of a transfer.
+      On expiry both sides free their blocks and report an error. A prefill chunk must compute within it, so
+      on slow machines (MLX's CPU backend: ~50 prompt tokens/s for a 135M model) use smaller chunks or more time.
+    - `reserve_timeout_s`: how long a sender keeps retrying a receiver that answers "busy" (no free blocks);
+      None = `timeout_s`.
+    - `max_blocks_per_message`: blocks per `blocks` message at most (one 2048-token chunk is 64 blocks of 32).
+    - `layers_per_message`: None sends all layers of a block batch in one message; a number splits it by
+      layers (smaller frames, earlier first bytes on slow links).
+    - `watermark_blocks`: a receiver answers "busy" rather than reserve when fewer than this many blocks
+      would stay free (room for the running sequences' next tokens).
+    - `max_frame_bytes`: the largest frame a receiver accepts (ZeroMQ drops the peer beyond it).
+    """
+
+    timeout_s: float = 30.0
+    reserve_timeout_s: Optional[float] = None
+    max_blocks_per_message: int = 64
+    layers_per_message: Optional[int] = None
+    watermark_blocks: int = 0
+    max_frame_bytes: int = 2**31
+
+    def __post_init__(self) -> None:
+        def bad(name: str, rule: str) -> ValueError:
+            return ValueError(f"{name}={getattr(self, name)!r} is invalid: {rule}")
+
+        if not self.timeout_s > 0:
+            raise bad("timeout_s", "must be > 0 seconds")
+        if self.reserve_timeout_s is not None and not self.reserve_timeout_s > 0:
+            raise bad("reserve_timeout_s", "must be > 0 seconds or unset")
+        if self.max_blocks_per_message < 1:
+            raise bad("max_blocks_per_message", "must be >= 1")
+        if self.layers_per_message is not None and self.layers_per_message < 1:
+            raise bad("layers_per_message", "must be >= 1 or unset")
+        if self.watermark_blocks < 0:
+            raise bad("watermark_blocks", "must be >= 0")
+        if self.max_frame_bytes < 1024:
+            raise bad("max_frame_bytes", "must be >= 1024")
+
+    @property
+    def reserve_deadline_s(self) -> float:
+        return self.timeout_s if self.reserve_timeout_s is None else self.reserve_timeout_s

@@ -20,6 +20,12 @@ import xxhash
 _SEED = 0
 
 
+def kv_format_name(dtype: str, kv_bits: Optional[int], kv_group_size: int, block_size: int) -> str:
+    """The KV format as it enters the first block's hash, e.g. "float32/kvfull/g64/b32" or
+    "bfloat16/kv4/g32/b32": blocks of different formats must never match."""
+    return f"{dtype}/kv{kv_bits or 'full'}/g{kv_group_size}/b{block_size}"
+
+
 def block_extra_key(model_id: str, revision: str, kv_format: str, cache_salt: Optional[str] = None) -> int:
     """The 64-bit key mixed into the first block: model, weights revision, KV format and salt."""
     text = f"{model_id}\x00{revision}\x00{kv_format}\x00{cache_salt or ''}"

@@ -78,6 +78,55 @@ class KVStore:
         leaves = [a for kv in (self.keys, self.values) for x in kv for a in (x if isinstance(x, tuple) else (x,))]
         return sum(a.nbytes for a in leaves)
 
+    # -- whole blocks, for transfer (kv_transfer/) -------------------------------------------------------
+
+    @property
+    def array_names(self) -> tuple[str, ...]:
+        """The arrays a batch of blocks travels as: ("k", "v"), or for quantized KV
+        ("k.packed", "k.scales", "k.biases", "v.packed", "v.scales", "v.biases")."""
+        if self.kv_bits is None:
+            return ("k", "v")
+        return tuple(f"{kv}.{part}" for kv in "kv" for part in ("packed", "scales", "biases"))
+
+    def block_array_specs(self, num_blocks: int, num_layers: int) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(name, dtype name, shape) of each array `read_blocks` returns for `num_blocks` blocks and
+        `num_layers` layers: shape [num_layers, num_blocks * block_size, kv_heads, d] with d = head_dim,
+        or head_dim * kv_bits / 32 (uint32 packed) and head_dim / kv_group_size (scales, biases)."""
+        slots, heads, dim = num_blocks * self.block_size, self.spec.num_kv_heads, self.spec.head_dim
+        dtype = str(self.dtype).removeprefix("mlx.core.")
+        if self.kv_bits is None:
+            parts = [(dtype, dim)]
+        else:
+            groups = dim // self.kv_group_size
+            parts = [("uint32", dim * self.kv_bits // 32), (dtype, groups), (dtype, groups)]
+        return [(name, dt, (num_layers, slots, heads, d))
+                for name, (dt, d) in zip(self.array_names, parts * 2)]
+
+    def _leaves(self, layer: int) -> list[mx.array]:
+        """The layer's pool arrays in `array_names` order."""
+        return [a for kv in (self.keys, self.values) for a in
+                (kv[layer] if isinstance(kv[layer], tuple) else (kv[layer],))]
+
+    def read_blocks(self, block_ids: Sequence[int], layers: range) -> list[mx.array]:
+        """Copies of the blocks' K/V, one evaluated array per `array_names` entry, shaped as in
+        `block_array_specs`. Slots beyond a partial block's tokens hold whatever was there (never read)."""
+        slots = mx.array(context_slots(block_ids, len(block_ids) * self.block_size, self.block_size))
+        per_layer = [self._leaves(layer) for layer in layers]
+        out = [mx.stack([leaves[i][slots] for leaves in per_layer]) for i in range(len(self.array_names))]
+        mx.eval(out)
+        return out
+
+    def write_blocks(self, block_ids: Sequence[int], layers: range, arrays: Sequence[mx.array]) -> None:
+        """Store `arrays` (as `read_blocks` returns them) into the blocks `block_ids` of `layers`; evaluated."""
+        slots = mx.array(context_slots(block_ids, len(block_ids) * self.block_size, self.block_size))
+        n = len(self.array_names) // 2
+        for i, layer in enumerate(layers):
+            for kv, arrs in ((0, self.keys), (1, self.values)):
+                new = [_scatter(pool, slots, arrays[kv * n + j][i])
+                       for j, pool in enumerate(self._leaves(layer)[kv * n:(kv + 1) * n])]
+                arrs[layer] = new[0] if self.kv_bits is None else tuple(new)
+        mx.eval(self.keys, self.values)
+
     def views(self, batch: "BatchLayout") -> list["LayerCacheView"]:
         """One mlx-lm cache object per layer for this step's batch."""
         if self.kv_bits is None:

@@ -16,7 +16,7 @@ import mlx.core as mx
 from cluster.block_pool import BlockPool
 from cluster.config import EngineConfig
 from cluster.detokenizer import OutputText
-from cluster.hashing import block_extra_key
+from cluster.hashing import block_extra_key, kv_format_name
 from cluster.kv_cache import KVStore, kv_bytes_per_block
 from cluster.model import ModelSpec
 from cluster.request import FinishReason, GenerateRequest, RequestOutput
@@ -47,7 +47,7 @@ class EngineCore:
         self.store = KVStore(spec, num_blocks, config.block_size, config.dtype, config.kv_bits, config.kv_group_size,
                              mirror_budget_bytes=self._mirror_budget(config, num_blocks * per_block))
         self.runner = ModelRunner(model, self.store)
-        self.kv_format = f"{config.dtype}/kv{config.kv_bits or 'full'}/g{config.kv_group_size}/b{config.block_size}"
+        self.kv_format = kv_format_name(config.dtype, config.kv_bits, config.kv_group_size, config.block_size)
         self.scheduler = Scheduler(config, self.pool, self._extra_key)
         self.eos_ids = set(spec.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.sequences: dict[str, Sequence] = {}

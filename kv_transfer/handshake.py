@@ -1,0 +1,122 @@
+"""The transfer handshake: what a sender presents, and how a receiver answers.
+
+Before any block moves, the prefill worker sends an `offer` (wire.Offer) carrying its `KVFormat` and the
+prompt's token ids. The decode worker answers with exactly one of:
+
+- `reserved`: it allocated every block the prompt needs (so a burst of transfers can never run it out of
+  memory) and says how many leading blocks it already holds in its prefix cache (`num_cached_blocks`);
+  the sender skips those. The reservation carries an `epoch`, which every later message of the transfer
+  repeats: a message whose (request_id, epoch) is no longer live is dropped before it touches memory.
+- `refused`: the transfer can never succeed here (a KV format or model mismatch, named field by field; a
+  prompt longer than the context or the whole pool; a duplicate request id).
+- `busy`: not enough free blocks right now (backpressure); the sender retries after `retry_after_s` until
+  its deadline (`TransferConfig.reserve_timeout_s`).
+
+`reserve` below is the receiver's decision, on its `BlockPool` (plain Python, no arrays, no sockets).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cluster.block_pool import BlockPool
+from cluster.hashing import block_extra_key, block_hashes, kv_format_name
+
+# Fields whose mismatch makes transferred KV meaningless, in the order a refusal names them.
+_CHECKED = ("model_id", "revision", "dtype", "kv_bits", "kv_group_size", "block_size", "num_layers",
+            "num_kv_heads", "head_dim", "speculative_kv")
+
+
+class KVFormat(BaseModel):
+    """What a block's bytes mean: model weights, dtype and quantization, geometry.
+
+    `revision` is the weights' content hash (cluster.model.ModelSpec.revision); `speculative_kv` is True when
+    the worker's speculative decoding keeps KV of its own (a draft model) that transfers must carry too.
+    """
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
+
+    model_id: str = Field(max_length=1024)
+    revision: str = Field(max_length=256)
+    dtype: str = Field(pattern="^(float32|float16|bfloat16)$")
+    kv_bits: Optional[int] = Field(default=None, ge=4, le=8)
+    kv_group_size: int = Field(ge=32, le=128)
+    block_size: int = Field(ge=1, le=1024)
+    num_layers: int = Field(ge=1, le=1024)
+    num_kv_heads: int = Field(ge=1, le=1024)
+    head_dim: int = Field(ge=1, le=4096)
+    speculative_kv: bool = False
+
+    @classmethod
+    def of(cls, spec, config, speculative_kv: bool = False) -> "KVFormat":
+        """The format of an engine with `spec` (cluster.model.ModelSpec) and `config` (EngineConfig)."""
+        return cls(model_id=spec.model_id, revision=spec.revision, dtype=config.dtype, kv_bits=config.kv_bits,
+                   kv_group_size=config.kv_group_size, block_size=config.block_size, num_layers=spec.num_layers,
+                   num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, speculative_kv=speculative_kv)
+
+    def mismatches(self, other: "KVFormat") -> list[str]:
+        """Human-readable differences, e.g. ["kv_bits: sender 4, receiver 8"] (self = the receiver)."""
+        return [f"{name}: sender {getattr(other, name)!r}, receiver {getattr(self, name)!r}"
+                for name in _CHECKED if getattr(self, name) != getattr(other, name)]
+
+    def extra_key(self, cache_salt: Optional[str] = None) -> int:
+        """The first block's hash key, identical to the engine's (cluster.hashing)."""
+        name = kv_format_name(self.dtype, self.kv_bits, self.kv_group_size, self.block_size)
+        return block_extra_key(self.model_id, self.revision, name, cache_salt)
+
+    def block_hashes(self, token_ids: Sequence[int], cache_salt: Optional[str] = None) -> list[int]:
+        """Chained hashes of the full blocks of `token_ids` in this format."""
+        return block_hashes(token_ids, self.block_size, self.extra_key(cache_salt))
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Blocks a receiver set aside for one prompt: `block_table` covers every prompt position; its first
+    `num_cached_blocks` entries already hold the right KV (prefix-cache hits, referenced)."""
+
+    block_table: list[int]
+    num_cached_blocks: int
+
+
+@dataclass(frozen=True)
+class Refusal:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Busy:
+    retry_after_s: float
+
+
+def reserve(pool: BlockPool, fmt: KVFormat, offered: KVFormat, token_ids: Sequence[int], hashes: Sequence[int],
+            max_prompt_len: int, watermark_blocks: int = 0,
+            retry_after_s: Callable[[], float] = lambda: 0.05) -> Union[Reservation, Refusal, Busy]:
+    """Decide an offer of `token_ids` (with their full-block `hashes` in the receiver's format `fmt`).
+
+    Refuses a format mismatch (naming each differing field), an empty prompt, a prompt of `max_prompt_len`
+    tokens or more, or one needing more blocks than the pool has at all. Answers Busy when fewer than
+    `needed + watermark_blocks` blocks are free. Otherwise references the cached prefix (`touch`) and
+    allocates the rest, so the reservation can never fail later for lack of memory.
+    """
+    diff = fmt.mismatches(offered)
+    if diff:
+        return Refusal("KV format mismatch (" + "; ".join(diff) + "): start both workers with the same model "
+                       "and KV settings")
+    n = len(token_ids)
+    if n == 0:
+        return Refusal("the prompt is empty")
+    if n >= max_prompt_len:
+        return Refusal(f"the prompt has {n} tokens but the receiver's context limit is {max_prompt_len}")
+    needed = -(-n // fmt.block_size)
+    if needed > pool.num_usable_blocks:
+        return Refusal(f"the prompt needs {needed} KV blocks but the receiver's pool has "
+                       f"{pool.num_usable_blocks}")
+    cached = pool.find_cached_prefix(hashes, token_ids, fmt.block_size)
+    cached_free = sum(1 for b in cached if pool.blocks[b].ref_cnt == 0)  # touching takes them off the free list
+    if pool.num_free_blocks - cached_free < needed - len(cached) + watermark_blocks:
+        return Busy(retry_after_s())
+    pool.touch(cached)
+    return Reservation(cached + pool.allocate(needed - len(cached)), len(cached))

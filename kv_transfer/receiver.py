@@ -1,0 +1,254 @@
+"""KVReceiver: the decode worker's end of KV transfer, writing straight into reserved blocks of its pool.
+
+One ZeroMQ ROUTER socket bound to `host:port` (127.0.0.1 unless configured) serves every sender. The
+receiver has no thread of its own: the pool's owner (the decode worker's engine loop) calls `poll()` between
+steps, so blocks are written by the only thread that touches the pool and its arrays. ZeroMQ's I/O thread
+keeps receiving into its buffers meanwhile, so the network transfer overlaps the engine's compute.
+
+Life of a transfer (see kv_transfer/handshake.py and wire.py):
+
+    offer   -> reserve (or refuse / busy); the reservation is live under (request_id, epoch, sender identity)
+    blocks* -> checked against the reservation, then written with KVStore.write_blocks
+    done    -> every expected (block, layer) arrived: full blocks join the prefix cache, `ack` goes back and
+               poll() returns a `ReceivedSequence`; its blocks now belong to the caller
+    abort   -> (either side) blocks freed; poll() returns a `TransferFailed`
+
+Any message whose (request_id, epoch, identity) is not live is dropped before its arrays are even parsed.
+A malformed message that names a live transfer fails that transfer (the sender hears why); one that names
+nothing is dropped. Nothing a peer sends can raise out of `poll()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
+
+import numpy as np
+import zmq
+
+from cluster.block_pool import BlockPool
+from cluster.config import TransferConfig
+from cluster.kv_cache import KVStore
+from cluster.transport import LOOPBACK, CurveKeys, server_socket
+from kv_transfer.handshake import Busy, KVFormat, Refusal, reserve
+from kv_transfer.metrics import TransferMetrics
+from kv_transfer.wire import (Abort, Ack, Blocks, BusyAnswer, Done, Message, Offer, Refused, Reserved, WireError,
+                              decode_arrays, decode_header, encode)
+
+logger = logging.getLogger(__name__)
+_MAX_MESSAGES_PER_POLL = 256
+
+
+@dataclass(frozen=True)
+class ReceivedSequence:
+    """A completed transfer: the prompt's KV is in `block_table` (owned by the caller from now on, who frees
+    it with `BlockPool.free`); `first_token` was sampled by the prefill worker."""
+
+    request_id: str
+    token_ids: list[int]
+    block_table: list[int]
+    num_cached_tokens: int
+    first_token: int
+    first_logprob: Optional[float]
+    cache_salt: Optional[str]
+
+
+@dataclass(frozen=True)
+class TransferFailed:
+    """A transfer that ended without the sequence: `kind` is "aborted" (by the sender or `abort()`),
+    "timeout" or "error" (a malformed message); its blocks are already freed."""
+
+    request_id: str
+    kind: str
+    reason: str
+
+
+ReceiveEvent = Union[ReceivedSequence, TransferFailed]
+
+
+@dataclass
+class _Incoming:
+    offer: Offer
+    identity: bytes
+    epoch: int
+    block_table: list[int]
+    num_cached_blocks: int
+    hashes: list[int]
+    started: float
+    deadline: float
+    received: np.ndarray = field(init=False)  # bool [num_blocks, num_layers]
+
+    def __post_init__(self) -> None:
+        self.received = np.zeros((len(self.block_table), self.offer.format.num_layers), dtype=bool)
+        self.received[:self.num_cached_blocks] = True
+
+
+class KVReceiver:
+    """Receives KV blocks into `pool`/`store` (owned by the caller's thread; call every method from it).
+
+    `fmt` is this worker's KV format; offers in any other format are refused naming the difference.
+    `max_prompt_len`: offers of this many tokens or more are refused (the context limit).
+    """
+
+    def __init__(self, fmt: KVFormat, pool: BlockPool, store: KVStore, *, max_prompt_len: int,
+                 config: TransferConfig = TransferConfig(), host: str = LOOPBACK, port: int = 0,
+                 keys: Optional[CurveKeys] = None, ctx: Optional[zmq.Context] = None,
+                 metrics: Optional[TransferMetrics] = None, clock: Callable[[], float] = time.monotonic):
+        self.fmt, self.pool, self.store, self.config = fmt, pool, store, config
+        self.max_prompt_len, self.clock = max_prompt_len, clock
+        self.metrics = metrics or TransferMetrics("receive")
+        self.ctx = ctx or zmq.Context.instance()
+        self.sock, self.endpoint = server_socket(self.ctx, zmq.ROUTER, host, port, keys)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes)
+        self.live: dict[str, _Incoming] = {}
+        self._epoch = 0
+        self._events: list[ReceiveEvent] = []
+
+    # -- the caller's interface ------------------------------------------------------------------------------
+
+    def poll(self, timeout_s: float = 0.0) -> list[ReceiveEvent]:
+        """Handle what has arrived (waiting up to `timeout_s` for the first message) and expire deadlines."""
+        if self.sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            for _ in range(_MAX_MESSAGES_PER_POLL):
+                try:
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._handle(frames)
+        now = self.clock()
+        for t in [t for t in self.live.values() if t.deadline < now]:
+            self.metrics.timed_out()
+            self._fail(t, "timeout", f"no message for {self.config.timeout_s:g} s (transfer deadline)")
+        self.metrics.set_inflight(len(self.live))
+        events, self._events = self._events, []
+        return events
+
+    def abort(self, request_id: str, reason: str = "aborted by the decode worker") -> bool:
+        """Abort a live transfer (e.g. its client left): free its blocks and tell the sender."""
+        t = self.live.get(request_id)
+        if t is None:
+            return False
+        self.metrics.aborted("local")
+        self._fail(t, "aborted", reason)
+        return True
+
+    def close(self) -> None:
+        """Abort every live transfer and close the socket."""
+        for request_id in list(self.live):
+            self.abort(request_id, "the decode worker is shutting down")
+        self._events.clear()
+        self.sock.close(linger=0)
+
+    # -- messages ---------------------------------------------------------------------------------------------
+
+    def _handle(self, frames: list) -> None:
+        if len(frames) < 2:
+            self.metrics.dropped("invalid")
+            return
+        identity, frames = frames[0].bytes, frames[1:]
+        try:
+            msg = decode_header(frames[0])
+        except WireError as exc:
+            self.metrics.dropped("invalid")
+            logger.debug("dropped a malformed message: %s", exc)
+            return
+        if isinstance(msg, Offer):
+            if len(frames) != 1:
+                self.metrics.dropped("invalid")
+                return
+            self._on_offer(identity, msg)
+            return
+        t = self.live.get(msg.request_id)
+        if t is None or t.identity != identity or getattr(msg, "epoch", None) not in (t.epoch, None) \
+                or (msg.epoch is None and not isinstance(msg, Abort)):
+            self.metrics.dropped("late")  # aborted, reassigned, or someone else's: never touches memory
+            return
+        t.deadline = self.clock() + self.config.timeout_s
+        try:
+            if isinstance(msg, Blocks):
+                self._on_blocks(t, msg, frames[1:])
+            elif isinstance(msg, Done) and len(frames) == 1:
+                self._on_done(t, msg)
+            elif isinstance(msg, Abort):
+                self.metrics.aborted("peer")
+                self._fail(t, "aborted", f"the sender aborted: {msg.reason}", notify=False)
+            else:
+                raise WireError(f"unexpected {msg.type!r} message ({len(frames) - 1} array frames) for a live "
+                                "transfer")
+        except WireError as exc:
+            self.metrics.dropped("invalid")
+            self._fail(t, "error", str(exc))
+
+    def _on_offer(self, identity: bytes, offer: Offer) -> None:
+        def answer(msg: Message, outcome: str) -> None:
+            self.metrics.answer(outcome)
+            self._send(identity, msg)
+
+        rid = offer.request_id
+        if rid in self.live:
+            answer(Refused(request_id=rid, reason=f"request_id {rid!r} is already being transferred"), "refused")
+            return
+        hashes = self.fmt.block_hashes(offer.token_ids, offer.cache_salt)
+        got = reserve(self.pool, self.fmt, offer.format, offer.token_ids, hashes, self.max_prompt_len,
+                      self.config.watermark_blocks)
+        if isinstance(got, Refusal):
+            answer(Refused(request_id=rid, reason=got.reason), "refused")
+        elif isinstance(got, Busy):
+            answer(BusyAnswer(request_id=rid, retry_after_s=got.retry_after_s), "busy")
+        else:
+            self._epoch += 1
+            now = self.clock()
+            self.live[rid] = _Incoming(offer, identity, self._epoch, got.block_table, got.num_cached_blocks,
+                                       hashes, now, now + self.config.timeout_s)
+            answer(Reserved(request_id=rid, epoch=self._epoch, num_cached_blocks=got.num_cached_blocks,
+                            num_blocks=len(got.block_table)), "reserved")
+
+    def _on_blocks(self, t: _Incoming, msg: Blocks, payload: list) -> None:
+        start, stop = msg.block_start, msg.block_start + msg.num_blocks
+        layers = range(msg.layer_start, msg.layer_start + msg.num_layers)
+        if start < t.num_cached_blocks or stop > len(t.block_table) or layers.stop > self.fmt.num_layers:
+            raise WireError(f"blocks [{start}, {stop}) x layers [{layers.start}, {layers.stop}) are outside the "
+                            f"reservation (blocks [{t.num_cached_blocks}, {len(t.block_table)}), "
+                            f"{self.fmt.num_layers} layers)")
+        if (msg.kv_bits, msg.kv_group_size) != (self.fmt.kv_bits, self.fmt.kv_group_size):
+            raise WireError(f"blocks quantized as kv_bits={msg.kv_bits}, group {msg.kv_group_size}, but the "
+                            f"transfer agreed on kv_bits={self.fmt.kv_bits}, group {self.fmt.kv_group_size}")
+        expected = [(n, d, list(s)) for n, d, s in self.store.block_array_specs(msg.num_blocks, msg.num_layers)]
+        if [(a.name, a.dtype, a.shape) for a in msg.arrays] != expected:
+            raise WireError(f"array specs {[a.model_dump() for a in msg.arrays]} do not match the expected "
+                            f"{expected}")
+        if msg.block_hashes != t.hashes[start:min(stop, len(t.hashes))]:
+            raise WireError("block hashes do not match the prompt's: the workers hash blocks differently")
+        arrays = decode_arrays(msg, payload)  # checks every frame's size before anything is written
+        self.store.write_blocks(t.block_table[start:stop], layers, arrays)
+        t.received[start:stop, layers.start:layers.stop] = True
+        self.metrics.moved(sum(a.nbytes for a in msg.arrays), msg.num_blocks if layers.start == 0 else 0)
+
+    def _on_done(self, t: _Incoming, msg: Done) -> None:
+        if not t.received.all():
+            missing = int((~t.received).any(axis=1).sum())
+            raise WireError(f"'done' before every block arrived ({missing} blocks missing)")
+        bs, tokens = self.fmt.block_size, t.offer.token_ids
+        for i in range(t.num_cached_blocks, len(t.hashes)):
+            self.pool.cache_block(t.block_table[i], t.hashes[i], tokens[i * bs:(i + 1) * bs])
+        del self.live[t.offer.request_id]
+        self._send(t.identity, Ack(request_id=t.offer.request_id, epoch=t.epoch))
+        self.metrics.completed(self.clock() - t.started)
+        self._events.append(ReceivedSequence(t.offer.request_id, list(tokens), t.block_table,
+                                             t.num_cached_blocks * bs, msg.first_token, msg.first_logprob,
+                                             t.offer.cache_salt))
+
+    def _fail(self, t: _Incoming, kind: str, reason: str, notify: bool = True) -> None:
+        del self.live[t.offer.request_id]
+        self.pool.free(t.block_table)
+        if notify:
+            self._send(t.identity, Abort(request_id=t.offer.request_id, epoch=t.epoch, reason=reason))
+        self._events.append(TransferFailed(t.offer.request_id, kind, reason))
+
+    def _send(self, identity: bytes, msg: Message) -> None:
+        try:
+            self.sock.send_multipart([identity, *encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the peer is gone or not reading: its own deadline will tell it
+            logger.debug("could not answer %s: %s", identity.hex(), exc)

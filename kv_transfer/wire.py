@@ -1,0 +1,188 @@
+"""The KV wire: one ZeroMQ multipart message = a msgpack header frame + raw array frames.
+
+Frame 0 is a msgpack map validated into one of the message models below (explicit type registry, no
+pickle); its `version` must equal `WIRE_VERSION`. Only `blocks` messages carry further frames: one raw frame
+per array named in the header, in header order, sent with `copy=False` straight from MLX memory.
+
+    blocks  header {version: 1, type: "blocks", request_id: "r1", epoch: 7,
+                    block_start: 2, num_blocks: 64, block_hashes: [<64 uint64>],
+                    layer_start: 0, num_layers: 30, kv_bits: null, kv_group_size: 64,
+                    arrays: [{name: "k", dtype: "float32", shape: [30, 2048, 3, 64]}, {name: "v", ...}]}
+            frame 1: k bytes (30 * 2048 * 3 * 64 * 4 = 47,185,920), frame 2: v bytes (same)
+
+Array shapes are [layers, num_blocks * block_size, kv_heads, d] (see cluster.kv_cache.KVStore.read_blocks);
+quantized KV travels as its (packed uint32, scales, biases) arrays per K and V, never dequantized.
+bfloat16 travels as its raw 16-bit words (NumPy has no bfloat16) and is viewed back on arrival.
+
+Message flow (S = sender, the prefill worker; R = receiver, the decode worker):
+S->R offer; R->S reserved | refused | busy; S->R blocks*, done; R->S ack; either way: abort.
+`decode` rejects anything malformed with `WireError` (a ValueError) and never touches KV memory.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Sequence, Union
+
+import mlx.core as mx
+import msgpack
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from kv_transfer.handshake import KVFormat
+
+WIRE_VERSION = 1
+MAX_HEADER_BYTES = 16 * 2**20
+_WIRE_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "uint32": np.uint32}
+_MAX_TOKENS = 2**22
+
+
+class WireError(ValueError):
+    """A message that does not follow the wire format; the text says what is wrong."""
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
+
+    version: Literal[1] = WIRE_VERSION
+    request_id: str = Field(min_length=1, max_length=256)
+
+
+class ArraySpec(BaseModel):
+    """One payload frame: array `name` (cluster.kv_cache.KVStore.array_names), dtype and shape."""
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
+
+    name: str = Field(max_length=32)
+    dtype: Literal["float32", "float16", "bfloat16", "uint32"]
+    shape: list[Annotated[int, Field(ge=0, lt=2**31)]] = Field(min_length=1, max_length=8)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(_WIRE_DTYPES[self.dtype]).itemsize
+
+
+class Offer(_Message):
+    """S->R: open a transfer of the KV of `token_ids` (hashed with `cache_salt`) in `format`."""
+
+    type: Literal["offer"] = "offer"
+    format: KVFormat
+    token_ids: list[Annotated[int, Field(ge=0, lt=2**31)]] = Field(max_length=_MAX_TOKENS)
+    cache_salt: Optional[str] = Field(default=None, max_length=1024)
+
+
+class Reserved(_Message):
+    """R->S: blocks reserved; send blocks from index `num_cached_blocks` to `num_blocks` - 1."""
+
+    type: Literal["reserved"] = "reserved"
+    epoch: int = Field(ge=0, lt=2**63)
+    num_cached_blocks: int = Field(ge=0)
+    num_blocks: int = Field(ge=1)
+
+
+class Refused(_Message):
+    type: Literal["refused"] = "refused"
+    reason: str = Field(max_length=4096)
+
+
+class BusyAnswer(_Message):
+    type: Literal["busy"] = "busy"
+    retry_after_s: float = Field(ge=0, le=60)
+
+
+class Blocks(_Message):
+    """S->R: KV of blocks [block_start, block_start + num_blocks) of the prompt, layers
+    [layer_start, layer_start + num_layers); `block_hashes` of those that are full."""
+
+    type: Literal["blocks"] = "blocks"
+    epoch: int = Field(ge=0, lt=2**63)
+    block_start: int = Field(ge=0)
+    num_blocks: int = Field(ge=1)
+    block_hashes: list[Annotated[int, Field(ge=0, lt=2**64)]] = Field(max_length=_MAX_TOKENS)
+    layer_start: int = Field(ge=0)
+    num_layers: int = Field(ge=1)
+    kv_bits: Optional[int] = None
+    kv_group_size: int
+    arrays: list[ArraySpec] = Field(max_length=6)
+
+
+class Done(_Message):
+    """S->R: every block is sent; the first token sampled from the prompt's last logits."""
+
+    type: Literal["done"] = "done"
+    epoch: int = Field(ge=0, lt=2**63)
+    first_token: int = Field(ge=0, lt=2**31)
+    first_logprob: Optional[float] = None
+
+
+class Ack(_Message):
+    """R->S: the transfer is complete and the receiver owns the sequence."""
+
+    type: Literal["ack"] = "ack"
+    epoch: int = Field(ge=0, lt=2**63)
+
+
+class Abort(_Message):
+    """Either way: stop the transfer and free its blocks (`epoch` None: before any reservation)."""
+
+    type: Literal["abort"] = "abort"
+    epoch: Optional[int] = Field(default=None, ge=0, lt=2**63)
+    reason: str = Field(max_length=4096)
+
+
+Message = Union[Offer, Reserved, Refused, BusyAnswer, Blocks, Done, Ack, Abort]
+_ADAPTER: TypeAdapter = TypeAdapter(Annotated[Message, Field(discriminator="type")])
+
+
+def encode(msg: Message, arrays: Sequence[mx.array] = ()) -> list:
+    """Frames for `msg`: the msgpack header, then each (evaluated) array as a zero-copy memoryview."""
+    frames: list = [msgpack.packb(msg.model_dump(), use_bin_type=True)]
+    for a in arrays:
+        frames.append(memoryview(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a))
+    return frames
+
+
+def decode_header(frame) -> Message:
+    """Parse and validate frame 0. Raises WireError for anything but a valid header of a known type and
+    version."""
+    data = frame.buffer if hasattr(frame, "buffer") else frame
+    if len(data) > MAX_HEADER_BYTES:
+        raise WireError(f"header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several types for garbage
+        raise WireError(f"header is not valid msgpack: {type(exc).__name__}") from None
+    if not isinstance(raw, dict):
+        raise WireError("header must be a msgpack map")
+    if raw.get("version") != WIRE_VERSION:
+        raise WireError(f"unsupported wire version {raw.get('version')!r} (this worker speaks {WIRE_VERSION})")
+    try:
+        return _ADAPTER.validate_python(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "header"
+        raise WireError(f"invalid {raw.get('type')!r} header at {where}: {first['msg']}") from None
+
+
+def decode_arrays(msg: Message, payload: Sequence) -> list[mx.array]:
+    """The arrays of a `blocks` message from its payload frames (a copy into MLX memory). Raises WireError
+    when the frame count, a dtype, or a frame's size does not match the header."""
+    specs = msg.arrays if isinstance(msg, Blocks) else []
+    if len(payload) != len(specs):
+        raise WireError(f"{msg.type} message has {len(payload)} array frames but its header names {len(specs)}")
+    out = []
+    for spec, frame in zip(specs, payload):
+        buf = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+        if buf.nbytes != spec.nbytes:
+            raise WireError(f"array {spec.name!r} frame has {buf.nbytes} bytes but shape {spec.shape} of "
+                            f"{spec.dtype} needs {spec.nbytes}")
+        arr = mx.array(np.frombuffer(buf, dtype=_WIRE_DTYPES[spec.dtype]).reshape(spec.shape))
+        out.append(arr.view(mx.bfloat16) if spec.dtype == "bfloat16" else arr)
+    return out
+
+
+def decode(frames: Sequence) -> tuple[Message, list[mx.array]]:
+    """Header and arrays of one whole message (tests and tools; workers check the header first)."""
+    if not frames:
+        raise WireError("empty message")
+    msg = decode_header(frames[0])
+    return msg, decode_arrays(msg, frames[1:])

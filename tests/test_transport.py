@@ -1,0 +1,197 @@
+"""cluster/transport.py: ZeroMQ sockets on loopback, CurveZMQ keys and who they let in, `mlx-pd keys`."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import stat
+import threading
+
+import pytest
+import zmq
+import zmq.auth
+
+from cluster import cli
+from cluster.transport import (
+    LOOPBACK, CurveKeys, check_endpoint, client_socket, close_context, generate_keys, server_socket,
+)
+
+WAIT_MS = 1000  # how long a refused peer gets to (not) deliver
+
+
+class Net:
+    """One Context plus every socket made through it, all closed (authenticator stopped) by `close`."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.Context()
+        self.sockets: list[zmq.Socket] = []
+
+    def server(self, kind=zmq.ROUTER, **kw):
+        sock, endpoint = server_socket(self.ctx, kind, **kw)
+        self.sockets.append(sock)
+        return sock, endpoint
+
+    def client(self, endpoint, kind=zmq.DEALER, keys=None):
+        sock = client_socket(self.ctx, kind, endpoint, keys)
+        self.sockets.append(sock)
+        return sock
+
+    def close(self) -> None:
+        for s in self.sockets:
+            s.close(linger=0)
+        close_context(self.ctx)
+        close_context(self.ctx)  # idempotent
+
+
+@pytest.fixture
+def net():
+    n = Net()
+    yield n
+    n.close()
+
+
+@pytest.fixture
+def keys(tmp_path):
+    return generate_keys(tmp_path / "keys")
+
+
+def recv(sock, timeout_ms=5000):
+    """The next multipart message, or None when none arrives within timeout_ms."""
+    if sock.poll(timeout_ms, zmq.POLLIN):
+        return sock.recv_multipart()
+    return None
+
+
+def test_server_binds_loopback_by_default_and_returns_the_real_port(net):
+    sock, endpoint = net.server()
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    assert host == LOOPBACK and 0 < int(port) <= 65535
+    assert sock.last_endpoint.decode() == endpoint
+    assert sock.linger == 0
+    c = net.client(endpoint)
+    c.send_multipart([b"hi"])
+    _, body = recv(sock)
+    assert body == b"hi"
+
+
+def test_curve_client_and_server_exchange_both_ways(net, keys):
+    srv, endpoint = net.server(keys=keys)
+    assert srv.curve_server
+    c = net.client(endpoint, keys=keys)
+    c.send_multipart([b"ping", b"payload"])
+    identity, *body = recv(srv)
+    assert body == [b"ping", b"payload"]
+    srv.send_multipart([identity, b"pong"])
+    assert recv(c) == [b"pong"]
+
+
+def test_plain_client_gets_nothing_through_to_a_curve_server(net, keys):
+    srv, endpoint = net.server(keys=keys)
+    c = net.client(endpoint)  # no keys: NULL mechanism, the handshake fails
+    c.send_multipart([b"injected"])
+    assert recv(srv, WAIT_MS) is None
+
+
+def test_unauthorized_client_key_is_refused_until_its_public_key_is_added(net, keys, tmp_path):
+    d = tmp_path / "keys"
+    zmq.auth.create_certificates(tmp_path, "extra")  # a stranger's own key pair
+    stranger_public, stranger_secret = zmq.auth.load_certificate(tmp_path / "extra.key_secret")
+    stranger = CurveKeys(keys.server_public, b"x" * 40, stranger_public, stranger_secret, (stranger_public,))
+
+    srv, endpoint = net.server(keys=keys)
+    c = net.client(endpoint, keys=stranger)  # knows the server's public key, but is not authorized
+    c.send_multipart([b"let me in"])
+    assert recv(srv, WAIT_MS) is None
+
+    shutil.copy(tmp_path / "extra.key", d / "extra.key")  # the admin authorizes it
+    reloaded = CurveKeys.load(d)
+    assert set(reloaded.authorized_clients) == {keys.client_public, stranger_public}
+    srv2, endpoint2 = net.server(keys=reloaded)
+    c2 = net.client(endpoint2, keys=stranger)
+    c2.send_multipart([b"let me in"])
+    assert recv(srv2)[1:] == [b"let me in"]
+    c.send_multipart([b"still refused"])  # the first server keeps its own, older set
+    assert recv(srv, WAIT_MS) is None
+
+
+def test_generate_keys_protects_secrets_and_refuses_to_overwrite(tmp_path):
+    d = tmp_path / "keys"
+    first = generate_keys(d)
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    for name in ("server.key_secret", "client.key_secret"):
+        assert stat.S_IMODE((d / name).stat().st_mode) == 0o600
+    assert first.authorized_clients == (first.client_public,)
+    with pytest.raises(FileExistsError, match="refusing to overwrite"):
+        generate_keys(d)
+    assert CurveKeys.load(d) == first
+    second = generate_keys(d, overwrite=True)
+    assert second.server_secret != first.server_secret
+
+
+def test_load_names_the_missing_file_and_repr_hides_secrets(tmp_path, keys):
+    d = tmp_path / "keys"
+    text = repr(keys) + str(keys)
+    for secret in (keys.server_secret, keys.client_secret):
+        assert secret.decode() not in text and secret[:8].decode() not in text
+    assert keys.server_public[:8].decode() in text and keys.server_public.decode() not in text
+
+    (d / "client.key_secret").unlink()
+    with pytest.raises(ValueError, match=r"client\.key_secret.*mlx-pd keys") as info:
+        CurveKeys.load(d)
+    assert keys.server_secret.decode() not in str(info.value)
+    with pytest.raises(ValueError, match=r"does not exist.*mlx-pd keys"):
+        CurveKeys.load(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="server_secret must be 40"):
+        CurveKeys(keys.server_public, b"short", keys.client_public, keys.client_secret, ())
+
+
+def test_bad_hosts_ports_and_endpoints_are_clear_errors(net):
+    with pytest.raises(ValueError, match="port=70000 is invalid"):
+        server_socket(net.ctx, zmq.ROUTER, port=70000)
+    with pytest.raises(ValueError, match="host='tcp://x' is invalid"):
+        server_socket(net.ctx, zmq.ROUTER, host="tcp://x")
+    for bad in ("127.0.0.1:5555", "tcp://127.0.0.1", "tcp://127.0.0.1:0", "tcp://127.0.0.1:99999", "udp://h:1"):
+        with pytest.raises(ValueError, match="invalid"):
+            check_endpoint(bad)
+    _, endpoint = net.server()
+    port = int(endpoint.rsplit(":", 1)[1])
+    with pytest.raises(ValueError, match="cannot bind"):
+        server_socket(net.ctx, zmq.ROUTER, port=port)  # already in use
+
+
+def test_binding_beyond_loopback_without_keys_warns(net, keys, caplog):
+    with caplog.at_level(logging.WARNING, logger="cluster.transport"):
+        net.server(host=LOOPBACK)
+        assert caplog.records == []
+        net.server(host="0.0.0.0", keys=keys)
+        assert caplog.records == []
+        net.server(host="0.0.0.0")
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING
+    assert "readable and injectable" in record.getMessage() and "mlx-pd keys" in record.getMessage()
+
+
+def test_cli_keys_writes_the_files_and_prints_the_snippet(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MLX_PD_NO_OPENBLAS", "1")
+    d = tmp_path / "cluster-keys"
+    assert cli.main(["keys", str(d)]) == 0
+    out = capsys.readouterr().out
+    assert f'[security]\ncurve_keys_dir = "{d}"' in out
+    assert "every machine" in out and "secure channel" in out
+    keys = CurveKeys.load(d)
+    assert keys.server_secret.decode() not in out and keys.client_secret.decode() not in out
+
+    assert cli.main(["keys", str(d)]) == 2
+    assert "refusing to overwrite" in capsys.readouterr().err
+    assert cli.main(["keys", str(d), "--force"]) == 0
+    assert CurveKeys.load(d).server_public != keys.server_public
+
+
+def test_close_context_leaves_no_authenticator_thread(tmp_path):
+    before = threading.active_count()
+    context = zmq.Context()
+    sock, _ = server_socket(context, zmq.ROUTER, keys=generate_keys(tmp_path / "k"))
+    assert threading.active_count() > before
+    sock.close()
+    close_context(context)
+    assert threading.active_count() == before and context.closed
