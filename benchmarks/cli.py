@@ -6,6 +6,7 @@
     mlx-pd bench prefix --pairs 8 --system-tokens 1500      # TTFT: cached vs cold system prompt
     mlx-pd bench chat --users 16 --system-prompts 4         # multi-tenant 2-turn chat: prefix hit rate
     mlx-pd bench kv --engine-check --decode                 # KV bytes/token, capacity, 8-bit decode
+    mlx-pd bench transfer --json transfer.json              # KV shipping vs raw pyzmq, bytes, projection
 
 Every run warms up first (not measured), sends unique prompts (unless --shared-prefix), and reports
 p50/p90/p99. See docs/BENCHMARKS.md for the rules and the latest numbers.
@@ -137,15 +138,18 @@ SUBCOMMANDS = {
     "prefix": "TTFT of a chat request whose long system prompt is cached vs cold (benchmarks/prefix_bench.py)",
     "chat": "multi-tenant 2-turn chat workload: prefix hit rate vs the ideal, TTFT, throughput",
     "kv": "KV bytes per token per format, sequences per budget, decode with quantized KV (benchmarks/kv_bench.py)",
+    "transfer": "KV transfer over loopback vs raw pyzmq, bytes on the wire per format, and a projection for an 8B "
+                "model (benchmarks/transfer_bench.py)",
 }
 
 
 def build_subcommand_parser(name: str) -> argparse.ArgumentParser:
-    """The argument parser of `mlx-pd bench prefix|chat|kv`."""
-    from benchmarks import kv_bench, prefix_bench
+    """The argument parser of `mlx-pd bench prefix|chat|kv|transfer`."""
+    from benchmarks import kv_bench, prefix_bench, transfer_bench
 
-    add = {"prefix": prefix_bench.add_prefix_args, "chat": prefix_bench.add_chat_args, "kv": kv_bench.add_kv_args}
-    module = kv_bench if name == "kv" else prefix_bench
+    add = {"prefix": prefix_bench.add_prefix_args, "chat": prefix_bench.add_chat_args, "kv": kv_bench.add_kv_args,
+           "transfer": transfer_bench.add_transfer_args}
+    module = {"kv": kv_bench, "transfer": transfer_bench}.get(name, prefix_bench)
     p = argparse.ArgumentParser(prog=f"mlx-pd bench {name}", description=SUBCOMMANDS[name],
                                 epilog=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add[name](p)
@@ -155,22 +159,23 @@ def build_subcommand_parser(name: str) -> argparse.ArgumentParser:
 def _run_subcommand(name: str, argv: Sequence[str]) -> int:
     from pathlib import Path
 
-    from benchmarks import kv_bench, prefix_bench, prefix_report
+    from benchmarks import kv_bench, prefix_bench, prefix_report, transfer_bench
     from benchmarks.report import write_json
 
     args = build_subcommand_parser(name).parse_args(list(argv))
     if getattr(args, "max_tokens", 1) < 1:
         print(f"mlx-pd bench {name}: error: --max-tokens must be >= 1", file=sys.stderr)
         return 2
-    run = {"prefix": prefix_bench.run_prefix, "chat": prefix_bench.run_chat, "kv": kv_bench.run_kv}[name]
+    run = {"prefix": prefix_bench.run_prefix, "chat": prefix_bench.run_chat, "kv": kv_bench.run_kv,
+           "transfer": transfer_bench.run_transfer}[name]
     result = run(args)
     result["command"] = f"mlx-pd bench {name} " + shlex.join(argv)
     write_json(result, args.out)
     if args.markdown:
         tables = {"prefix": prefix_report.prefix_tables, "chat": prefix_report.chat_tables,
-                  "kv": kv_bench.kv_tables}[name](result)
+                  "kv": kv_bench.kv_tables, "transfer": transfer_bench.transfer_tables}[name](result)
         Path(args.markdown).write_text(prefix_report.markdown(tables), encoding="utf-8")
-    if name == "kv":
+    if name in ("kv", "transfer"):  # a failed transfer raises (exit code 2)
         return 0
     servers = result["servers"].values()
     errors = sum(sum(k["errors"] for k in s["kinds"].values()) if name == "prefix" else s["summary"]["errors"]
