@@ -43,7 +43,7 @@ FORMATS = (("float32", "float32", None), ("bfloat16", "bfloat16", None), ("float
 
 
 def engine_num_blocks(kv_cache_gb: float, bytes_per_block: int) -> int:
-    """Blocks in the engine's pool for a budget: `decode_node.engine.EngineCore`'s rule (1 + budget //
+    """Blocks in the engine's pool for a budget: `cluster.engine.EngineCore`'s rule (1 + budget //
     bytes per block; block 0 is the null block). `--engine-check` compares it with the engine's own."""
     return 1 + int(kv_cache_gb * 2**30 // bytes_per_block)
 

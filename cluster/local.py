@@ -25,7 +25,7 @@ OutputSink = Callable[[RequestOutput], None]
 
 
 class EngineThread:
-    """Runs `core.step()` in a loop on a daemon thread. `core` is a `decode_node.engine.EngineCore`."""
+    """Runs `core.step()` in a loop on a daemon thread. `core` is a `cluster.engine.EngineCore`."""
 
     def __init__(self, core, idle_wait_s: float = 0.05):
         self.core = core
@@ -179,7 +179,7 @@ def start_local_engine(model: Optional[str] = None, config: Optional[EngineConfi
     model to the engine thread.
     """
     from cluster.model import DEFAULT_MODEL, load_model, read_model_spec, resolve_model_path
-    from decode_node.engine import EngineCore  # lazy: cluster never imports a sibling at module level
+    from cluster.engine import EngineCore  # lazy: cluster never imports a sibling at module level
 
     config = config or EngineConfig()
     path = resolve_model_path(model, dtype=config.dtype)

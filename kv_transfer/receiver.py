@@ -161,15 +161,18 @@ class KVReceiver:
             self._on_offer(identity, msg)
             return
         t = self.live.get(msg.request_id)
-        if t is None or t.identity != identity or getattr(msg, "epoch", None) not in (t.epoch, None) \
-                or (msg.epoch is None and not isinstance(msg, Abort)):
+        epoch = getattr(msg, "epoch", None)  # only an abort may omit it (sent before the reservation arrived)
+        if t is None or t.identity != identity or epoch not in (t.epoch, None) \
+                or (epoch is None and not isinstance(msg, Abort)):
             self.metrics.dropped("late")  # aborted, reassigned, or someone else's: never touches memory
             return
         t.deadline = self.clock() + self.config.timeout_s
         try:
+            if not isinstance(msg, Blocks) and len(frames) != 1:
+                raise WireError(f"a {msg.type!r} message carries no array frames, got {len(frames) - 1}")
             if isinstance(msg, Blocks):
                 self._on_blocks(t, msg, frames[1:])
-            elif isinstance(msg, Done) and len(frames) == 1:
+            elif isinstance(msg, Done):
                 self._on_done(t, msg)
             elif isinstance(msg, Abort):
                 self.metrics.aborted("peer")
@@ -189,6 +192,10 @@ class KVReceiver:
         rid = offer.request_id
         if rid in self.live:
             answer(Refused(request_id=rid, reason=f"request_id {rid!r} is already being transferred"), "refused")
+            return
+        if len(offer.token_ids) >= self.max_prompt_len:  # before hashing: a huge offer costs nothing
+            answer(Refused(request_id=rid, reason=f"the prompt has {len(offer.token_ids)} tokens but the "
+                                                  f"receiver's context limit is {self.max_prompt_len}"), "refused")
             return
         hashes = self.fmt.block_hashes(offer.token_ids, offer.cache_salt)
         got = reserve(self.pool, self.fmt, offer.format, offer.token_ids, hashes, self.max_prompt_len,

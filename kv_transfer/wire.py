@@ -21,6 +21,7 @@ S->R offer; R->S reserved | refused | busy; S->R blocks*, done; R->S ack; either
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -58,7 +59,7 @@ class ArraySpec(BaseModel):
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(_WIRE_DTYPES[self.dtype]).itemsize
+        return math.prod(self.shape) * np.dtype(_WIRE_DTYPES[self.dtype]).itemsize
 
 
 class Offer(_Message):
@@ -153,7 +154,7 @@ def decode_header(frame) -> Message:
         raise WireError(f"header is not valid msgpack: {type(exc).__name__}") from None
     if not isinstance(raw, dict):
         raise WireError("header must be a msgpack map")
-    if raw.get("version") != WIRE_VERSION:
+    if type(raw.get("version")) is not int or raw["version"] != WIRE_VERSION:
         raise WireError(f"unsupported wire version {raw.get('version')!r} (this worker speaks {WIRE_VERSION})")
     try:
         return _ADAPTER.validate_python(raw)
@@ -175,7 +176,10 @@ def decode_arrays(msg: Message, payload: Sequence) -> list[mx.array]:
         if buf.nbytes != spec.nbytes:
             raise WireError(f"array {spec.name!r} frame has {buf.nbytes} bytes but shape {spec.shape} of "
                             f"{spec.dtype} needs {spec.nbytes}")
-        arr = mx.array(np.frombuffer(buf, dtype=_WIRE_DTYPES[spec.dtype]).reshape(spec.shape))
+        try:
+            arr = mx.array(np.frombuffer(buf, dtype=_WIRE_DTYPES[spec.dtype]).reshape(spec.shape))
+        except ValueError as exc:  # e.g. a zero-size array with an absurd shape
+            raise WireError(f"array {spec.name!r} of shape {spec.shape} cannot be built: {exc}") from None
         out.append(arr.view(mx.bfloat16) if spec.dtype == "bfloat16" else arr)
     return out
 

@@ -22,7 +22,7 @@ def real_model():
 
 def make_engine(**config):
     """A fresh EngineCore over the shared real model; `config` overrides EngineConfig fields."""
-    from decode_node.engine import EngineCore
+    from cluster.engine import EngineCore
 
     model, tokenizer, spec = real_model()
     config.setdefault("kv_cache_gb", 0.25)

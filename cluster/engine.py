@@ -23,7 +23,7 @@ from cluster.request import FinishReason, GenerateRequest, RequestOutput
 from cluster.runner import BatchItem, ModelRunner
 from cluster.sampling import make_key, prompt_logprobs, sample
 from cluster.sequence import Sequence
-from decode_node.scheduler import ScheduledBatch, Scheduler
+from cluster.scheduler import ScheduledBatch, Scheduler
 
 logger = logging.getLogger(__name__)
 
