@@ -14,8 +14,28 @@ Single-node form (what `mlx-pd serve --topology FILE` reads; `topologies/single-
     host = "127.0.0.1"
     port = 8000
 
+Cluster form (`mlx-pd up FILE`; see topologies/local-1p1d.toml and lab-example.toml): the same tables plus
+
+    [transfer]                           # any field of cluster.config.TransferConfig
+    timeout_s = 30
+    [routing]                            # RoutingSection
+    policy = "least_loaded"
+    [security]
+    curve_keys_dir = "~/.config/mlx-pd/keys"   # from `mlx-pd keys DIR`; every cluster socket then needs them
+    [ray]
+    address = "local"                    # start a Ray head here; or "auto" / "HOST:6379" to join one
+    [[workers]]
+    name = "prefill-0"
+    role = "prefill"                     # or "decode"
+    machine = "mac-studio-1"             # a Ray custom resource that node advertises (ray start --resources)
+    host = "127.0.0.1"                   # the address it binds and the others reach it at
+    control_port = 5601
+    [workers.engine]                     # overrides of [engine] for this worker (not the KV format)
+    kv_cache_gb = 4
+
 Every unknown table or key is an error that names it and the file, so a typo never silently falls back to
-a default. Worker tables for cluster mode are added by the cluster launcher.
+a default. The KV format (dtype, kv_bits, kv_group_size, block_size) must be the same on every worker: a
+mismatch is an error at load time (cases.md T3), before anything starts.
 """
 
 from __future__ import annotations
@@ -26,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from cluster.config import EngineConfig
+from cluster.config import EngineConfig, TransferConfig
 
 TOPOLOGY_DIR = Path(__file__).resolve().parent.parent / "topologies"
 
@@ -51,14 +71,125 @@ class RouterSection:
             raise ValueError(f"router.port={self.port!r} is invalid: must be an integer in 1..65535")
 
 
+ROLES = ("prefill", "decode")
+POLICIES = ("least_loaded", "round_robin")
+KV_FORMAT_FIELDS = ("dtype", "kv_bits", "kv_group_size", "block_size")
+
+
+@dataclass(frozen=True)
+class RoutingSection:
+    """`[routing]`: how the router places requests.
+
+    - `policy`: "least_loaded" (fewest requests in flight, then most free KV blocks) or "round_robin".
+    - `local_prefill_max_tokens`: a prompt with fewer uncached tokens than this is prefilled by its decode
+      worker itself, with no prefill worker and no transfer (conditional disaggregation).
+    - `heartbeat_s` / `dead_after_s`: the router pings every worker this often and marks one dead after this
+      long without an answer (its requests fail or migrate; it is used again once it answers).
+    """
+
+    policy: str = "least_loaded"
+    local_prefill_max_tokens: int = 256
+    heartbeat_s: float = 1.0
+    dead_after_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"routing.policy={self.policy!r} is invalid: must be one of {', '.join(POLICIES)}")
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError("routing.local_prefill_max_tokens must be >= 0")
+        if not 0 < self.heartbeat_s < self.dead_after_s:
+            raise ValueError("routing needs 0 < heartbeat_s < dead_after_s")
+
+
+@dataclass(frozen=True)
+class SecuritySection:
+    """`[security]`: `curve_keys_dir` (from `mlx-pd keys DIR`) makes every cluster socket require CurveZMQ."""
+
+    curve_keys_dir: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class RaySection:
+    """`[ray]`: `address` "local" starts a Ray head on this machine (the local-* topologies); "auto" or
+    "HOST:PORT" joins a running cluster. `namespace` defaults to "mlx-pd-<topology name>". Actors restart at
+    most `max_restarts` times."""
+
+    address: str = "auto"
+    namespace: Optional[str] = None
+    max_restarts: int = 3
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ValueError("ray.max_restarts must be >= 0")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One `[[workers]]` entry. `engine` is the topology's `[engine]` with this worker's overrides applied.
+
+    `kv_port` (decode workers only) receives KV blocks; `control_port` takes requests from the router.
+    `cpu_affinity` pins the worker's process to those CPUs (Linux; used to stand in for separate machines).
+    """
+
+    name: str
+    role: str
+    control_port: int
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    machine: Optional[str] = None
+    host: str = "127.0.0.1"
+    kv_port: Optional[int] = None
+    cpu_affinity: Optional[tuple[int, ...]] = None
+
+    def __post_init__(self) -> None:
+        if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
+            raise ValueError(f"name={self.name!r} is invalid: use letters, digits, '-', '_' or '.'")
+        if self.role not in ROLES:
+            raise ValueError(f"role={self.role!r} is invalid: must be one of {', '.join(ROLES)}")
+        for key in ("control_port", "kv_port"):
+            port = getattr(self, key)
+            if port is not None and (not isinstance(port, int) or not 0 < port < 65536):
+                raise ValueError(f"{key}={port!r} is invalid: must be an integer in 1..65535")
+        if self.role == "decode" and self.kv_port is None:
+            raise ValueError("a decode worker needs kv_port (where prefill workers send KV blocks)")
+        if self.role == "prefill" and self.kv_port is not None:
+            raise ValueError("kv_port is for decode workers only (prefill workers connect out)")
+
+    @property
+    def actor_name(self) -> str:
+        """The readable name of its Ray actor, e.g. "prefill-0@mac-studio-1"."""
+        return f"{self.name}@{self.machine or self.host}"
+
+    def endpoint(self, port: int) -> str:
+        return f"tcp://{self.host}:{port}"
+
+
 @dataclass(frozen=True)
 class TopologySpec:
-    """A parsed topology file."""
+    """A parsed topology file; `workers` is empty in single-node form."""
 
     name: str
     model: ModelSection = field(default_factory=ModelSection)
     engine: EngineConfig = field(default_factory=EngineConfig)
     router: RouterSection = field(default_factory=RouterSection)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    routing: RoutingSection = field(default_factory=RoutingSection)
+    security: SecuritySection = field(default_factory=SecuritySection)
+    ray: RaySection = field(default_factory=RaySection)
+    workers: tuple[WorkerSpec, ...] = ()
+    source: Optional[str] = None  # the file's text, so a launcher can hand the same topology to every process
+
+    def workers_of(self, role: str) -> list[WorkerSpec]:
+        return [w for w in self.workers if w.role == role]
+
+    def worker(self, name: str) -> WorkerSpec:
+        for w in self.workers:
+            if w.name == name:
+                return w
+        raise KeyError(f"no worker named {name!r} in topology {self.name!r}")
+
+    @property
+    def namespace(self) -> str:
+        return self.ray.namespace or f"mlx-pd-{self.name}"
 
 
 def _section(cls, table: Any, where: str):
@@ -88,13 +219,62 @@ def resolve_topology_path(name_or_path: str) -> Path:
 def load_topology(name_or_path: str) -> TopologySpec:
     """Parse and validate a topology file. Raises FileNotFoundError or ValueError naming the bad key."""
     path = resolve_topology_path(name_or_path)
+    return parse_topology(path.read_text(), name=path.stem, where=str(path))
+
+
+_SECTIONS = {"model": ModelSection, "engine": EngineConfig, "router": RouterSection, "transfer": TransferConfig,
+             "routing": RoutingSection, "security": SecuritySection, "ray": RaySection}
+
+
+def parse_topology(text: str, name: str, where: str = "<topology>") -> TopologySpec:
+    """Parse topology TOML `text` (see the module docstring). Raises ValueError naming the bad key."""
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"{path}: not valid TOML: {exc}") from None
-    sections = {"model": ModelSection, "engine": EngineConfig, "router": RouterSection}
-    unknown = sorted(set(data) - set(sections))
+        raise ValueError(f"{where}: not valid TOML: {exc}") from None
+    known = set(_SECTIONS) | {"workers"}
+    unknown = sorted(set(data) - known)
     if unknown:
-        raise ValueError(f"{path}: unknown table(s) {', '.join(unknown)}; known: {', '.join(sections)}")
-    parsed = {key: _section(cls, data.get(key, {}), f"{path} [{key}]") for key, cls in sections.items()}
-    return TopologySpec(name=path.stem, **parsed)
+        raise ValueError(f"{where}: unknown table(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    parsed = {key: _section(cls, data.get(key, {}), f"{where} [{key}]") for key, cls in _SECTIONS.items()}
+    tables = data.get("workers", [])
+    if not isinstance(tables, list):
+        raise ValueError(f"{where}: workers must be an array of tables ([[workers]])")
+    workers = tuple(_worker(t, parsed["engine"], f"{where} [[workers]] #{i + 1}") for i, t in enumerate(tables))
+    _check_workers(workers, where)
+    return TopologySpec(name=name, workers=workers, source=text, **parsed)
+
+
+def _worker(table: Any, engine: EngineConfig, where: str) -> WorkerSpec:
+    if not isinstance(table, dict):
+        raise ValueError(f"{where} must be a table")
+    table = dict(table)
+    overrides = table.pop("engine", {})
+    where = f"{where} ({table.get('name', '?')})"
+    if not isinstance(overrides, dict):
+        raise ValueError(f"{where}: engine must be a table")
+    fixed = sorted(set(overrides) & set(KV_FORMAT_FIELDS))
+    if fixed:
+        raise ValueError(f"{where} [engine]: {', '.join(fixed)} is part of the KV format, which every worker "
+                         "shares: set it in the top-level [engine] table")
+    merged = _section(EngineConfig, {**_fields(engine), **overrides}, f"{where} [engine]")
+    if "cpu_affinity" in table and isinstance(table["cpu_affinity"], list):
+        table["cpu_affinity"] = tuple(table["cpu_affinity"])
+    return _section(WorkerSpec, {**table, "engine": merged}, where)
+
+
+def _fields(obj) -> dict:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+def _check_workers(workers: tuple[WorkerSpec, ...], where: str) -> None:
+    names = [w.name for w in workers]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"{where}: duplicate worker name(s) {', '.join(dup)}")
+    ports = [(w.host, p) for w in workers for p in (w.control_port, w.kv_port) if p is not None]
+    clash = sorted({f"{h}:{p}" for h, p in ports if ports.count((h, p)) > 1})
+    if clash:
+        raise ValueError(f"{where}: port(s) {', '.join(clash)} used twice")
+    if workers and not any(w.role == "decode" for w in workers):
+        raise ValueError(f"{where}: a cluster needs at least one decode worker")
