@@ -1,7 +1,8 @@
 """KV transfer: mlx-pd shipping a prompt's KV over loopback against raw pyzmq, bytes per format, and a projection.
 
-    mlx-pd bench transfer                                  # 4,096 tokens, 5 rounds per format (a minute or so)
+    mlx-pd bench transfer                                  # 4,096 tokens, 5 rounds per format (~20 s)
     mlx-pd bench transfer --rounds 9 --json transfer.json
+    mlx-pd bench transfer --mlx-cache-limit-gb 4           # diagnostic: MLX's buffer cache raised (see below)
 
 **Shipping.** The default model's KV geometry (SmolLM2-135M: 30 layers, 3 KV heads x 64; only its
 config.json is read, no weights) in each format: float32, bfloat16, 8-bit and 4-bit with group 64, and
@@ -14,14 +15,18 @@ seeing the `ack`, with every block marked computed up front (pure shipping, no p
 Each round uses a new `cache_salt`, so the receiver's prefix cache never holds the prompt; the receiver
 frees the blocks after each round.
 
-**Raw baseline**, same run, same ZeroMQ context: a DEALER in the main thread sends a ROUTER on its own
-thread exactly the frames the mlx-pd sender sent that format's prompt (recorded in the warm-up round:
+**Raw baseline**, same run, same ZeroMQ context: a DEALER in the main thread sends to a ROUTER on its
+own thread exactly the frames the mlx-pd sender sent that format's prompt (recorded in the warm-up round:
 same messages, same frame sizes, headers included) from preallocated NumPy buffers with `copy=False`.
 The receiver takes each message with `copy=False`, copies every frame into one preallocated NumPy
 array (`np.frombuffer` + slice assignment), and answers a one-frame ack after the last message. No
 handshake, no hashing, no header parsing: what minimal code moving the same bytes does. Rounds alternate
 ABBA (mlx-pd, raw, raw, mlx-pd, ...) after one unmeasured warm-up round of each. Throughput = KV payload
 bytes / wall seconds (GB = 1e9 bytes); ratio = mlx-pd / raw median.
+
+`--mlx-cache-limit-gb` calls `mx.set_cache_limit` first. MLX's CPU backend caches freed buffers only up to
+32 MiB, so the 47 MB arrays of a 64-block float32 message fault in fresh pages on every allocation; the
+workers run with MLX's default, so the default measurement does too.
 
 **Bytes on the wire**: the receiver's `TransferMetrics` payload counter per transfer (cross-checked
 against `kv_bytes_per_block`), and every frame the sender handed to ZeroMQ (headers and the offer too).
@@ -77,12 +82,14 @@ def _filled_store(spec, num_blocks: int, block_size: int, dtype: str, kv_bits, g
     for _ in "kv":
         x = mx.random.normal(shape).astype(getattr(mx, dtype))
         arrays += [x] if kv_bits is None else list(mx.quantize(x, group_size=group_size, bits=kv_bits))
-    store.write_blocks(list(range(1, num_blocks)), range(spec.num_layers), arrays)
+    words = [np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a) for a in arrays]  # as read_blocks gives
+    store.write_blocks(list(range(1, num_blocks)), range(spec.num_layers), words)
     return store
 
 
 class _Owner(threading.Thread):
-    """Builds an object with `make()` on its own thread, then calls `step(obj)` until stopped."""
+    """Builds an object with `make()` on its own thread, then calls `step(obj, self.events)` until stopped,
+    then `close(obj)`: the object is only ever touched by this thread (after `ready` says it exists)."""
 
     def __init__(self, make: Callable, step: Callable, close: Callable):
         super().__init__(daemon=True)
@@ -95,7 +102,7 @@ class _Owner(threading.Thread):
     def run(self) -> None:
         try:
             self.obj = self._make()
-        except BaseException as exc:  # reported to the main thread by start_owner
+        except BaseException as exc:  # re-raised in the main thread by _start
             self.ready.put(exc)
             return
         self.ready.put(None)
@@ -120,12 +127,12 @@ def _start(owner: _Owner) -> _Owner:
 
 def _counting_sender(fmt, store, config, ctx):
     """A KVSender that also records the frame sizes of every message it queues, in `.messages` (the raw
-    baseline replays them)."""
+    baseline replays them). Hooks KVSender._enqueue, the one place every outgoing message passes."""
     from kv_transfer.sender import KVSender
 
     class CountingSender(KVSender):
         def _enqueue(self, peer, frames):
-            self.messages.append([len(f) if isinstance(f, bytes) else memoryview(f).nbytes for f in frames])
+            self.messages.append([memoryview(f).nbytes for f in frames])
             super()._enqueue(peer, frames)
 
     sender = CountingSender(fmt, store, config=config, ctx=ctx)
@@ -202,6 +209,8 @@ def ship_format(spec, *, dtype: str, kv_bits: Optional[int], group_size: int, to
     rx = _start(_Owner(make_rx, _rx_step, lambda r: r.close()))
     payload = kv_bytes_per_block(spec, block_size, dtype, kv_bits, group_size) * num_blocks
     seq = iter(range(10**9))
+    result = {"dtype": dtype, "kv_bits": kv_bits, "kv_group_size": group_size if kv_bits else None,
+              "tokens": tokens, "blocks": num_blocks, "payload_bytes_formula": payload}
 
     def mlx_round() -> float:
         rid = f"bench-{next(seq)}"
@@ -215,51 +224,54 @@ def ship_format(spec, *, dtype: str, kv_bits: Optional[int], group_size: int, to
                 break
         seconds = time.perf_counter() - t0
         ev = rx.events.get(timeout=30)
-        if "wire_frames" in result and sender.messages != result["wire_frames"]:
+        sent, sender.messages = sender.messages, []
+        if result.setdefault("wire_frames", sent) != sent:
             raise RuntimeError("the sender's messages changed between rounds; the raw baseline would differ")
-        sender.messages = []
         if not done[0].ok or not isinstance(ev, ReceivedSequence):
             raise RuntimeError(f"transfer failed: {done[0]} / {ev}")
         return seconds
 
-    result = {"dtype": dtype, "kv_bits": kv_bits, "kv_group_size": group_size if kv_bits else None,
-              "tokens": tokens, "blocks": num_blocks, "payload_bytes_formula": payload}
+    times: dict[str, list[float]] = {"mlx-pd": [], "raw": []}
+    raw_rx = raw_tx = None
     try:
         mlx_round()  # warm-up; also records the frames the raw baseline replays
-        frames, sender.messages = sender.messages, []
-        result["wire_frames"] = frames
+        frames = result["wire_frames"]
         result["wire_bytes_sender"] = sum(map(sum, frames))
-        rng = np.random.default_rng(1)
-        bufs = [[rng.integers(0, 255, n, dtype=np.uint8) for n in msg] for msg in frames]
-        raw_rx = raw_tx = None
         if raw:
+            rng = np.random.default_rng(1)
+            bufs = [[rng.integers(0, 255, n, dtype=np.uint8) for n in msg] for msg in frames]
+
             def make_raw():
                 sock, endpoint = server_socket(ctx, zmq.ROUTER, LOOPBACK, 0)
                 return _RawState(sock, np.zeros(result["wire_bytes_sender"], np.uint8), len(frames), endpoint)
 
-            raw_rx = _start(_Owner(make_raw, _raw_step, lambda s: s.sock.close(linger=0)))
+            raw_rx = _start(_Owner(make_raw, _raw_step, lambda st: st.sock.close(linger=0)))
             raw_tx = client_socket(ctx, zmq.DEALER, raw_rx.obj.endpoint)
+            raw_tx.rcvtimeo = int(config.timeout_s * 1000)
 
         def raw_round() -> float:
             t0 = time.perf_counter()
             for msg in bufs:
                 raw_tx.send_multipart(msg, copy=False)
-            raw_tx.recv()
+            try:
+                raw_tx.recv()
+            except zmq.Again:
+                raise RuntimeError(f"the raw baseline's receiver sent no ack within {config.timeout_s:g} s") from None
             return time.perf_counter() - t0
 
         if raw:
             raw_round()  # warm-up
-        times: dict[str, list[float]] = {"mlx-pd": [], "raw": []}
         for r in range(rounds):
-            order = ["mlx-pd", "raw"] if r % 2 == 0 else ["raw", "mlx-pd"]
+            order = ["mlx-pd", "raw"] if r % 2 == 0 else ["raw", "mlx-pd"]  # ABBA across rounds
             for name in order if raw else ["mlx-pd"]:
                 times[name].append(mlx_round() if name == "mlx-pd" else raw_round())
             log(f"  round {r + 1}/{rounds}: mlx-pd {times['mlx-pd'][-1] * 1e3:.1f} ms"
                 + (f", raw {times['raw'][-1] * 1e3:.1f} ms" if raw else ""))
-        if raw:
-            raw_tx.close(linger=0)
-            raw_rx.stop()
     finally:
+        if raw_tx is not None:
+            raw_tx.close(linger=0)
+        if raw_rx is not None:
+            raw_rx.stop()
         sender.close()
         rx.stop()
     received = rx.obj.metrics.value("bytes_total")
@@ -308,7 +320,8 @@ class Projection:
         """Weights every prompt token multiplies: attention (q, o: hidden^2; k, v: hidden x kv_heads x head_dim)
         and MLP (3 x hidden x intermediate) per layer (Llama-3.1-8B: 6.98e9 of its 8.03e9)."""
         kv = self.num_kv_heads * self.head_dim
-        per_layer = 2 * self.hidden_size ** 2 + 2 * self.hidden_size * kv + 3 * self.hidden_size * self.intermediate_size
+        h = self.hidden_size
+        per_layer = 2 * h * h + 2 * h * kv + 3 * h * self.intermediate_size
         return self.num_layers * per_layer
 
     def kv_bytes_per_token(self, kv_bits: Optional[int]) -> int:
@@ -318,7 +331,8 @@ class Projection:
         return values * kv_bits // 8 + 2 * (values // self.group_size) * 2
 
     def prefill_flops(self, start: int, stop: int) -> float:
-        return 2.0 * self.matmul_params * (stop - start) + 2.0 * self.num_layers * self.hidden_size * (stop**2 - start**2)
+        attention = 2.0 * self.num_layers * self.hidden_size * (stop**2 - start**2)  # causal: QK^T and PV
+        return 2.0 * self.matmul_params * (stop - start) + attention
 
     def prefill_seconds(self, start: int, stop: int) -> float:
         return self.prefill_flops(start, stop) / (self.peak_flops * self.mfu)
@@ -356,7 +370,10 @@ def add_transfer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=5, help="measured rounds per format (each side)")
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--no-raw", action="store_true", help="skip the raw pyzmq baseline")
-    p.add_argument("--json", "--out", dest="out", default=None, help="write the full results as JSON")
+    p.add_argument("--mlx-cache-limit-gb", type=float, default=None,
+                   help="diagnostic: mx.set_cache_limit before shipping (default: MLX's own, as the workers run)")
+    p.add_argument("--json", "--out", dest="out", metavar="PATH", default=None,
+                   help="write the full results as JSON")
     p.add_argument("--markdown", default=None, help="also write the tables as Markdown here")
 
 
@@ -373,6 +390,11 @@ def run_transfer(args, log=None) -> dict:
     result = {"kind": "transfer", "machine": machine_info(), "model_dir": str(model_dir),
               "spec": {"num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim},
               "tokens": args.tokens, "rounds": args.rounds, "block_size": args.block_size, "formats": {}}
+    if args.mlx_cache_limit_gb is not None:
+        import mlx.core as mx
+
+        result["mlx_cache_limit_bytes"] = int(args.mlx_cache_limit_gb * 2**30)
+        result["mlx_cache_limit_default"] = mx.set_cache_limit(result["mlx_cache_limit_bytes"])
     t0 = time.perf_counter()
     for label, dtype, bits, gs in FORMATS:
         log(f"{label}: shipping {args.tokens} tokens x {args.rounds} rounds")
@@ -412,8 +434,8 @@ def transfer_tables(result: dict) -> list[tuple[str, list[str], list[list[str]]]
               ("Bytes on the wire per prompt", h2, r2)]
     if "projection" in result:
         c = result["projection"]["constants"]
-        h3 = ["prompt tokens", "link", "KV format", "KV MB", "prefill s (M3 Ultra)", "transfer s", "transfer <= prefill",
-              "exposed after prefill s"]
+        h3 = ["prompt tokens", "link", "KV format", "KV MB", "prefill s (M3 Ultra)", "transfer s",
+              "transfer <= prefill", "exposed after prefill s"]
         r3 = [[f"{r['tokens']:,}", r["link"], r["format"], f"{r['kv_bytes'] / 1e6:,.1f}", f"{r['prefill_s']:.2f}",
                f"{r['transfer_s']:.3f}", "yes" if r["hidden"] else "no", f"{r['exposed_s']:.3f}"]
               for r in result["projection"]["rows"]]

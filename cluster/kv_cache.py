@@ -107,25 +107,37 @@ class KVStore:
         return [a for kv in (self.keys, self.values) for a in
                 (kv[layer] if isinstance(kv[layer], tuple) else (kv[layer],))]
 
-    def read_blocks(self, block_ids: Sequence[int], layers: range) -> list[mx.array]:
-        """Copies of the blocks' K/V, one evaluated array per `array_names` entry, shaped as in
-        `block_array_specs`. Slots beyond a partial block's tokens hold whatever was there (never read)."""
-        slots = mx.array(context_slots(block_ids, len(block_ids) * self.block_size, self.block_size))
-        per_layer = [self._leaves(layer) for layer in layers]
-        out = [mx.stack([leaves[i][slots] for leaves in per_layer]) for i in range(len(self.array_names))]
-        mx.eval(out)
+    def _block_views(self, layer: int) -> list[np.ndarray]:
+        """Writable NumPy views of the layer's (evaluated) pool arrays, `array_names` order, shaped
+        [num_blocks, block_size, kv_heads, d]; bfloat16 as uint16. Zero-copy: a write lands in the MLX array.
+        Only the pool's owner thread may use them, between engine steps (no step is building a graph then),
+        and only on blocks no running sequence reads (reserved for a transfer)."""
+        leaves = [a.view(mx.uint16) if a.dtype == mx.bfloat16 else a for a in self._leaves(layer)]
+        mx.eval(leaves)
+        return [np.array(a, copy=False).reshape(self.num_blocks, self.block_size, *a.shape[1:]) for a in leaves]
+
+    def read_blocks(self, block_ids: Sequence[int], layers: range) -> list[np.ndarray]:
+        """Copies of the blocks' K/V, one array per `array_names` entry, shaped as in `block_array_specs`
+        (bfloat16 as uint16 words). One memcpy per block and layer (blocks are contiguous slot ranges).
+        Slots beyond a partial block's tokens hold whatever was there (never read)."""
+        ids = np.asarray(block_ids, dtype=np.intp)
+        per_layer = [self._block_views(layer) for layer in layers]
+        out = []
+        for i in range(len(self.array_names)):
+            first = per_layer[0][i]
+            buf = np.empty((len(per_layer), len(ids)) + first.shape[1:], first.dtype)
+            for j, views in enumerate(per_layer):
+                np.take(views[i], ids, axis=0, out=buf[j])
+            out.append(buf.reshape(len(per_layer), len(ids) * self.block_size, *first.shape[2:]))
         return out
 
-    def write_blocks(self, block_ids: Sequence[int], layers: range, arrays: Sequence[mx.array]) -> None:
-        """Store `arrays` (as `read_blocks` returns them) into the blocks `block_ids` of `layers`; evaluated."""
-        slots = mx.array(context_slots(block_ids, len(block_ids) * self.block_size, self.block_size))
-        n = len(self.array_names) // 2
-        for i, layer in enumerate(layers):
-            for kv, arrs in ((0, self.keys), (1, self.values)):
-                new = [_scatter(pool, slots, arrays[kv * n + j][i])
-                       for j, pool in enumerate(self._leaves(layer)[kv * n:(kv + 1) * n])]
-                arrs[layer] = new[0] if self.kv_bits is None else tuple(new)
-        mx.eval(self.keys, self.values)
+    def write_blocks(self, block_ids: Sequence[int], layers: range, arrays: Sequence[np.ndarray]) -> None:
+        """Store `arrays` (as `read_blocks` returns them) into the blocks `block_ids` of `layers`, in place
+        (see `_block_views` for who may call this and when)."""
+        ids = np.asarray(block_ids, dtype=np.intp)
+        for j, layer in enumerate(layers):
+            for view, arr in zip(self._block_views(layer), arrays):
+                view[ids] = arr[j].reshape(len(ids), *view.shape[1:])
 
     def views(self, batch: "BatchLayout") -> list["LayerCacheView"]:
         """One mlx-lm cache object per layer for this step's batch."""

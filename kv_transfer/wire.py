@@ -12,7 +12,8 @@ per array named in the header, in header order, sent with `copy=False` straight 
 
 Array shapes are [layers, num_blocks * block_size, kv_heads, d] (see cluster.kv_cache.KVStore.read_blocks);
 quantized KV travels as its (packed uint32, scales, biases) arrays per K and V, never dequantized.
-bfloat16 travels as its raw 16-bit words (NumPy has no bfloat16) and is viewed back on arrival.
+bfloat16 travels as its raw 16-bit words (NumPy has no bfloat16). Arrays are NumPy views both ways: the
+sender's one copy gathers whole blocks out of the pool, the receiver's one copy scatters them into it.
 
 Message flow (S = sender, the prefill worker; R = receiver, the decode worker):
 S->R offer; R->S reserved | refused | busy; S->R blocks*, done; R->S ack; either way: abort.
@@ -25,14 +26,13 @@ import math
 from typing import Annotated, Literal, Optional, Sequence, Union
 
 import mlx.core as mx
-import msgpack
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from cluster.protocol import pack, unpack
 from kv_transfer.handshake import KVFormat
 
 WIRE_VERSION = 1
-MAX_HEADER_BYTES = 16 * 2**20
 _WIRE_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "uint32": np.uint32}
 _MAX_TOKENS = 2**22
 
@@ -134,39 +134,27 @@ Message = Union[Offer, Reserved, Refused, BusyAnswer, Blocks, Done, Ack, Abort]
 _ADAPTER: TypeAdapter = TypeAdapter(Annotated[Message, Field(discriminator="type")])
 
 
-def encode(msg: Message, arrays: Sequence[mx.array] = ()) -> list:
-    """Frames for `msg`: the msgpack header, then each (evaluated) array as a zero-copy memoryview."""
-    frames: list = [msgpack.packb(msg.model_dump(), use_bin_type=True)]
+def encode(msg: Message, arrays: Sequence[np.ndarray] = ()) -> list:
+    """Frames for `msg`: the msgpack header, then each array (C-contiguous NumPy, or an evaluated MLX array)
+    as a zero-copy memoryview."""
+    frames: list = [pack(msg)]
     for a in arrays:
-        frames.append(memoryview(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a))
+        if isinstance(a, mx.array) and a.dtype == mx.bfloat16:
+            a = a.view(mx.uint16)
+        frames.append(memoryview(a))
     return frames
 
 
 def decode_header(frame) -> Message:
     """Parse and validate frame 0. Raises WireError for anything but a valid header of a known type and
     version."""
-    data = frame.buffer if hasattr(frame, "buffer") else frame
-    if len(data) > MAX_HEADER_BYTES:
-        raise WireError(f"header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
-    try:
-        raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several types for garbage
-        raise WireError(f"header is not valid msgpack: {type(exc).__name__}") from None
-    if not isinstance(raw, dict):
-        raise WireError("header must be a msgpack map")
-    if type(raw.get("version")) is not int or raw["version"] != WIRE_VERSION:
-        raise WireError(f"unsupported wire version {raw.get('version')!r} (this worker speaks {WIRE_VERSION})")
-    try:
-        return _ADAPTER.validate_python(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "header"
-        raise WireError(f"invalid {raw.get('type')!r} header at {where}: {first['msg']}") from None
+    return unpack(frame, _ADAPTER, WIRE_VERSION, WireError)
 
 
-def decode_arrays(msg: Message, payload: Sequence) -> list[mx.array]:
-    """The arrays of a `blocks` message from its payload frames (a copy into MLX memory). Raises WireError
-    when the frame count, a dtype, or a frame's size does not match the header."""
+def decode_arrays(msg: Message, payload: Sequence) -> list[np.ndarray]:
+    """The arrays of a `blocks` message as zero-copy NumPy views of its payload frames (bfloat16 as
+    uint16 words), valid while the frames live. Raises WireError when the frame count or a frame's size does
+    not match the header."""
     specs = msg.arrays if isinstance(msg, Blocks) else []
     if len(payload) != len(specs):
         raise WireError(f"{msg.type} message has {len(payload)} array frames but its header names {len(specs)}")
@@ -177,14 +165,13 @@ def decode_arrays(msg: Message, payload: Sequence) -> list[mx.array]:
             raise WireError(f"array {spec.name!r} frame has {buf.nbytes} bytes but shape {spec.shape} of "
                             f"{spec.dtype} needs {spec.nbytes}")
         try:
-            arr = mx.array(np.frombuffer(buf, dtype=_WIRE_DTYPES[spec.dtype]).reshape(spec.shape))
+            out.append(np.frombuffer(buf, dtype=_WIRE_DTYPES[spec.dtype]).reshape(spec.shape))
         except ValueError as exc:  # e.g. a zero-size array with an absurd shape
             raise WireError(f"array {spec.name!r} of shape {spec.shape} cannot be built: {exc}") from None
-        out.append(arr.view(mx.bfloat16) if spec.dtype == "bfloat16" else arr)
     return out
 
 
-def decode(frames: Sequence) -> tuple[Message, list[mx.array]]:
+def decode(frames: Sequence) -> tuple[Message, list[np.ndarray]]:
     """Header and arrays of one whole message (tests and tools; workers check the header first)."""
     if not frames:
         raise WireError("empty message")

@@ -41,8 +41,10 @@ def to_mx(raw: bytes, dtype: str, shape) -> mx.array:
     return a.view(mx.bfloat16) if dtype == "bfloat16" else a
 
 
-def bits(a: mx.array) -> bytes:
-    """The array's raw bytes (bfloat16 as its 16-bit words)."""
+def bits(a) -> bytes:
+    """The raw bytes of an MLX or NumPy array (bfloat16 as its 16-bit words)."""
+    if isinstance(a, np.ndarray):
+        return a.tobytes()
     return np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a).tobytes()
 
 
@@ -59,13 +61,13 @@ def kv_format(dtype: str, kv_bits: Optional[int], group: int) -> KVFormat:
                     head_dim=SPEC.head_dim)
 
 
-def random_arrays(store: KVStore, num_blocks: int, layers: range, seed: int) -> list[mx.array]:
-    """Random bits shaped as store.read_blocks returns them."""
+def random_arrays(store: KVStore, num_blocks: int, layers: range, seed: int) -> list[np.ndarray]:
+    """Random bits shaped and typed as store.read_blocks returns them (bfloat16 as uint16 words)."""
     rng = np.random.default_rng(seed)
     out = []
     for _, dtype, shape in store.block_array_specs(num_blocks, len(layers)):
         raw = rng.integers(0, 256, int(np.prod(shape)) * np.dtype(NP_DTYPES[dtype]).itemsize, dtype=np.uint8).tobytes()
-        out.append(to_mx(raw, dtype, shape))
+        out.append(np.frombuffer(raw, dtype=NP_DTYPES[dtype]).reshape(shape))
     return out
 
 

@@ -178,7 +178,7 @@ def check_decode(frames) -> Optional[tuple]:
     specs = msg.arrays if isinstance(msg, Blocks) else []
     assert len(arrays) == len(specs) == len(frames) - 1
     for spec, a in zip(specs, arrays):
-        assert list(a.shape) == spec.shape and dtype_name(a) == spec.dtype
+        assert list(a.shape) == spec.shape and a.dtype.type == NP_DTYPES[spec.dtype]
     return msg, arrays
 
 
@@ -205,7 +205,7 @@ def test_every_message_type_round_trips_with_bit_equal_arrays(pair):
     for as_sent in (frames, [bytes(f) for f in frames]):  # memoryviews as encoded, and plain bytes
         got, out = decode(as_sent)
         assert type(got) is type(msg) and got == msg
-        assert [(dtype_name(a), a.shape) for a in out] == [(dtype_name(a), a.shape) for a in arrays]
+        assert [(a.dtype.type, a.shape) for a in out] == [(NP_DTYPES[dtype_name(a)], a.shape) for a in arrays]
         assert [bits(a) for a in out] == [bits(a) for a in arrays]
 
 
@@ -223,10 +223,10 @@ def _blocks_header(*shapes) -> Blocks:
 
 
 @pytest.mark.parametrize("frames,error", [
-    ([msgpack.packb({**Ack(request_id="r", epoch=1).model_dump(), "version": 2})], "unsupported wire version 2"),
+    ([msgpack.packb({**Ack(request_id="r", epoch=1).model_dump(), "version": 2})], "unsupported version 2"),
     ([msgpack.packb({"version": 1, "type": "bogus", "request_id": "r"})], "bogus"),
-    ([msgpack.packb({**Ack(request_id="r", epoch=1).model_dump(), "epoch": -1})], "'ack' header at ack.epoch"),
-    ([msgpack.packb({**Ack(request_id="r", epoch=1).model_dump(), "epoch": "7"})], "'ack' header at ack.epoch"),
+    ([msgpack.packb({**Ack(request_id="r", epoch=1).model_dump(), "epoch": -1})], "'ack' message at ack.epoch"),
+    ([msgpack.packb({**Ack(request_id="r", epoch=1).model_dump(), "epoch": "7"})], "'ack' message at ack.epoch"),
     ([encode(Ack(request_id="r", epoch=1))[0][:-2]], "not valid msgpack"),
     ([msgpack.packb([1, "ack"])], "must be a msgpack map"),
     ([encode(Ack(request_id="r", epoch=1))[0], b"x"], "1 array frames but its header names 0"),
@@ -260,7 +260,7 @@ def test_a_message_round_trips_through_zmq_frames_without_copies():
         a.close(linger=0)
         b.close(linger=0)
         ctx.term()
-    assert got == msg and k2.dtype == mx.bfloat16 and p2.dtype == mx.uint32
+    assert got == msg and k2.dtype == np.uint16 and p2.dtype == np.uint32  # bfloat16 arrives as its words
     assert bits(k2) == bits(k) and bits(p2) == bits(packed)
 
 
