@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 
@@ -51,6 +51,9 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.pool, self._extra_key)
         self.eos_ids = set(spec.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.sequences: dict[str, Sequence] = {}
+        # Prefill role: called with a sequence right after its first token was sampled (unless that token
+        # finished it); the engine forgets the sequence but keeps its blocks, now owned by the callee.
+        self.handoff: Optional[Callable[[Sequence], None]] = None
 
     @staticmethod
     def _mirror_budget(config: EngineConfig, pool_bytes: int) -> int:
@@ -90,6 +93,36 @@ class EngineCore:
             return self._final(seq, FinishReason.LENGTH)
         self.sequences[request.request_id] = seq
         self.scheduler.add(seq)
+        return None
+
+    def add_prefilled(self, request: GenerateRequest, block_table: list[int], num_cached_tokens: int,
+                      first_token: int) -> Optional[RequestOutput]:
+        """Admit a sequence whose prompt KV is already in `block_table` (received from a prefill worker) and
+        whose first token was sampled, checked for stops and streamed there. The engine owns the blocks from
+        now on and frees them on every path, including when this raises ValueError (as `add_request`).
+        Returns a final output at once if no token is left to generate, else None."""
+        try:
+            if request.request_id in self.sequences:
+                raise ValueError(f"request_id {request.request_id!r} is already running")
+            max_tokens = self.check_request(request)
+        except ValueError:
+            self.pool.free(block_table)
+            raise
+        sp = request.sampling
+        seq = Sequence(request, max_tokens=max_tokens)
+        seq.token_ids.append(first_token)
+        seq.block_table, seq.num_computed_tokens = list(block_table), seq.num_prompt_tokens
+        seq.num_cached_tokens = num_cached_tokens
+        seq.output_text = OutputText(self.tokenizer, request.prompt_token_ids, sp.stop)
+        seq.output_text.add(first_token)  # its text went out with the first token
+        seq.rng_key = None if sp.greedy else mx.random.split(make_key(sp.seed))[0]  # as after one draw here
+        seq.first_token_time = time.monotonic()
+        if seq.num_output_tokens >= max_tokens:
+            self.pool.free(seq.block_table)
+            seq.block_table = []
+            return self._final(seq, FinishReason.LENGTH)
+        self.sequences[request.request_id] = seq
+        self.scheduler.add_prefilled(seq)
         return None
 
     def abort(self, request_id: str) -> Optional[RequestOutput]:
@@ -180,6 +213,10 @@ class EngineCore:
         plp = None
         if seq.num_output_tokens == 1 and sp.prompt_logprobs is not None:
             plp = tuple(seq.prompt_logprobs)
+        if reason is None and self.handoff is not None:
+            self.sequences.pop(seq.request_id, None)
+            self.scheduler.detach(seq)
+            self.handoff(seq)
         if reason is not None:
             text += seq.output_text.finish()
             self._retire(seq)

@@ -49,6 +49,20 @@ class Scheduler:
         """Queue a new sequence."""
         self.waiting.append(seq)
 
+    def add_prefilled(self, seq: Sequence) -> None:
+        """Admit a sequence whose prompt is already computed into its blocks: into the running batch when
+        there is room, else at the back of the queue (still holding its blocks)."""
+        if len(self.running) < self.config.max_num_seqs:
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        else:
+            self.waiting.append(seq)
+
+    def detach(self, seq: Sequence) -> None:
+        """Drop a running sequence from the batch without freeing its blocks (they change owner)."""
+        self.running.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+
     def expired(self, arrived_before: float) -> list[Sequence]:
         """Waiting sequences never admitted yet that arrived before `arrived_before` (time.monotonic())."""
         return [s for s in self.waiting if s.arrival < arrived_before and s.num_output_tokens == 0]

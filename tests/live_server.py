@@ -19,8 +19,6 @@ def free_port() -> int:
 @contextmanager
 def live_server(api_key: str | None = None, **engine_config):
     """Yield (base_url, client) for a server over the shared real model with `engine_config`."""
-    import uvicorn
-
     from cluster.local import EngineThread, LocalEngineClient
     from cluster.model import DEFAULT_MODEL
     from router.app import create_app
@@ -32,6 +30,18 @@ def live_server(api_key: str | None = None, **engine_config):
     client = LocalEngineClient(thread, DEFAULT_MODEL)
     tokenizer = RouterTokenizer(core.tokenizer)
     app = create_app(client, tokenizer, served_model_names=[DEFAULT_MODEL], api_key=api_key)
+    try:
+        with serve_app(app) as base:
+            yield base, client
+    finally:
+        thread.stop()
+
+
+@contextmanager
+def serve_app(app):
+    """Run a FastAPI app with uvicorn on a thread and a free port; yields its base URL once /health answers."""
+    import uvicorn
+
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     runner = threading.Thread(target=server.run, daemon=True)
@@ -43,10 +53,10 @@ def live_server(api_key: str | None = None, **engine_config):
             if httpx.get(base + "/health", timeout=1).status_code == 200:
                 break
         except httpx.HTTPError:
-            time.sleep(0.1)
+            pass
+        time.sleep(0.1)
     try:
-        yield base, client
+        yield base
     finally:
         server.should_exit = True
         runner.join(10)
-        thread.stop()

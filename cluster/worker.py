@@ -1,0 +1,239 @@
+"""The loop and control socket both worker roles share (prefill_node/worker.py, decode_node/worker.py).
+
+A worker is one engine (cluster.engine.EngineCore) driven by one thread that also owns every socket of the
+worker, so the KV pool has exactly one writer:
+
+    loop: poll the control socket (router messages) -> poll KV transfer -> one engine step -> route outputs
+
+The thread waits on its sockets only while it has nothing to compute (20 ms at most), so an idle worker
+answers within milliseconds and a busy one between two steps. Nothing a request or a peer does can end the
+loop: every handler's exception is logged and the loop carries on (`healthy` turns False only if the loop
+itself stops).
+
+Roles implement `_on_generate`, `_on_abort`, `_poll_transfers`, `_after_step` and `_role_stats`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Optional
+
+import zmq
+
+from cluster.engine import EngineCore
+from cluster.engine_client import EngineError
+from cluster.protocol import (TO_WORKER, AbortRequest, Generate, Output, Ping, Pong, ProtocolError, Rejected,
+                              ResetDone, ResetPrefixCache, output_to_wire, pack, request_from_wire, unpack,
+                              PROTOCOL_VERSION)
+from cluster.request import GenerateRequest, RequestOutput
+from cluster.topology import TopologySpec, WorkerSpec
+from cluster.transport import CurveKeys, server_socket
+
+logger = logging.getLogger(__name__)
+_IDLE_WAIT_S = 0.02
+_STATS_EVERY_S = 0.5
+
+
+def make_worker(topology: TopologySpec, name: str, loaded=None) -> "Worker":
+    """The worker `name` of `topology`, of the class its role needs. `loaded` = (model, tokenizer, ModelSpec)
+    shares an already loaded model (tests); otherwise `start()` loads it."""
+    spec = topology.worker(name)
+    if spec.role == "prefill":
+        from prefill_node.worker import PrefillWorker
+        return PrefillWorker(topology, spec, loaded)
+    from decode_node.worker import DecodeWorker
+    return DecodeWorker(topology, spec, loaded)
+
+
+class Worker:
+    """One prefill or decode worker: `start()` loads the model, binds its sockets and starts its loop thread."""
+
+    role = "?"
+
+    def __init__(self, topology: TopologySpec, spec: WorkerSpec, loaded=None):
+        self.topology, self.spec, self._loaded = topology, spec, loaded
+        self.engine: Optional[EngineCore] = None
+        self.ctx = zmq.Context()
+        self.keys = CurveKeys.load(topology.security.curve_keys_dir) if topology.security.curve_keys_dir else None
+        self.routes: dict[str, bytes] = {}  # request_id -> the router identity that sent it
+        self._thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+        self._stats: dict = {}
+        self._stats_at = 0.0
+        self.endpoints: dict = {}
+        self.tokens_out = 0
+
+    # -- life cycle ------------------------------------------------------------------------------------------
+
+    def start(self) -> dict:
+        """Load the model, bind the sockets, start the loop; returns {"name", "role", "control", "kv"}."""
+        from cluster.model import DEFAULT_MODEL, load_model, read_model_spec, resolve_model_path
+
+        if self._loaded is None:
+            dtype = self.spec.engine.dtype
+            path = resolve_model_path(self.topology.model.source, dtype=dtype)
+            model, tokenizer = load_model(path, dtype)
+            name = self.topology.model.served_name or self.topology.model.source or DEFAULT_MODEL
+            self._loaded = (model, tokenizer, read_model_spec(path, model_id=name))
+        model, tokenizer, model_spec = self._loaded
+        self.engine = EngineCore(model, tokenizer, model_spec, self.spec.engine)
+        self.control, control = server_socket(self.ctx, zmq.ROUTER, self.spec.host, self.spec.control_port, self.keys)
+        self.endpoints = {"name": self.spec.name, "role": self.role, "control": control, "kv": self._setup()}
+        self._refresh_stats()
+        self._thread = threading.Thread(target=self._loop, name=self.spec.actor_name, daemon=True)
+        self._thread.start()
+        return self.endpoints
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the loop (aborting transfers) and close every socket."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self.ctx.destroy(linger=0)
+
+    @property
+    def healthy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stats(self) -> dict:
+        """The latest snapshot (refreshed by the loop every 0.5 s): JSON-able counters and gauges."""
+        return dict(self._stats, healthy=self.healthy)
+
+    # -- the loop --------------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                busy = self.engine.has_work() or self._transfers_busy()
+                self._poll_control(0.0 if busy else _IDLE_WAIT_S)
+                self._guard(self._poll_transfers)
+                if self.engine.has_work():
+                    outputs = self.engine.step()
+                    self._guard(self._after_step, outputs)
+                if time.monotonic() - self._stats_at > _STATS_EVERY_S:
+                    self._refresh_stats()
+        finally:
+            self._guard(self._teardown)
+
+    def _guard(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception:  # a handler's bug must not end the worker
+            logger.exception("%s: %s failed", self.spec.actor_name, getattr(fn, "__name__", fn))
+
+    def _poll_control(self, timeout_s: float) -> None:
+        if not self.control.poll(int(timeout_s * 1000), zmq.POLLIN):
+            return
+        for _ in range(256):
+            try:
+                identity, *frames = self.control.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ValueError:  # a message without an identity frame cannot come from a ROUTER peer
+                continue
+            self._guard(self._on_control, identity, frames)
+
+    def _on_control(self, identity: bytes, frames: list) -> None:
+        if len(frames) != 1:
+            logger.debug("dropped a control message of %d frames", len(frames))
+            return
+        try:
+            msg = unpack(frames[0], TO_WORKER, PROTOCOL_VERSION)
+        except ProtocolError as exc:
+            logger.debug("dropped a malformed control message: %s", exc)
+            return
+        if isinstance(msg, Generate):
+            try:
+                request = request_from_wire(msg.request)
+            except ProtocolError as exc:
+                rid = msg.request.get("request_id") if isinstance(msg.request, dict) else None
+                if isinstance(rid, str) and rid:
+                    self._send(identity, Rejected(request_id=rid[:256], reason=str(exc), status=400))
+                return
+            if request.request_id in self.routes:
+                self._send(identity, Rejected(request_id=request.request_id, status=400,
+                                              reason=f"request_id {request.request_id!r} is already running here"))
+                return
+            self.routes[request.request_id] = identity
+            try:
+                self._on_generate(request, msg)
+            except ValueError as exc:  # it can never run here
+                self._reject(request.request_id, str(exc), 400)
+            except EngineError as exc:
+                self._reject(request.request_id, str(exc), 503, exc.retry_after)
+        elif isinstance(msg, AbortRequest):
+            if self.routes.pop(msg.request_id, None) is not None:
+                self._on_abort(msg.request_id)
+        elif isinstance(msg, Ping):
+            self._refresh_stats()
+            self._send(identity, Pong(seq=msg.seq, stats=self._stats))
+        elif isinstance(msg, ResetPrefixCache):
+            self._send(identity, ResetDone(seq=msg.seq, count=self.engine.pool.reset_prefix_cache()))
+
+    # -- to the router ---------------------------------------------------------------------------------------
+
+    def emit(self, output: RequestOutput) -> None:
+        """Send an output delta to the router that sent its request (the last one ends the route)."""
+        identity = self.routes.get(output.request_id)
+        if identity is None:
+            return  # aborted meanwhile: nothing goes out after an abort
+        if output.finished:
+            del self.routes[output.request_id]
+        self.tokens_out += len(output.token_ids)
+        self._send(identity, Output(output=output_to_wire(output)))
+
+    def _reject(self, request_id: str, reason: str, status: int, retry_after: Optional[float] = None) -> None:
+        identity = self.routes.pop(request_id, None)
+        if identity is not None:
+            self._send(identity, Rejected(request_id=request_id, reason=reason, status=status,
+                                          retry_after=retry_after))
+
+    def _send(self, identity: bytes, msg) -> None:
+        try:
+            self.control.send_multipart([identity, pack(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the router is gone or not reading; its heartbeat will notice
+            logger.debug("could not send %s: %s", msg.type, exc)
+
+    def _refresh_stats(self) -> None:
+        e = self.engine
+        pool, sched = e.pool, e.scheduler
+        self._stats = {
+            "name": self.spec.name, "actor": self.spec.actor_name, "role": self.role, "host": self.spec.host,
+            "num_running": len(sched.running), "num_waiting": len(sched.waiting),
+            "kv_blocks_total": pool.num_usable_blocks, "kv_blocks_free": pool.num_free_blocks,
+            "kv_block_size": e.block_size, "num_preemptions": sched.num_preemptions,
+            "prefix_cache_queries": sched.prefix_queries, "prefix_cache_hits": sched.prefix_hits,
+            "prefix_cache_hit_rate": sched.prefix_hits / sched.prefix_queries if sched.prefix_queries else 0.0,
+            "tokens_out": self.tokens_out, "requests": len(self.routes), **self._role_stats(),
+        }
+        self._stats_at = time.monotonic()
+
+    # -- role hooks --------------------------------------------------------------------------------------------
+
+    def _setup(self) -> Optional[str]:
+        """Create role sockets; returns the KV endpoint (decode) or None."""
+        return None
+
+    def _on_generate(self, request: GenerateRequest, msg: Generate) -> None:
+        raise NotImplementedError
+
+    def _on_abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def _transfers_busy(self) -> bool:
+        return False
+
+    def _poll_transfers(self) -> None:
+        pass
+
+    def _after_step(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self.emit(out)
+
+    def _role_stats(self) -> dict:
+        return {}
+
+    def _teardown(self) -> None:
+        pass

@@ -1,0 +1,331 @@
+"""ClusterEngineClient: the router's `EngineClient` over the workers of a topology (ZeroMQ control sockets).
+
+One DEALER socket per worker (zmq.asyncio, on the router's event loop; no extra thread). A reader task per
+worker dispatches its messages: output deltas to the request's stream, pongs to the worker's state. A
+heartbeat task pings every worker each `heartbeat_s`; a worker silent for `dead_after_s` is marked dead:
+no new request goes to it, and each of its requests either migrates (a decode worker died mid-stream and
+another is alive: the request is re-run there from its prompt plus the tokens already streamed, so the client
+sees one uninterrupted stream) or ends with an error. A dead worker that answers again is used again.
+
+Placement (`router.placement.place`) picks a decode worker for every request and a prefill worker unless the
+prompt is short (conditional disaggregation: the decode worker prefills it itself). The prefill worker
+streams the first token; the decode worker streams the rest; the stream delivers them in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional
+
+import zmq
+import zmq.asyncio
+
+from cluster.engine_client import EngineError, EngineStats
+from cluster.protocol import (PROTOCOL_VERSION, TO_ROUTER, AbortRequest, Generate, Output, Ping, Pong,
+                              ProtocolError, Rejected, ResetDone, ResetPrefixCache, output_from_wire, pack,
+                              request_to_wire, unpack)
+from cluster.request import FinishReason, GenerateRequest, RequestOutput
+from cluster.topology import TopologySpec, WorkerSpec
+from cluster.transport import CurveKeys, client_socket
+from router.placement import WorkerState, place
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    """One request in flight: where it runs, what it has streamed, and its outputs' queue."""
+
+    request: GenerateRequest
+    queue: asyncio.Queue
+    decode: WorkerState
+    prefill: Optional[WorkerState]
+    first_seen: bool = False  # the prefill worker's first token arrived (decode outputs wait for it)
+    held: list = field(default_factory=list)  # decode outputs that arrived before it
+    token_ids: list = field(default_factory=list)
+    num_cached_tokens: int = 0
+    migrated_from: int = 0  # tokens streamed before a migration (added to the new worker's counts)
+    finished: bool = False
+
+    @property
+    def workers(self) -> list[WorkerState]:
+        return [w for w in (self.prefill, self.decode) if w is not None]
+
+
+class ClusterEngineClient:
+    """`EngineClient` over the workers of `topology`; `model_name`/`max_model_len` come from the model."""
+
+    def __init__(self, topology: TopologySpec, model_name: str, max_model_len: int,
+                 keys: Optional[CurveKeys] = None):
+        self.topology, self.model_name, self.max_model_len = topology, model_name, max_model_len
+        self.routing = topology.routing
+        if keys is None and topology.security.curve_keys_dir:
+            keys = CurveKeys.load(topology.security.curve_keys_dir)
+        self.keys = keys
+        self.ctx = zmq.asyncio.Context()
+        self.workers = [WorkerState(spec) for spec in topology.workers]
+        self.streams: dict[str, _Stream] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._seq = itertools.count()
+        self._resets: dict[int, tuple[asyncio.Future, int]] = {}
+        self._rr = itertools.count()
+
+    # -- life cycle ------------------------------------------------------------------------------------------
+
+    def _ensure_started(self) -> None:
+        if self._tasks:
+            return
+        for w in self.workers:
+            w.sock = client_socket(self.ctx, zmq.DEALER, w.spec.endpoint(w.spec.control_port), self.keys)
+            self._tasks.append(asyncio.ensure_future(self._reader(w)))
+        self._tasks.append(asyncio.ensure_future(self._heartbeat()))
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        """Start and wait until every worker has answered a ping (True) or `timeout_s` passed (False)."""
+        self._ensure_started()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if all(w.alive for w in self.workers):
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for w in self.workers:
+            if w.sock is not None:
+                w.sock.close(linger=0)
+        self.ctx.term()
+
+    # -- EngineClient --------------------------------------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        self._ensure_started()
+        if request.request_id in self.streams:
+            raise ValueError(f"request_id {request.request_id!r} is already running")
+        if len(request.prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(request.prompt_token_ids)} tokens but the context limit is "
+                             f"{self.max_model_len}: shorten the prompt")
+        await self._wait_for_decode_worker()
+        prefill, decode = place(self.workers, request, self.routing, self._rr)
+        stream = _Stream(request, asyncio.Queue(), decode, prefill)
+        self.streams[request.request_id] = stream
+        self._dispatch(stream)
+        yielded = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, Rejected):
+                    if yielded:  # a worker refused after another one streamed: end the stream with the reason
+                        item = RequestOutput(request.request_id, finish_reason=FinishReason.ERROR, error=item.reason)
+                    elif item.status >= 500:
+                        raise EngineError(item.reason, retry_after=item.retry_after)
+                    else:
+                        raise ValueError(item.reason)
+                yielded = True
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self._end(stream, abort=not stream.finished)
+
+    async def abort(self, request_id: str) -> None:
+        stream = self.streams.get(request_id)
+        if stream is not None:
+            self._end(stream, abort=True)
+
+    def stats(self) -> EngineStats:
+        live = [w.stats for w in self.workers if w.alive and w.stats]
+        decode = [s for s in live if s.get("role") == "decode"]
+        return EngineStats(
+            num_running=sum(s["num_running"] for s in decode), num_waiting=sum(s["num_waiting"] for s in live),
+            num_kv_blocks_total=sum(s["kv_blocks_total"] for s in decode),
+            num_kv_blocks_free=sum(s["kv_blocks_free"] for s in decode),
+            kv_block_size=decode[0]["kv_block_size"] if decode else 0,
+            num_preemptions=sum(s["num_preemptions"] for s in live),
+            prefix_cache_queries=sum(s["prefix_cache_queries"] for s in live),
+            prefix_cache_hits=sum(s["prefix_cache_hits"] for s in live))
+
+    def is_healthy(self) -> bool:
+        return any(w.alive and w.spec.role == "decode" for w in self.workers)
+
+    async def clear_prefix_cache(self) -> int:
+        self._ensure_started()
+        seq = next(self._seq)
+        live = [w for w in self.workers if w.alive]
+        fut = asyncio.get_running_loop().create_future()
+        self._resets[seq] = (fut, len(live))
+        fut.counts = []  # type: ignore[attr-defined]
+        for w in live:
+            await self._send(w, ResetPrefixCache(seq=seq))
+        try:
+            return await asyncio.wait_for(fut, self.routing.dead_after_s) if live else 0
+        except asyncio.TimeoutError:
+            return sum(fut.counts)  # type: ignore[attr-defined]
+        finally:
+            self._resets.pop(seq, None)
+
+    def worker_stats(self) -> list[dict]:
+        """Each worker's last reported stats plus the router's view (alive, requests in flight)."""
+        return [dict(w.stats, name=w.spec.name, role=w.spec.role, alive=w.alive, inflight=len(w.inflight))
+                for w in self.workers]
+
+    # -- internals -------------------------------------------------------------------------------------------
+
+    async def _wait_for_decode_worker(self) -> None:
+        deadline = time.monotonic() + self.routing.dead_after_s
+        while not self.is_healthy():
+            if time.monotonic() > deadline:
+                raise EngineError("no decode worker is alive", retry_after=self.routing.dead_after_s)
+            await asyncio.sleep(0.05)
+
+    def _dispatch(self, stream: _Stream) -> None:
+        """Send the request to its workers (decode first, so it expects the KV)."""
+        wire = request_to_wire(stream.request)
+        rid = stream.request.request_id
+        for w in stream.workers:
+            w.inflight.add(rid)
+        self._post(stream.decode, Generate(request=wire, prefilled=stream.prefill is not None))
+        if stream.prefill is not None:
+            kv = stream.decode.spec.endpoint(stream.decode.spec.kv_port)
+            self._post(stream.prefill, Generate(request=wire, decode_endpoint=kv))
+
+    def _end(self, stream: _Stream, abort: bool) -> None:
+        rid = stream.request.request_id
+        if self.streams.get(rid) is stream:
+            del self.streams[rid]
+        stream.finished = True
+        for w in stream.workers:
+            if abort:  # the client left (or the stream broke): free its blocks on every worker
+                self._post(w, AbortRequest(request_id=rid))
+            w.inflight.discard(rid)
+
+    def _post(self, w: WorkerState, msg) -> None:
+        asyncio.ensure_future(self._send(w, msg))
+
+    async def _send(self, w: WorkerState, msg) -> None:
+        try:
+            await w.sock.send(pack(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            logger.debug("could not send %s to %s: %s", msg.type, w.spec.name, exc)
+
+    async def _reader(self, w: WorkerState) -> None:
+        while True:
+            try:
+                frames = await w.sock.recv_multipart()
+                msg = unpack(frames[0], TO_ROUTER, PROTOCOL_VERSION)
+                self._on_message(w, msg)
+            except asyncio.CancelledError:
+                raise
+            except (ProtocolError, IndexError) as exc:
+                logger.warning("dropped a malformed message from %s: %s", w.spec.name, exc)
+            except Exception:
+                logger.exception("router: handling a message from %s failed", w.spec.name)
+
+    def _on_message(self, w: WorkerState, msg) -> None:
+        if isinstance(msg, Pong):
+            w.last_pong, w.stats = time.monotonic(), msg.stats
+            if not w.alive:
+                logger.info("worker %s is alive", w.spec.actor_name)
+            w.alive = True
+            return
+        if isinstance(msg, ResetDone):
+            entry = self._resets.get(msg.seq)
+            if entry is not None:
+                fut, expected = entry
+                fut.counts.append(msg.count)
+                if len(fut.counts) == expected and not fut.done():
+                    fut.set_result(sum(fut.counts))
+            return
+        rid = msg.request_id if isinstance(msg, Rejected) else msg.output.get("request_id")
+        stream = self.streams.get(rid)
+        if stream is None or stream.finished or w not in stream.workers:
+            return  # late: finished, aborted or migrated away
+        if isinstance(msg, Rejected):
+            self._deliver(stream, msg)
+            return
+        out = output_from_wire(msg.output)
+        if w is stream.prefill:
+            stream.first_seen = True
+            self._deliver(stream, out)
+            for held in stream.held:
+                self._deliver(stream, held)
+            stream.held.clear()
+        elif stream.prefill is not None and not stream.first_seen and out.token_ids:
+            stream.held.append(out)  # tokens after the first: wait for the first (an error passes at once)
+        else:
+            self._deliver(stream, out)
+
+    def _deliver(self, stream: _Stream, item) -> None:
+        if stream.finished:
+            return
+        if isinstance(item, RequestOutput):
+            stream.token_ids += item.token_ids
+            if stream.migrated_from:
+                item = dataclasses.replace(item, num_prompt_tokens=len(stream.request.prompt_token_ids),
+                                           num_cached_tokens=stream.num_cached_tokens,
+                                           num_output_tokens=item.num_output_tokens + stream.migrated_from)
+            elif item.num_cached_tokens:
+                stream.num_cached_tokens = item.num_cached_tokens
+            if item.finished:
+                stream.finished = True
+                for other in stream.workers:  # the others may still hold state for it
+                    self._post(other, AbortRequest(request_id=stream.request.request_id))
+        elif isinstance(item, Rejected):
+            stream.finished = True
+            for other in stream.workers:
+                self._post(other, AbortRequest(request_id=stream.request.request_id))
+        stream.queue.put_nowait(item)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            now = time.monotonic()
+            for w in self.workers:
+                if w.alive and now - w.last_pong > self.routing.dead_after_s:
+                    self._mark_dead(w)
+                await self._send(w, Ping(seq=next(self._seq)))
+            await asyncio.sleep(self.routing.heartbeat_s)
+
+    def _mark_dead(self, w: WorkerState) -> None:
+        logger.warning("worker %s stopped answering; routing around it", w.spec.actor_name)
+        w.alive, w.stats = False, {}
+        for rid in list(w.inflight):
+            stream = self.streams.get(rid)
+            w.inflight.discard(rid)
+            if stream is None or stream.finished or (w is stream.prefill and stream.first_seen):
+                continue  # a prefill worker that already handed over: the decode worker carries on
+            if w is stream.decode and stream.token_ids and self._migrate(stream):
+                continue
+            self._deliver(stream, RequestOutput(rid, finish_reason=FinishReason.ERROR,
+                                                error=f"the {w.spec.role} worker {w.spec.name} stopped "
+                                                      "responding; retry the request"))
+
+    def _migrate(self, stream: _Stream) -> bool:
+        """Re-run a request whose decode worker died on another live decode worker, from its prompt plus the
+        tokens already streamed (prefilled there locally). False when there is nowhere to go."""
+        others = [w for w in self.workers if w.alive and w.spec.role == "decode" and w is not stream.decode]
+        if not others:
+            return False
+        target = min(others, key=lambda w: len(w.inflight))
+        done = len(stream.token_ids)
+        sp = stream.request.sampling
+        left = sp.max_tokens - done
+        if left <= 0:
+            return False
+        request = dataclasses.replace(stream.request, prompt_token_ids=tuple(stream.request.prompt_token_ids)
+                                      + tuple(stream.token_ids),
+                                      sampling=dataclasses.replace(sp, max_tokens=left, prompt_logprobs=None))
+        logger.warning("migrating %s to %s after %d tokens", request.request_id, target.spec.name, done)
+        stream.decode.inflight.discard(request.request_id)
+        stream.decode, stream.prefill, stream.first_seen = target, None, True
+        stream.migrated_from = done
+        stream.held.clear()
+        target.inflight.add(request.request_id)
+        self._post(target, Generate(request=request_to_wire(request), prefilled=False))
+        return True

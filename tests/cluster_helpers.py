@@ -1,0 +1,55 @@
+"""An in-process cluster for tests: prefill and decode workers (cluster.worker) on threads of this process,
+sharing the real SmolLM2 model, talking over tcp loopback exactly as separate processes would, behind a
+router (ClusterEngineClient + the FastAPI app) served by uvicorn on a free port."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import contextmanager
+
+from cluster.topology import parse_topology
+from tests.live_server import free_port, serve_app
+
+
+def topology_text(prefill: int = 1, decode: int = 1, engine: str = "", routing: str = "", transfer: str = "") -> str:
+    """A cluster topology with free ports; `engine`/`routing`/`transfer` are extra TOML lines of those tables."""
+    lines = ['[model]', 'source = "SmolLM2-135M-Instruct"', 'served_name = "SmolLM2-135M-Instruct"',
+             '[engine]', 'dtype = "float32"', 'kv_cache_gb = 0.25', engine,
+             '[routing]', 'heartbeat_s = 0.2', 'dead_after_s = 2.0', routing,
+             '[transfer]', 'timeout_s = 20', transfer]
+    for i in range(prefill):
+        lines += ['[[workers]]', f'name = "prefill-{i}"', 'role = "prefill"', f'control_port = {free_port()}']
+    for i in range(decode):
+        lines += ['[[workers]]', f'name = "decode-{i}"', 'role = "decode"', f'control_port = {free_port()}',
+                  f'kv_port = {free_port()}']
+    return "\n".join(lines) + "\n"
+
+
+@contextmanager
+def running_cluster(prefill: int = 1, decode: int = 1, **tables):
+    """Yield (base_url, client, workers) of a started in-process cluster; everything stops afterwards."""
+    from cluster.worker import make_worker
+    from router.app import create_app
+    from router.cluster_client import ClusterEngineClient
+    from router.tokenizer import RouterTokenizer
+    from tests.engine_helpers import real_model
+
+    topology = parse_topology(topology_text(prefill, decode, **tables), name="test-cluster")
+    loaded = real_model()
+    workers = {w.name: make_worker(topology, w.name, loaded) for w in topology.workers}
+    try:
+        for w in workers.values():
+            w.start()
+        _, tokenizer, spec = loaded
+        client = ClusterEngineClient(topology, spec.model_id, spec.max_model_len)
+        app = create_app(client, RouterTokenizer(tokenizer), served_model_names=[spec.model_id])
+
+        @app.on_event("startup")
+        async def _wait_for_workers():  # the router answers once every worker has answered a ping
+            await client.wait_ready(30)
+
+        with serve_app(app) as base:
+            yield base, client, workers
+    finally:
+        for w in workers.values():
+            w.stop()
