@@ -84,13 +84,15 @@ class RoutingSection:
     - `local_prefill_max_tokens`: a prompt with fewer uncached tokens than this is prefilled by its decode
       worker itself, with no prefill worker and no transfer (conditional disaggregation).
     - `heartbeat_s` / `dead_after_s`: the router pings every worker this often and marks one dead after this
-      long without an answer (its requests fail or migrate; it is used again once it answers).
+      long without an answer (its requests fail or migrate; it is used again once it answers). A worker
+      answers between engine steps, so `dead_after_s` must exceed the longest step (a prefill chunk); a
+      worker whose connection drops (process or machine gone) is marked dead at once.
     """
 
     policy: str = "least_loaded"
     local_prefill_max_tokens: int = 256
     heartbeat_s: float = 1.0
-    dead_after_s: float = 5.0
+    dead_after_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -2,7 +2,10 @@
 
 One DEALER socket per worker (zmq.asyncio, on the router's event loop; no extra thread). A reader task per
 worker dispatches its messages: output deltas to the request's stream, pongs to the worker's state. A
-heartbeat task pings every worker each `heartbeat_s`; a worker silent for `dead_after_s` is marked dead:
+heartbeat task pings every worker each `heartbeat_s`; a worker is marked dead when its connection drops (a
+ZeroMQ socket monitor sees the TCP connection close: the process died or its machine left the network;
+ZeroMQ heartbeats catch a silent peer) or when it is silent for `dead_after_s` (longer than any engine step,
+since a worker answers pings between steps):
 no new request goes to it, and each of its requests either migrates (a decode worker died mid-stream and
 another is alive: the request is re-run there from its prompt plus the tokens already streamed, so the client
 sees one uninterrupted stream) or ends with an error. A dead worker that answers again is used again.
@@ -82,7 +85,10 @@ class ClusterEngineClient:
             return
         for w in self.workers:
             w.sock = client_socket(self.ctx, zmq.DEALER, w.spec.endpoint(w.spec.control_port), self.keys)
+            w.sock.setsockopt(zmq.HEARTBEAT_IVL, int(self.routing.heartbeat_s * 1000))
+            w.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.routing.heartbeat_s * 5000))
             self._tasks.append(asyncio.ensure_future(self._reader(w)))
+            self._tasks.append(asyncio.ensure_future(self._monitor(w)))
         self._tasks.append(asyncio.ensure_future(self._heartbeat()))
 
     async def wait_ready(self, timeout_s: float) -> bool:
@@ -153,6 +159,7 @@ class ClusterEngineClient:
             prefix_cache_hits=sum(s["prefix_cache_hits"] for s in live))
 
     def is_healthy(self) -> bool:
+        self._ensure_started()  # the first /health starts the heartbeats on the server's event loop
         return any(w.alive and w.spec.role == "decode" for w in self.workers)
 
     async def clear_prefix_cache(self) -> int:
@@ -283,6 +290,19 @@ class ClusterEngineClient:
                 self._post(other, AbortRequest(request_id=stream.request.request_id))
         stream.queue.put_nowait(item)
 
+    async def _monitor(self, w: WorkerState) -> None:
+        """Mark a worker dead the moment its connection drops (it comes back with its next pong)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        mon = w.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                event = await recv_monitor_message(mon)
+                if event["event"] == zmq.EVENT_DISCONNECTED and w.alive:
+                    self._mark_dead(w)
+        finally:
+            mon.close(linger=0)
+
     async def _heartbeat(self) -> None:
         while True:
             now = time.monotonic()
@@ -293,7 +313,7 @@ class ClusterEngineClient:
             await asyncio.sleep(self.routing.heartbeat_s)
 
     def _mark_dead(self, w: WorkerState) -> None:
-        logger.warning("worker %s stopped answering; routing around it", w.spec.actor_name)
+        logger.warning("worker %s is gone (connection lost or silent); routing around it", w.spec.actor_name)
         w.alive, w.stats = False, {}
         for rid in list(w.inflight):
             stream = self.streams.get(rid)

@@ -4,7 +4,7 @@ router (ClusterEngineClient + the FastAPI app) served by uvicorn on a free port.
 
 from __future__ import annotations
 
-import asyncio
+import time
 from contextlib import contextmanager
 
 from cluster.topology import parse_topology
@@ -15,7 +15,7 @@ def topology_text(prefill: int = 1, decode: int = 1, engine: str = "", routing: 
     """A cluster topology with free ports; `engine`/`routing`/`transfer` are extra TOML lines of those tables."""
     lines = ['[model]', 'source = "SmolLM2-135M-Instruct"', 'served_name = "SmolLM2-135M-Instruct"',
              '[engine]', 'dtype = "float32"', 'kv_cache_gb = 0.25', engine,
-             '[routing]', 'heartbeat_s = 0.2', 'dead_after_s = 2.0', routing,
+             '[routing]', 'heartbeat_s = 0.5', 'dead_after_s = 30.0', routing,
              '[transfer]', 'timeout_s = 20', transfer]
     for i in range(prefill):
         lines += ['[[workers]]', f'name = "prefill-{i}"', 'role = "prefill"', f'control_port = {free_port()}']
@@ -43,12 +43,11 @@ def running_cluster(prefill: int = 1, decode: int = 1, **tables):
         _, tokenizer, spec = loaded
         client = ClusterEngineClient(topology, spec.model_id, spec.max_model_len)
         app = create_app(client, RouterTokenizer(tokenizer), served_model_names=[spec.model_id])
-
-        @app.on_event("startup")
-        async def _wait_for_workers():  # the router answers once every worker has answered a ping
-            await client.wait_ready(30)
-
-        with serve_app(app) as base:
+        with serve_app(app) as base:  # /health is 200 once a decode worker answered a ping
+            deadline = time.monotonic() + 30
+            while not all(w.alive for w in client.workers):
+                assert time.monotonic() < deadline, "a worker never answered the router"
+                time.sleep(0.05)
             yield base, client, workers
     finally:
         for w in workers.values():

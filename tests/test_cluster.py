@@ -1,0 +1,201 @@
+"""Cluster mode end to end on the real model, workers in-process (tests/cluster_helpers.py): disaggregated
+output equals single-node output token for token; disconnects, dead workers and migration (cases.md T1, T2);
+no leaked blocks. The same worker classes run as Ray actors under `mlx-pd up` (tests/test_launch.py)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.cluster_helpers import running_cluster
+from tests.engine_helpers import greedy, make_engine, real_model, run
+
+MODEL = "SmolLM2-135M-Instruct"
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
+             "List three uses of copper and explain each one in a sentence."]
+ALL_REMOTE = "local_prefill_max_tokens = 0"  # every request goes through a prefill worker
+
+
+def chat(base, text, max_tokens=24, **extra):
+    r = httpx.post(base + "/v1/chat/completions", timeout=300, json={
+        "model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+        "temperature": 0, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def reference_text(prompt_ids, max_tokens, **engine) -> str:
+    return run(make_engine(**engine), [greedy("ref", prompt_ids, max_tokens)])["ref"].text
+
+
+def chat_ids(text):
+    _, tokenizer, _ = real_model()
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+
+
+def long_text(n_words=700):
+    words = ("the river carries silt from the mountains to the delta where farmers plant rice in spring "
+             "and harvest it before the monsoon ").split()
+    return " ".join(words[i % len(words)] for i in range(n_words))
+
+
+def wait_until(pred, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return pred()
+
+
+def at_baseline(workers) -> bool:
+    return all(s["kv_blocks_free"] == s["kv_blocks_total"] and s["num_running"] == 0 and s["num_waiting"] == 0
+               and s["transfers_inflight"] == 0 for s in (w.stats() for w in workers.values()))
+
+
+@pytest.mark.parametrize("decode,kv_bits", [(1, None), (2, None), (1, 8)])
+def test_disaggregated_greedy_output_equals_single_node(decode, kv_bits):
+    """Issue 5 acceptance: 1P1D and 1P2D (and 8-bit KV) answer token for token like single-node, including a
+    prompt prefilled in several chunks whose blocks were shipped while the next chunk computed."""
+    engine = "prefill_chunk_size = 256" + (f"\nkv_bits = {kv_bits}\nkv_group_size = 32" if kv_bits else "")
+    prompts = QUESTIONS + ["Summarize this in one sentence: " + long_text()]
+    refs = [reference_text(chat_ids(q), 24, prefill_chunk_size=256, kv_bits=kv_bits, kv_group_size=32)
+            for q in prompts]
+    with running_cluster(1, decode, engine=engine, routing=ALL_REMOTE) as (base, _, workers):
+        results = {}
+        threads = [threading.Thread(target=lambda i=i, q=q: results.__setitem__(i, chat(base, q)))
+                   for i, q in enumerate(prompts)]  # concurrently: the decode workers batch them
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        for i, ref in enumerate(refs):
+            assert results[i]["choices"][0]["message"]["content"] == ref
+        sent = workers["prefill-0"].stats()["kv_blocks_sent"]
+        assert sent >= sum(len(chat_ids(q)) // 32 for q in prompts)  # the KV really moved
+        assert wait_until(lambda: at_baseline(workers))
+
+
+def test_streamed_disaggregated_answer_arrives_in_order():
+    with running_cluster(1, 1, routing=ALL_REMOTE) as (base, _, workers):
+        full = chat(base, QUESTIONS[2], max_tokens=40)["choices"][0]["message"]["content"]
+        parts = []
+        with httpx.stream("POST", base + "/v1/chat/completions", timeout=300, json={
+                "model": MODEL, "messages": [{"role": "user", "content": QUESTIONS[2]}], "max_tokens": 40,
+                "temperature": 0, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    delta = json.loads(line[6:])["choices"][0]["delta"]
+                    parts.append(delta.get("content") or "")
+        assert "".join(parts) == full and workers["decode-0"].stats()["tokens_out"] > 0
+
+
+def test_short_prompts_skip_the_prefill_worker():
+    """Conditional disaggregation: below local_prefill_max_tokens the decode worker prefills itself."""
+    with running_cluster(1, 1, routing="local_prefill_max_tokens = 100000") as (base, _, workers):
+        answer = chat(base, QUESTIONS[0])["choices"][0]["message"]["content"]
+        assert "Paris" in answer
+        assert workers["prefill-0"].stats()["kv_bytes_sent"] == 0
+
+
+def test_prompt_longer_than_the_context_is_400_before_any_transfer():
+    with running_cluster(1, 1, engine="max_model_len = 256", routing=ALL_REMOTE) as (base, client, workers):
+        r = httpx.post(base + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": long_text(400), "max_tokens": 4})
+        assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+        assert workers["prefill-0"].stats()["kv_bytes_sent"] == 0 and not client.streams
+
+
+@pytest.mark.parametrize("when", ["during_prefill", "after_first_token"])
+def test_client_disconnect_frees_blocks_on_both_workers_t1(when):
+    """cases.md T1: leaving during prefill (mid-transfer) or right after the first token: both workers'
+    free blocks return to baseline within seconds, and the abort reaches both."""
+    with running_cluster(1, 1, engine="prefill_chunk_size = 128", routing=ALL_REMOTE) as (base, client, workers):
+        body = {"model": MODEL, "prompt": long_text(900), "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", base + "/v1/completions", timeout=300, json=body) as r:
+            if when == "during_prefill":
+                assert wait_until(lambda: workers["prefill-0"].stats()["kv_blocks_sent"] > 0, 120)
+            else:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        break
+        # the response is closed: the router aborts on both workers
+        assert wait_until(lambda: at_baseline(workers), 20), [w.stats() for w in workers.values()]
+        assert not client.streams and all(not w.inflight for w in client.workers)
+        assert "Paris" in chat(base, QUESTIONS[0])["choices"][0]["message"]["content"]  # still serving
+
+
+def test_decode_worker_death_mid_stream_migrates_the_request_t2():
+    """cases.md T2 / issue 5: the decode worker serving a stream dies; the router notices within its
+    heartbeat deadline and re-runs the request on the other decode worker from the prompt plus the tokens
+    already streamed: the client sees one uninterrupted stream of the full length."""
+    with running_cluster(1, 2, routing=ALL_REMOTE) as (base, client, workers):
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 60, "temperature": 0, "stream": True,
+                "ignore_eos": True, "stream_options": {"include_usage": True}}
+        texts, finish, usage, killed = [], None, None, None
+        with httpx.stream("POST", base + "/v1/completions", timeout=300, json=body) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                if event.get("usage"):
+                    usage = event["usage"]
+                for choice in event.get("choices", []):
+                    texts.append(choice["text"])
+                    finish = choice.get("finish_reason") or finish
+                if killed is None and len(texts) >= 8:
+                    stream = next(iter(client.streams.values()))
+                    killed = stream.decode.spec.name
+                    workers[killed].stop()  # the worker's loop and sockets die without a word
+        assert killed is not None and finish == "length" and usage["completion_tokens"] == 60
+        survivor = next(n for n in workers if n.startswith("decode") and n != killed)
+        assert workers[survivor].stats()["tokens_out"] > 0
+        assert not next(w for w in client.workers if w.spec.name == killed).alive
+        assert "Paris" in chat(base, QUESTIONS[0])["choices"][0]["message"]["content"]  # new requests succeed
+
+
+def test_prefill_worker_death_gives_an_error_not_a_hang_t2():
+    with running_cluster(1, 1, engine="prefill_chunk_size = 64", routing=ALL_REMOTE) as (base, client, workers):
+        body = {"model": MODEL, "prompt": long_text(1200), "max_tokens": 20}
+        result = {}
+        t = threading.Thread(target=lambda: result.setdefault("r", httpx.post(base + "/v1/completions", json=body,
+                                                                               timeout=120)))
+        start = time.monotonic()
+        t.start()
+        assert wait_until(lambda: workers["prefill-0"].stats()["num_running"] > 0, 60)
+        workers["prefill-0"].stop()
+        t.join(60)
+        r = result["r"]
+        assert r.status_code >= 500 or "error" in r.text
+        assert time.monotonic() - start < 60
+        assert wait_until(lambda: workers["decode-0"].stats()["kv_blocks_free"]
+                          == workers["decode-0"].stats()["kv_blocks_total"], 30)  # the decode side freed
+        assert "Paris" in chat(base, QUESTIONS[0])["choices"][0]["message"]["content"]  # decode prefills alone
+
+
+def test_more_requests_than_the_decode_pool_holds_all_finish_t4():
+    """cases.md T4 on a live pair: the decode pool holds ~4 of these prompts; 10 arrive at once. Blocks are
+    reserved before transfers are accepted, the rest wait (busy) and retry; all finish; nothing leaks."""
+    engine = "num_blocks = 60\nmax_num_seqs = 16"
+    with running_cluster(1, 1, engine=engine, routing=ALL_REMOTE) as (base, client, workers):
+        results = []
+        prompts = [f"Case {i}: " + long_text(300) for i in range(10)]
+
+        def one(p):
+            r = httpx.post(base + "/v1/completions", timeout=300,
+                           json={"model": MODEL, "prompt": p, "max_tokens": 8, "temperature": 0})
+            results.append(r.status_code)
+
+        threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert results == [200] * 10
+        assert wait_until(lambda: at_baseline(workers))
+        assert workers["decode-0"].stats()["reservations_busy"] > 0
