@@ -66,15 +66,10 @@ def test_disaggregated_greedy_output_equals_single_node(decode, kv_bits):
     refs = [reference_text(chat_ids(q), 24, prefill_chunk_size=256, kv_bits=kv_bits, kv_group_size=32)
             for q in prompts]
     with running_cluster(1, decode, engine=engine, routing=ALL_REMOTE) as (base, _, workers):
-        results = {}
-        threads = [threading.Thread(target=lambda i=i, q=q: results.__setitem__(i, chat(base, q)))
-                   for i, q in enumerate(prompts)]  # concurrently: the decode workers batch them
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        for i, ref in enumerate(refs):
-            assert results[i]["choices"][0]["message"]["content"] == ref
+        # One at a time, as the references ran: a batch's padding changes float rounding (in either mode),
+        # which can flip a near-tie of greedy decoding; batch invariance is not what this test is about.
+        for prompt, ref in zip(prompts, refs):
+            assert chat(base, prompt)["choices"][0]["message"]["content"] == ref
         sent = workers["prefill-0"].stats()["kv_blocks_sent"]
         assert sent >= sum(len(chat_ids(q)) // 32 for q in prompts)  # the KV really moved
         assert wait_until(lambda: at_baseline(workers))
