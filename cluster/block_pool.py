@@ -145,6 +145,15 @@ class BlockPool:
         self._emit("cleared", ())
         return n
 
+    @property
+    def last_event_seq(self) -> int:
+        """The sequence number of the latest event recorded (0 before any)."""
+        return self._event_seq
+
+    def cached_hashes(self) -> list[int]:
+        """Every hash currently findable (a snapshot for a consumer that lost events)."""
+        return list(self._cached)
+
     def drain_events(self) -> list[KVEvent]:
         """Return and forget the events recorded since the last call."""
         events = list(self._events)

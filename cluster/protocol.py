@@ -11,12 +11,17 @@ Router -> worker (the worker's ROUTER control socket; one DEALER per worker at t
     abort     {request_id}                             stop it wherever it is (queue, transfer, batch)
     ping      {seq}                                    heartbeat; the answer carries the worker's stats
     reset_prefix_cache {seq}
+    kv_snapshot {seq}                                  every block hash its prefix cache holds (resync)
 Worker -> router:
     output    {output}                                 a RequestOutput delta (cluster/request.py)
     rejected  {request_id, reason, status, retry_after?}  the request never ran here (400: it never can,
                                                        503: not now); nothing of it is left on the worker
     pong      {seq, stats}
     reset_done {seq, count}
+    kv_snapshot_reply {seq, boot_id, last_event_seq, block_hashes}
+Worker -> anyone subscribed (its PUB socket, `events_port`):
+    kv_events {worker, boot_id, events: [{seq, kind, block_hashes}, ...]}   kind: stored | removed | cleared
+              sequence numbers are consecutive per boot; a gap or a new boot_id means resync from a snapshot
 
 `GenerateRequest` and `RequestOutput` travel as maps of built-in values (`request_to_wire` and friends).
 """
@@ -165,7 +170,38 @@ class ResetDone(_Message):
     count: int = Field(ge=0)
 
 
-ToWorker = Union[Generate, AbortRequest, Ping, ResetPrefixCache]
-ToRouter = Union[Output, Rejected, Pong, ResetDone]
+class SnapshotRequest(_Message):
+    type: Literal["kv_snapshot"] = "kv_snapshot"
+    seq: int = Field(ge=0)
+
+
+class Snapshot(_Message):
+    type: Literal["kv_snapshot_reply"] = "kv_snapshot_reply"
+    seq: int = Field(ge=0)
+    boot_id: str = Field(max_length=64)
+    last_event_seq: int = Field(ge=0)
+    block_hashes: list[Annotated[int, Field(ge=0, lt=2**64)]]
+
+
+class KVEvent(BaseModel):
+    """One change to a worker's cached set (cluster.block_pool.KVEvent on the wire)."""
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
+
+    seq: int = Field(ge=1)
+    kind: Literal["stored", "removed", "cleared"]
+    block_hashes: list[Annotated[int, Field(ge=0, lt=2**64)]] = []
+
+
+class KVEvents(_Message):
+    type: Literal["kv_events"] = "kv_events"
+    worker: str = Field(max_length=256)
+    boot_id: str = Field(max_length=64)
+    events: list[KVEvent]
+
+
+ToWorker = Union[Generate, AbortRequest, Ping, ResetPrefixCache, SnapshotRequest]
+ToRouter = Union[Output, Rejected, Pong, ResetDone, Snapshot]
 TO_WORKER: TypeAdapter = TypeAdapter(Annotated[ToWorker, Field(discriminator="type")])
 TO_ROUTER: TypeAdapter = TypeAdapter(Annotated[ToRouter, Field(discriminator="type")])
+KV_EVENTS: TypeAdapter = TypeAdapter(KVEvents)

@@ -19,7 +19,7 @@ Cluster form (`mlx-pd up FILE`; see topologies/local-1p1d.toml and lab-example.t
     [transfer]                           # any field of cluster.config.TransferConfig
     timeout_s = 30
     [routing]                            # RoutingSection
-    policy = "least_loaded"
+    policy = "prefix_aware"
     [security]
     curve_keys_dir = "~/.config/mlx-pd/keys"   # from `mlx-pd keys DIR`; every cluster socket then needs them
     [ray]
@@ -72,7 +72,7 @@ class RouterSection:
 
 
 ROLES = ("prefill", "decode")
-POLICIES = ("least_loaded", "round_robin")
+POLICIES = ("prefix_aware", "least_loaded", "round_robin")
 KV_FORMAT_FIELDS = ("dtype", "kv_bits", "kv_group_size", "block_size")
 
 
@@ -80,7 +80,12 @@ KV_FORMAT_FIELDS = ("dtype", "kv_bits", "kv_group_size", "block_size")
 class RoutingSection:
     """`[routing]`: how the router places requests.
 
-    - `policy`: "least_loaded" (fewest requests in flight, then most free KV blocks) or "round_robin".
+    - `policy`: "prefix_aware" (workers holding the prompt's leading blocks, weighed against load; see
+      router/placement.py), "least_loaded" (fewest requests in flight, then most free KV blocks) or
+      "round_robin" (for comparison).
+    - `cache_weight`: how many requests in flight one cached prompt block is worth in prefix_aware scoring.
+    - `spill_margin`: a worker holding the prefix is passed over once it has this many more requests in
+      flight than the least loaded live worker of its role (a hot prefix spreads instead of piling up).
     - `local_prefill_max_tokens`: a prompt with fewer uncached tokens than this is prefilled by its decode
       worker itself, with no prefill worker and no transfer (conditional disaggregation).
     - `heartbeat_s` / `dead_after_s`: the router pings every worker this often and marks one dead after this
@@ -89,7 +94,9 @@ class RoutingSection:
       worker whose connection drops (process or machine gone) is marked dead at once.
     """
 
-    policy: str = "least_loaded"
+    policy: str = "prefix_aware"
+    cache_weight: float = 0.1
+    spill_margin: int = 4
     local_prefill_max_tokens: int = 256
     heartbeat_s: float = 1.0
     dead_after_s: float = 60.0
@@ -97,6 +104,8 @@ class RoutingSection:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"routing.policy={self.policy!r} is invalid: must be one of {', '.join(POLICIES)}")
+        if not self.cache_weight >= 0 or self.spill_margin < 0:
+            raise ValueError("routing.cache_weight and routing.spill_margin must be >= 0")
         if self.local_prefill_max_tokens < 0:
             raise ValueError("routing.local_prefill_max_tokens must be >= 0")
         if not 0 < self.heartbeat_s < self.dead_after_s:
@@ -129,7 +138,9 @@ class RaySection:
 class WorkerSpec:
     """One `[[workers]]` entry. `engine` is the topology's `[engine]` with this worker's overrides applied.
 
-    `kv_port` (decode workers only) receives KV blocks; `control_port` takes requests from the router.
+    `kv_port` (decode workers only) receives KV blocks; `control_port` takes requests from the router;
+    `events_port` publishes the prefix cache's KV events (without it the router cannot see what this
+    worker has cached, and routes to it by load alone).
     `cpu_affinity` pins the worker's process to those CPUs (Linux; used to stand in for separate machines).
     """
 
@@ -140,6 +151,7 @@ class WorkerSpec:
     machine: Optional[str] = None
     host: str = "127.0.0.1"
     kv_port: Optional[int] = None
+    events_port: Optional[int] = None
     cpu_affinity: Optional[tuple[int, ...]] = None
 
     def __post_init__(self) -> None:
@@ -147,7 +159,7 @@ class WorkerSpec:
             raise ValueError(f"name={self.name!r} is invalid: use letters, digits, '-', '_' or '.'")
         if self.role not in ROLES:
             raise ValueError(f"role={self.role!r} is invalid: must be one of {', '.join(ROLES)}")
-        for key in ("control_port", "kv_port"):
+        for key in ("control_port", "kv_port", "events_port"):
             port = getattr(self, key)
             if port is not None and (not isinstance(port, int) or not 0 < port < 65536):
                 raise ValueError(f"{key}={port!r} is invalid: must be an integer in 1..65535")
@@ -274,7 +286,7 @@ def _check_workers(workers: tuple[WorkerSpec, ...], where: str) -> None:
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ValueError(f"{where}: duplicate worker name(s) {', '.join(dup)}")
-    ports = [(w.host, p) for w in workers for p in (w.control_port, w.kv_port) if p is not None]
+    ports = [(w.host, p) for w in workers for p in (w.control_port, w.kv_port, w.events_port) if p is not None]
     clash = sorted({f"{h}:{p}" for h, p in ports if ports.count((h, p)) > 1})
     if clash:
         raise ValueError(f"{where}: port(s) {', '.join(clash)} used twice")

@@ -18,15 +18,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from typing import Optional
 
 import zmq
 
 from cluster.engine import EngineCore
 from cluster.engine_client import EngineError
-from cluster.protocol import (TO_WORKER, AbortRequest, Generate, Output, Ping, Pong, ProtocolError, Rejected,
-                              ResetDone, ResetPrefixCache, output_to_wire, pack, request_from_wire, unpack,
-                              PROTOCOL_VERSION)
+from cluster.protocol import (PROTOCOL_VERSION, TO_WORKER, AbortRequest, Generate, KVEvent, KVEvents, Output,
+                              Ping, Pong, ProtocolError, Rejected, ResetDone, ResetPrefixCache, Snapshot,
+                              SnapshotRequest, output_to_wire, pack, request_from_wire, unpack)
 from cluster.request import GenerateRequest, RequestOutput
 from cluster.topology import TopologySpec, WorkerSpec
 from cluster.transport import CurveKeys, server_socket
@@ -80,7 +81,12 @@ class Worker:
         model, tokenizer, model_spec = self._loaded
         self.engine = EngineCore(model, tokenizer, model_spec, self.spec.engine)
         self.control, control = server_socket(self.ctx, zmq.ROUTER, self.spec.host, self.spec.control_port, self.keys)
-        self.endpoints = {"name": self.spec.name, "role": self.role, "control": control, "kv": self._setup()}
+        self.boot_id = uuid.uuid4().hex[:16]  # a restarted worker's events start a new sequence
+        self.events_pub, events = None, None
+        if self.spec.events_port is not None:
+            self.events_pub, events = server_socket(self.ctx, zmq.PUB, self.spec.host, self.spec.events_port, self.keys)
+        self.endpoints = {"name": self.spec.name, "role": self.role, "control": control, "kv": self._setup(),
+                          "events": events}
         self._refresh_stats()
         self._thread = threading.Thread(target=self._loop, name=self.spec.actor_name, daemon=True)
         self._thread.start()
@@ -112,6 +118,7 @@ class Worker:
                 if self.engine.has_work():
                     outputs = self.engine.step()
                     self._guard(self._after_step, outputs)
+                self._guard(self._publish_events)
                 if time.monotonic() - self._stats_at > _STATS_EVERY_S:
                     self._refresh_stats()
         finally:
@@ -171,8 +178,26 @@ class Worker:
             self._send(identity, Pong(seq=msg.seq, stats=self._stats))
         elif isinstance(msg, ResetPrefixCache):
             self._send(identity, ResetDone(seq=msg.seq, count=self.engine.pool.reset_prefix_cache()))
+            self._publish_events()
+        elif isinstance(msg, SnapshotRequest):
+            self._publish_events()  # so the snapshot's last_event_seq covers everything published
+            pool = self.engine.pool
+            self._send(identity, Snapshot(seq=msg.seq, boot_id=self.boot_id, last_event_seq=pool.last_event_seq,
+                                          block_hashes=pool.cached_hashes()))
 
     # -- to the router ---------------------------------------------------------------------------------------
+
+    def _publish_events(self) -> None:
+        """Send the prefix cache's new KV events to subscribers (the routers' prefix indexes)."""
+        events = self.engine.pool.drain_events()
+        if not events or self.events_pub is None:
+            return
+        batch = KVEvents(worker=self.spec.name, boot_id=self.boot_id,
+                         events=[KVEvent(seq=e.seq, kind=e.kind, block_hashes=list(e.block_hashes)) for e in events])
+        try:
+            self.events_pub.send(pack(batch), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # a lost batch is a gap the router resyncs from a snapshot
+            logger.debug("could not publish KV events: %s", exc)
 
     def emit(self, output: RequestOutput) -> None:
         """Send an output delta to the router that sent its request (the last one ends the route)."""

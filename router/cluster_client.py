@@ -29,13 +29,15 @@ import zmq
 import zmq.asyncio
 
 from cluster.engine_client import EngineError, EngineStats
-from cluster.protocol import (PROTOCOL_VERSION, TO_ROUTER, AbortRequest, Generate, Output, Ping, Pong,
-                              ProtocolError, Rejected, ResetDone, ResetPrefixCache, output_from_wire, pack,
-                              request_to_wire, unpack)
+from cluster.hashing import block_extra_key, block_hashes, kv_format_name
+from cluster.protocol import (KV_EVENTS, PROTOCOL_VERSION, TO_ROUTER, AbortRequest, Generate, Output, Ping, Pong,
+                              ProtocolError, Rejected, ResetDone, ResetPrefixCache, Snapshot, SnapshotRequest,
+                              output_from_wire, pack, request_to_wire, unpack)
 from cluster.request import FinishReason, GenerateRequest, RequestOutput
 from cluster.topology import TopologySpec, WorkerSpec
 from cluster.transport import CurveKeys, client_socket
 from router.placement import WorkerState, place
+from router.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +63,17 @@ class _Stream:
 
 
 class ClusterEngineClient:
-    """`EngineClient` over the workers of `topology`; `model_name`/`max_model_len` come from the model."""
+    """`EngineClient` over the workers of `topology`; `model_name`/`max_model_len`/`revision` come from the
+    model (cluster.model.ModelSpec). Without `revision` the router cannot hash prompts as the workers do, so
+    `prefix_aware` placement sees no cached blocks (it then balances by load)."""
 
     def __init__(self, topology: TopologySpec, model_name: str, max_model_len: int,
-                 keys: Optional[CurveKeys] = None):
+                 keys: Optional[CurveKeys] = None, revision: Optional[str] = None):
         self.topology, self.model_name, self.max_model_len = topology, model_name, max_model_len
+        e = topology.engine
+        self.block_size = e.block_size
+        self._format = (model_name, revision, kv_format_name(e.dtype, e.kv_bits, e.kv_group_size, e.block_size))
+        self.index = PrefixIndex([w.name for w in topology.workers])
         self.routing = topology.routing
         if keys is None and topology.security.curve_keys_dir:
             keys = CurveKeys.load(topology.security.curve_keys_dir)
@@ -89,6 +97,10 @@ class ClusterEngineClient:
             w.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.routing.heartbeat_s * 5000))
             self._tasks.append(asyncio.ensure_future(self._reader(w)))
             self._tasks.append(asyncio.ensure_future(self._monitor(w)))
+            if w.spec.events_port is not None:
+                w.sub = client_socket(self.ctx, zmq.SUB, w.spec.endpoint(w.spec.events_port), self.keys)
+                w.sub.setsockopt(zmq.SUBSCRIBE, b"")
+                self._tasks.append(asyncio.ensure_future(self._events(w)))
         self._tasks.append(asyncio.ensure_future(self._heartbeat()))
 
     async def wait_ready(self, timeout_s: float) -> bool:
@@ -105,8 +117,9 @@ class ClusterEngineClient:
         for t in self._tasks:
             t.cancel()
         for w in self.workers:
-            if w.sock is not None:
-                w.sock.close(linger=0)
+            for sock in (w.sock, w.sub):
+                if sock is not None:
+                    sock.close(linger=0)
         self.ctx.term()
 
     # -- EngineClient --------------------------------------------------------------------------------------------
@@ -119,7 +132,8 @@ class ClusterEngineClient:
             raise ValueError(f"the prompt has {len(request.prompt_token_ids)} tokens but the context limit is "
                              f"{self.max_model_len}: shorten the prompt")
         await self._wait_for_decode_worker()
-        prefill, decode = place(self.workers, request, self.routing, self._rr)
+        prefill, decode = place(self.workers, request, self.routing, self._rr, self.cached_blocks(request),
+                                self.block_size)
         stream = _Stream(request, asyncio.Queue(), decode, prefill)
         self.streams[request.request_id] = stream
         self._dispatch(stream)
@@ -177,6 +191,14 @@ class ClusterEngineClient:
             return sum(fut.counts)  # type: ignore[attr-defined]
         finally:
             self._resets.pop(seq, None)
+
+    def cached_blocks(self, request: GenerateRequest) -> Optional[dict[str, int]]:
+        """Leading blocks of the prompt each worker's prefix cache holds (None: not known here)."""
+        model_id, revision, fmt = self._format
+        if revision is None or self.routing.policy != "prefix_aware":
+            return None
+        key = block_extra_key(model_id, revision, fmt, request.cache_salt)
+        return self.index.match(block_hashes(request.prompt_token_ids, self.block_size, key))
 
     def worker_stats(self) -> list[dict]:
         """Each worker's last reported stats plus the router's view (alive, requests in flight)."""
@@ -242,6 +264,10 @@ class ClusterEngineClient:
                 logger.info("worker %s is alive", w.spec.actor_name)
             w.alive = True
             return
+        if isinstance(msg, Snapshot):
+            self.index.apply_snapshot(w.spec.name, msg.boot_id, msg.last_event_seq, msg.block_hashes)
+            w.snapshot_asked = 0.0
+            return
         if isinstance(msg, ResetDone):
             entry = self._resets.get(msg.seq)
             if entry is not None:
@@ -303,6 +329,26 @@ class ClusterEngineClient:
         finally:
             mon.close(linger=0)
 
+    async def _events(self, w: WorkerState) -> None:
+        """Feed the worker's KV events into the prefix index; a gap or a new boot asks for a snapshot."""
+        while True:
+            try:
+                frames = await w.sub.recv_multipart()
+                batch = unpack(frames[0], KV_EVENTS, PROTOCOL_VERSION)
+                if batch.worker == w.spec.name and not self.index.apply_events(w.spec.name, batch.boot_id,
+                                                                               batch.events):
+                    await self._ask_snapshot(w)
+            except asyncio.CancelledError:
+                raise
+            except (ProtocolError, IndexError) as exc:
+                logger.warning("dropped malformed KV events from %s: %s", w.spec.name, exc)
+
+    async def _ask_snapshot(self, w: WorkerState) -> None:
+        now = time.monotonic()
+        if w.alive and now - w.snapshot_asked > 2 * self.routing.heartbeat_s:  # one request in flight at a time
+            w.snapshot_asked = now
+            await self._send(w, SnapshotRequest(seq=next(self._seq)))
+
     async def _heartbeat(self) -> None:
         while True:
             now = time.monotonic()
@@ -310,11 +356,16 @@ class ClusterEngineClient:
                 if w.alive and now - w.last_pong > self.routing.dead_after_s:
                     self._mark_dead(w)
                 await self._send(w, Ping(seq=next(self._seq)))
+            for name in self.index.needs_snapshot():
+                w = next(x for x in self.workers if x.spec.name == name)
+                if w.spec.events_port is not None:
+                    await self._ask_snapshot(w)
             await asyncio.sleep(self.routing.heartbeat_s)
 
     def _mark_dead(self, w: WorkerState) -> None:
         logger.warning("worker %s is gone (connection lost or silent); routing around it", w.spec.actor_name)
         w.alive, w.stats = False, {}
+        self.index.forget(w.spec.name)
         for rid in list(w.inflight):
             stream = self.streams.get(rid)
             w.inflight.discard(rid)

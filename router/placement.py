@@ -1,13 +1,20 @@
 """Placement: which decode worker (and which prefill worker, if any) runs a request.
 
 Policies (topology `[routing] policy`):
-- `least_loaded`: the live worker of each role with the fewest requests in flight from this router, ties
-  broken by the most free KV blocks in its last heartbeat;
+- `prefix_aware` (default): for each live worker of a role, the number of leading prompt blocks its prefix
+  cache holds (router.prefix_index) against its load; the score, lower is better, is
+
+      requests in flight - cache_weight x cached blocks
+
+  except that a worker with more than `spill_margin` requests in flight above the least loaded one gets no
+  cache credit (a hot prefix spills to the others instead of queueing on its holder). Ties go to the worker
+  placed least often, so prompts with nothing cached spread evenly.
+- `least_loaded`: fewest requests in flight, then fewest placed, then most free KV blocks.
 - `round_robin`: live workers of each role in turn.
 
-Conditional disaggregation: a prompt with fewer than `local_prefill_max_tokens` tokens to compute is
-prefilled by its decode worker itself (no prefill worker, no transfer), as is every prompt when no prefill
-worker is alive.
+Conditional disaggregation: when the chosen decode worker would have fewer than `local_prefill_max_tokens`
+prompt tokens left to compute (after its cached blocks), it prefills them itself (no prefill worker, no
+transfer), as it does every prompt when no prefill worker is alive.
 """
 
 from __future__ import annotations
@@ -27,27 +34,45 @@ class WorkerState:
 
     spec: WorkerSpec
     sock: Any = None
+    sub: Any = None  # its KV events (SUB), when it publishes them
+    snapshot_asked: float = 0.0
     alive: bool = False
     last_pong: float = 0.0
     stats: dict = field(default_factory=dict)
     inflight: set = field(default_factory=set)
+    placed: int = 0  # requests placed here so far (tie-break: spread evenly)
 
 
-def _pick(workers: list[WorkerState], policy: str, counter: "itertools.count") -> WorkerState:
-    if policy == "round_robin":
+def _pick(workers: list[WorkerState], routing: RoutingSection, counter: "itertools.count",
+          cached: Optional[dict[str, int]]) -> WorkerState:
+    if routing.policy == "round_robin":
         return workers[next(counter) % len(workers)]
-    return min(workers, key=lambda w: (len(w.inflight), -w.stats.get("kv_blocks_free", 0)))
+    if routing.policy == "least_loaded" or cached is None:
+        return min(workers, key=lambda w: (len(w.inflight), w.placed, -w.stats.get("kv_blocks_free", 0)))
+    least = min(len(w.inflight) for w in workers)
+
+    def score(w: WorkerState) -> tuple:
+        blocks = cached.get(w.spec.name, 0) if len(w.inflight) <= least + routing.spill_margin else 0
+        return (len(w.inflight) - routing.cache_weight * blocks, w.placed, -w.stats.get("kv_blocks_free", 0))
+
+    return min(workers, key=score)
 
 
 def place(workers: list[WorkerState], request: GenerateRequest, routing: RoutingSection,
-          counter: "itertools.count") -> tuple[Optional[WorkerState], WorkerState]:
-    """(prefill worker or None, decode worker) for `request`. Raises EngineError when no decode worker is
-    alive."""
+          counter: "itertools.count", cached: Optional[dict[str, int]] = None,
+          block_size: int = 1) -> tuple[Optional[WorkerState], WorkerState]:
+    """(prefill worker or None, decode worker) for `request`. `cached`: leading prompt blocks of
+    `block_size` tokens each worker holds (PrefixIndex.match; None = unknown). Raises EngineError when no
+    decode worker is alive."""
     decode = [w for w in workers if w.alive and w.spec.role == "decode"]
     if not decode:
         raise EngineError("no decode worker is alive", retry_after=routing.dead_after_s)
-    chosen = _pick(decode, routing.policy, counter)
+    chosen = _pick(decode, routing, counter, cached)
+    chosen.placed += 1
     prefill = [w for w in workers if w.alive and w.spec.role == "prefill"]
-    if not prefill or len(request.prompt_token_ids) < routing.local_prefill_max_tokens:
+    left = len(request.prompt_token_ids) - (cached or {}).get(chosen.spec.name, 0) * block_size
+    if not prefill or left < routing.local_prefill_max_tokens:
         return None, chosen
-    return _pick(prefill, routing.policy, counter), chosen
+    picked = _pick(prefill, routing, counter, cached)
+    picked.placed += 1
+    return picked, chosen

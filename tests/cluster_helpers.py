@@ -18,10 +18,11 @@ def topology_text(prefill: int = 1, decode: int = 1, engine: str = "", routing: 
              '[routing]', 'heartbeat_s = 0.5', 'dead_after_s = 30.0', routing,
              '[transfer]', 'timeout_s = 20', transfer]
     for i in range(prefill):
-        lines += ['[[workers]]', f'name = "prefill-{i}"', 'role = "prefill"', f'control_port = {free_port()}']
+        lines += ['[[workers]]', f'name = "prefill-{i}"', 'role = "prefill"', f'control_port = {free_port()}',
+                  f'events_port = {free_port()}']
     for i in range(decode):
         lines += ['[[workers]]', f'name = "decode-{i}"', 'role = "decode"', f'control_port = {free_port()}',
-                  f'kv_port = {free_port()}']
+                  f'kv_port = {free_port()}', f'events_port = {free_port()}']
     return "\n".join(lines) + "\n"
 
 
@@ -41,7 +42,7 @@ def running_cluster(prefill: int = 1, decode: int = 1, **tables):
         for w in workers.values():
             w.start()
         _, tokenizer, spec = loaded
-        client = ClusterEngineClient(topology, spec.model_id, spec.max_model_len)
+        client = ClusterEngineClient(topology, spec.model_id, spec.max_model_len, revision=spec.revision)
         app = create_app(client, RouterTokenizer(tokenizer), served_model_names=[spec.model_id])
         with serve_app(app) as base:  # /health is 200 once a decode worker answered a ping
             deadline = time.monotonic() + 30

@@ -1,0 +1,133 @@
+"""PrefixIndex: which worker's prefix cache holds which block hashes, fed by the workers' KV events.
+
+Layout: `holders[block_hash]` is a bitmask of worker slots (bit i = worker i holds it), plus each worker's own
+set of hashes (to clear or replace it at once). `match(hashes)` walks the prompt's chained hashes in order,
+AND-ing the masks, and gives every worker the number of leading blocks it holds: O(prompt blocks), whatever
+the number of workers or indexed blocks. Example: workers 0 and 1 hold blocks [a, b] and [a] of a prompt
+[a, b, c]: masks a=0b11, b=0b01, c=0 -> worker 0 matches 2 blocks, worker 1 matches 1.
+
+Consistency: each worker numbers its events consecutively per boot (`boot_id`). A batch from a new boot, or
+one whose first sequence number is not the next expected, marks the worker stale: its entries stay until a
+snapshot (`apply_snapshot`) replaces them; `needs_snapshot()` lists who to ask. Events at or below the
+snapshot's sequence number are ignored. Size: at most the sum of the workers' cached blocks (each worker
+reports removals; a snapshot replaces the whole set), and `forget(worker)` drops a dead worker's entries.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+
+@dataclass
+class _WorkerEntries:
+    slot: int
+    hashes: set = field(default_factory=set)
+    boot_id: str = ""
+    last_seq: int = 0
+    stale: bool = True  # nothing trustworthy yet: ask for a snapshot
+
+
+class PrefixIndex:
+    """Block hash -> workers holding it, for placement. Not thread-safe (the router's event loop owns it)."""
+
+    def __init__(self, workers: Sequence[str]):
+        self.workers = {name: _WorkerEntries(i) for i, name in enumerate(workers)}
+        self.holders: dict[int, int] = defaultdict(int)
+        self.names = list(workers)
+
+    # -- updates -------------------------------------------------------------------------------------------------
+
+    def apply_events(self, worker: str, boot_id: str, events: Iterable) -> bool:
+        """Apply one batch of events ((seq, kind, hashes) objects with those attributes). Returns False (and
+        marks the worker stale) on a new boot or a gap in sequence numbers; the batch is then not applied."""
+        w = self.workers.get(worker)
+        if w is None:
+            return True
+        events = [e for e in events if not (boot_id == w.boot_id and e.seq <= w.last_seq)]  # already seen
+        if not events:
+            return True
+        if boot_id != w.boot_id or events[0].seq != w.last_seq + 1 or w.stale:
+            w.stale = True
+            return False
+        bit = 1 << w.slot
+        for e in events:
+            if e.kind == "stored":
+                for h in e.block_hashes:
+                    if h not in w.hashes:
+                        w.hashes.add(h)
+                        self.holders[h] |= bit
+            elif e.kind == "removed":
+                for h in e.block_hashes:
+                    self._drop(w, h)
+            else:  # cleared
+                self._clear(w)
+            w.last_seq = e.seq
+        return True
+
+    def apply_snapshot(self, worker: str, boot_id: str, last_event_seq: int, hashes: Iterable[int]) -> None:
+        """Replace a worker's entries with a snapshot taken at `last_event_seq` of boot `boot_id`."""
+        w = self.workers.get(worker)
+        if w is None:
+            return
+        self._clear(w)
+        bit = 1 << w.slot
+        for h in hashes:
+            w.hashes.add(h)
+            self.holders[h] |= bit
+        w.boot_id, w.last_seq, w.stale = boot_id, last_event_seq, False
+
+    def forget(self, worker: str) -> None:
+        """Drop every entry of a worker (dead or restarting); it is stale until its next snapshot."""
+        w = self.workers.get(worker)
+        if w is not None:
+            self._clear(w)
+            w.stale, w.boot_id, w.last_seq = True, "", 0
+
+    def needs_snapshot(self) -> list[str]:
+        return [name for name, w in self.workers.items() if w.stale]
+
+    # -- queries -------------------------------------------------------------------------------------------------
+
+    def match(self, hashes: Sequence[int]) -> dict[str, int]:
+        """Leading blocks of `hashes` each worker holds (only workers with at least one)."""
+        out: dict[str, int] = {}
+        alive = (1 << len(self.names)) - 1
+        for i, h in enumerate(hashes):
+            mask = alive & self.holders.get(h, 0)
+            dropped = alive & ~mask
+            if dropped and i:
+                self._credit(out, dropped, i)
+            alive = mask
+            if not alive:
+                return out
+        self._credit(out, alive, len(hashes))
+        return out
+
+    def num_blocks(self, worker: str) -> int:
+        return len(self.workers[worker].hashes)
+
+    def __len__(self) -> int:
+        return len(self.holders)
+
+    # -- internals -----------------------------------------------------------------------------------------------
+
+    def _credit(self, out: dict[str, int], mask: int, n: int) -> None:
+        while mask:
+            low = mask & -mask
+            out[self.names[low.bit_length() - 1]] = n
+            mask ^= low
+
+    def _drop(self, w: _WorkerEntries, h: int) -> None:
+        if h in w.hashes:
+            w.hashes.discard(h)
+            left = self.holders[h] & ~(1 << w.slot)
+            if left:
+                self.holders[h] = left
+            else:
+                del self.holders[h]
+
+    def _clear(self, w: _WorkerEntries) -> None:
+        for h in list(w.hashes):
+            self._drop(w, h)
