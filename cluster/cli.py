@@ -1,4 +1,5 @@
-"""The `mlx-pd` command: serve (single-node), generate (one prompt from the shell), bench, keys (CurveZMQ).
+"""The `mlx-pd` command: serve (single-node), generate (one prompt from the shell), bench, keys (CurveZMQ),
+up / status / down (cluster mode on Ray, cluster/launch.py).
 
 Documented environment variables: MLX_PD_CACHE (model cache folder), MLX_PD_NO_OPENBLAS=1 (do not
 preload OpenBLAS on Linux), MLX_PD_API_KEY (default for --api-key).
@@ -79,18 +80,25 @@ def _start(args: argparse.Namespace):
     return client, path
 
 
+def build_router_app(client, tokenizer_path, api_key: Optional[str] = None, request_timeout_s: float = 600.0):
+    """The router's FastAPI app over any `EngineClient` (single-node `serve` and the cluster's router actor).
+
+    `tokenizer_path` is the model folder (chat template, tokenizer); `api_key` None or "" leaves it open."""
+    from router.app import create_app  # lazy: cluster imports no sibling at module level
+    from router.tokenizer import RouterTokenizer
+
+    return create_app(client, RouterTokenizer.from_path(tokenizer_path), served_model_names=[client.model_name],
+                      api_key=api_key or None, request_timeout_s=request_timeout_s)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
-
-    from router.app import create_app
-    from router.tokenizer import RouterTokenizer
 
     topology = _topology(args)
     host = args.host or topology.router.host
     port = args.port or topology.router.port
     client, path = _start(args)
-    app = create_app(client, RouterTokenizer.from_path(path), served_model_names=[client.model_name],
-                     api_key=args.api_key or None)
+    app = build_router_app(client, path, args.api_key)
     print(f"mlx-pd: serving {client.model_name} at http://{host}:{port}/v1 "
           f"(context {client.max_model_len} tokens)", file=sys.stderr, flush=True)
     try:
@@ -156,6 +164,58 @@ def cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cluster_command(fn) -> int:
+    """Run `fn() -> int` (a cluster-mode command); a LaunchError (Ray unreachable, a worker that failed to
+    start) prints its message and exits 1."""
+    from cluster.launch import LaunchError
+
+    try:
+        return fn()
+    except LaunchError as exc:
+        print(f"mlx-pd: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """Start a topology on Ray (cluster/launch.py) and return once it serves."""
+    from cluster.launch import up
+
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout={args.timeout} is invalid: must be > 0 seconds")
+
+    def run() -> int:
+        up(args.topology, timeout_s=args.timeout, api_key=args.api_key or None)
+        return 0
+
+    return _cluster_command(run)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Print the topology's actors; exit 0 only if the router and every worker are alive."""
+    from cluster.launch import format_status, status
+
+    def run() -> int:
+        rows = status(args.topology)
+        if all(r["state"] == "stopped" for r in rows):
+            print(f"mlx-pd: {args.topology} is not running")
+            return 1
+        print(format_status(rows))
+        return 0 if all(r["state"] == "alive" for r in rows) else 1
+
+    return _cluster_command(run)
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    """Stop a topology's actors (and the local Ray head its `up` started)."""
+    from cluster.launch import down
+
+    def run() -> int:
+        down(args.topology)
+        return 0
+
+    return _cluster_command(run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlx-pd", description="Prefill/decode-disaggregated LLM serving on MLX")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -175,6 +235,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    up = sub.add_parser("up", help="start a cluster topology on Ray (workers and router as Ray actors)")
+    up.add_argument("topology", help="a topology file or name in topologies/, e.g. local-1p1d")
+    up.add_argument("--timeout", type=float, default=600.0,
+                    help="seconds to wait for every worker and the router (default 600)")
+    up.add_argument("--api-key", default=os.environ.get("MLX_PD_API_KEY"),
+                    help="require `Authorization: Bearer KEY` at the router (default: $MLX_PD_API_KEY, else open)")
+    for name, text in (("status", "show the actors of a running topology (exit 1 unless all are alive)"),
+                       ("down", "stop a topology's actors (and the local Ray head that `up` started)")):
+        sub.add_parser(name, help=text).add_argument("topology", help="the topology file or name given to `up`")
     sub.add_parser("bench", help="load-test OpenAI endpoints (see `mlx-pd bench --help`)", add_help=False)
     keys = sub.add_parser("keys", help="create CurveZMQ keys that encrypt and authenticate cluster sockets")
     keys.add_argument("dir", help="folder for the keys (created with mode 0700)")
@@ -194,7 +263,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return {"serve": cmd_serve, "generate": cmd_generate, "keys": cmd_keys}[args.command](args)
+        return {"serve": cmd_serve, "generate": cmd_generate, "keys": cmd_keys, "up": cmd_up,
+                "status": cmd_status, "down": cmd_down}[args.command](args)
     except (ValueError, FileNotFoundError, FileExistsError) as exc:
         print(f"mlx-pd: error: {exc}", file=sys.stderr)
         return 2

@@ -86,7 +86,7 @@ class CurveKeys:
         Raises ValueError naming the missing or unreadable file (or saying no client key is authorized)
         and telling to run ``mlx-pd keys DIR``.
         """
-        d = Path(directory)
+        d = Path(directory).expanduser()
         if not d.is_dir():
             raise ValueError(f"CurveZMQ key directory {d} does not exist; {_hint(d)}")
 

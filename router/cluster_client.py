@@ -116,6 +116,7 @@ class ClusterEngineClient:
     async def close(self) -> None:
         for t in self._tasks:
             t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)  # monitors close their sockets first
         for w in self.workers:
             for sock in (w.sock, w.sub):
                 if sock is not None:

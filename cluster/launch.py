@@ -1,0 +1,274 @@
+"""Cluster mode on Ray: `up`, `status` and `down` of a topology (`mlx-pd up|status|down TOPOLOGY`).
+
+`up` connects to Ray (for `[ray] address = "local"` it first starts a local head, see
+`cluster/launch_head.py`, token authentication on), places one detached actor per `[[workers]]` entry
+(`cluster/launch_actors.WorkerActor`, named `spec.actor_name`, in the namespace `topology.namespace`),
+waits until every worker has loaded its model and bound its sockets, then starts the router actor (the
+OpenAI API over ZeroMQ) and waits for its `/health`. It returns while everything keeps running.
+
+Placement: a worker with `machine = "NAME"` asks for a sliver (`RESOURCE_UNIT`) of the custom resource
+NAME, which exactly one Mac advertises (`ray start ... --resources='{"NAME": 1}'`); without `machine`, a
+worker (and the router) is placed on the node whose IP is its `host`, and a loopback host means the machine
+running `mlx-pd up`. Actors ask for no CPUs (`num_cpus=0`), so a 2-core machine fits three of them; Ray
+restarts a dead one up to `[ray] max_restarts` times, and its constructor loads and binds again.
+
+Only `cluster/launch*.py` import `ray` (DESIGN §3); they import sibling packages lazily.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from cluster import launch_head
+from cluster.topology import TopologySpec, WorkerSpec, load_topology
+from cluster.transport import is_loopback
+
+RESOURCE_UNIT = 0.01  # of a machine resource per actor: up to 100 actors on one Mac
+DEFAULT_TIMEOUT_S = 600.0
+_ALIVE, _GONE = "ALIVE", "DEAD"
+Echo = Callable[[str], None]
+
+
+class LaunchError(RuntimeError):
+    """`up`, `status` or `down` cannot do what was asked; the message says why and what to do."""
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def router_actor_name(topology: TopologySpec) -> str:
+    return f"router@{topology.router.host}"
+
+
+def placement_resources(host: str, machine: Optional[str], local_ip: str) -> dict[str, float]:
+    """The Ray resources that pin an actor: its machine's custom resource, else the node of its host IP
+    (a loopback or wildcard host means this machine, `local_ip`)."""
+    if machine:
+        return {machine: RESOURCE_UNIT}
+    if host in ("", "0.0.0.0", "::", "localhost") or is_loopback(host):
+        host = local_ip
+    return {f"node:{host}": RESOURCE_UNIT}
+
+
+def worker_options(topology: TopologySpec, spec: WorkerSpec, local_ip: str, env: dict[str, str]) -> dict:
+    """The `.options(...)` of the worker's actor (pure; see the module docstring for the choices)."""
+    options = {"name": spec.actor_name, "namespace": topology.namespace, "lifetime": "detached",
+               "get_if_exists": True, "num_cpus": 0,
+               "resources": placement_resources(spec.host, spec.machine, local_ip),
+               "max_restarts": topology.ray.max_restarts,
+               "max_task_retries": 0}  # a call during a restart fails at once (callers retry) rather than
+    # blocking `status`, and Ray prints no retry tracebacks to the terminal
+    if env:
+        options["runtime_env"] = {"env_vars": dict(env)}
+    return options
+
+
+def router_options(topology: TopologySpec, local_ip: str) -> dict:
+    return {"name": router_actor_name(topology), "namespace": topology.namespace, "lifetime": "detached",
+            "get_if_exists": True, "num_cpus": 0, "max_restarts": topology.ray.max_restarts,
+            "resources": placement_resources(topology.router.host, None, local_ip)}
+
+
+def missing_resources(needed: list[dict[str, float]], available: dict[str, float]) -> list[str]:
+    """Resource names some actor needs that no node of the cluster advertises."""
+    return sorted({name for res in needed for name in res if name not in available})
+
+
+@dataclass(frozen=True)
+class Connection:
+    """A driver connection: GCS `address`, `dashboard` URL, and `head` if it is our local head."""
+
+    address: str
+    dashboard: str
+    head: Optional[launch_head.LocalHead] = None
+    started_head: bool = False
+
+
+def _load(topology_path: str) -> TopologySpec:
+    topology = load_topology(topology_path)
+    if not topology.workers:
+        raise LaunchError(f"topology {topology.name!r} has no [[workers]]: it is a single-node topology, "
+                          f"run it with `mlx-pd serve --topology {topology_path}`")
+    return topology
+
+
+def _connect(topology: TopologySpec, state_dir: Path, start: bool, echo: Echo) -> Optional[Connection]:
+    """ray.init into the topology's namespace; None when a local head is not running and `start` is False."""
+    from cluster.platform import preload_env
+
+    head, started = None, False
+    address = topology.ray.address
+    if address == "local":
+        head = launch_head.read_head(state_dir)
+        if head is None:
+            if not start:
+                return None
+            t0 = time.monotonic()
+            echo("mlx-pd: starting a local Ray head (token authentication on) ...")
+            try:
+                head = launch_head.start_head(state_dir, preload_env())
+            except (RuntimeError, OSError, ValueError) as exc:
+                raise LaunchError(str(exc)) from None
+            started = True
+            echo(f"mlx-pd: Ray head at {head.address} up in {time.monotonic() - t0:.1f} s")
+        address = head.address
+    launch_head.enable_token_auth()
+    import ray
+
+    try:
+        ctx = ray.init(address=address, namespace=topology.namespace, log_to_driver=False,
+                       logging_level=logging.WARNING, configure_logging=False)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise LaunchError(f"cannot reach Ray at {address!r}: {exc}. Is `ray start` running there, with "
+                          "RAY_AUTH_MODE=token and the cluster's token in ~/.ray/auth_token (or "
+                          "RAY_AUTH_TOKEN)?") from None
+    url = getattr(ctx, "dashboard_url", "") or (head.dashboard if head else "")
+    dashboard = url if not url or url.startswith("http") else f"http://{url}"
+    return Connection(address=address, dashboard=dashboard, head=head, started_head=started)
+
+
+def namespace_actors(namespace: str) -> dict[str, dict]:
+    """The namespace's actors by name (the most alive record of each), from Ray's state API."""
+    from ray.util.state import list_actors
+
+    rank = {"ALIVE": 0, "RESTARTING": 1, "PENDING_CREATION": 2, "DEPENDENCIES_UNREADY": 3, "DEAD": 9}
+    best: dict[str, dict] = {}
+    for a in list_actors(filters=[("ray_namespace", "=", namespace)], limit=10_000, raise_on_missing_output=False):
+        a = a if isinstance(a, dict) else a.__dict__
+        name = a.get("name") or ""
+        if name and (name not in best or rank.get(a["state"], 5) < rank.get(best[name]["state"], 5)):
+            best[name] = a
+    return best
+
+
+def error_summary(exc: BaseException, lines: int = 3) -> str:
+    """The message lines of a Ray error (its traceback's frames dropped): what a user needs to see."""
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # Ray colours actor names
+    text = [ln for ln in plain.splitlines() if ln.strip() and not ln[:1].isspace() and
+            not ln.startswith("Traceback")]
+    return "\n    ".join(text[-lines:]) or type(exc).__name__
+
+
+def up(topology_path: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, api_key: Optional[str] = None,
+       state_dir: Optional[Path] = None, echo: Echo = _stderr) -> dict:
+    """Start the topology's workers and router on Ray and wait until it serves (see the module docstring).
+
+    Returns {"namespace", "endpoint" (http://host:port/v1), "dashboard", "address", "workers": {name: info},
+    "already_running"}. Raises LaunchError (Ray unreachable, a resource nobody advertises, a worker that
+    failed to start: its error) after removing what this call started; ValueError/FileNotFoundError for a
+    bad topology.
+    """
+    from cluster.launch_ray import create_cluster
+
+    topology = _load(topology_path)
+    if not api_key and not is_loopback(topology.router.host):
+        echo(f"mlx-pd: warning: the router listens on {topology.router.host} without an API key, so anyone on "
+             "that network can use it: pass --api-key or set MLX_PD_API_KEY")
+    state_dir = Path(state_dir or launch_head.default_state_dir())
+    conn = _connect(topology, state_dir, start=True, echo=echo)
+    try:
+        info = create_cluster(topology, conn, timeout_s=timeout_s, api_key=api_key, echo=echo, label=topology_path)
+    except BaseException:
+        if conn.started_head:
+            _shutdown()
+            launch_head.stop_head(state_dir, conn.head)
+        raise
+    finally:
+        _shutdown()
+    if conn.head is not None and topology.namespace not in conn.head.namespaces:
+        launch_head.write_head(state_dir, launch_head.LocalHead(
+            **{**conn.head.__dict__, "namespaces": (*conn.head.namespaces, topology.namespace)}))
+    return info
+
+
+def _shutdown() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def status(topology_path: str, *, state_dir: Optional[Path] = None, timeout_s: float = 10.0) -> list[dict]:
+    """One row per worker plus one for the router: {"actor", "name", "role", "host", "state", ...}.
+
+    `state` is "alive", "unhealthy" (the actor lives but its loop or engine does not), "starting",
+    "restarting", "dead", "absent" (no such actor) or "stopped" (the local Ray head is not running).
+    Worker rows add running, waiting, kv_blocks_used/free/total, prefix_cache_hit_rate; the router row
+    adds its endpoint. Nothing secret is included.
+    """
+    from cluster.launch_ray import collect_status
+
+    topology = _load(topology_path)
+    state_dir = Path(state_dir or launch_head.default_state_dir())
+    conn = _connect(topology, state_dir, start=False, echo=_stderr)
+    if conn is None:
+        return [{"actor": router_actor_name(topology), "name": "router", "role": "router",
+                 "host": topology.router.host, "state": "stopped"}] + [
+            {"actor": w.actor_name, "name": w.name, "role": w.role, "host": w.host, "state": "stopped"}
+            for w in topology.workers]
+    try:
+        return collect_status(topology, namespace_actors(topology.namespace), timeout_s, conn.dashboard)
+    finally:
+        _shutdown()
+
+
+def down(topology_path: str, *, state_dir: Optional[Path] = None, echo: Echo = _stderr,
+         timeout_s: float = 60.0) -> dict:
+    """Stop the router and the workers of the topology's namespace; for `address = "local"` also stop the
+    local Ray head once no topology uses it. Returns {"stopped": [actor names], "head_stopped": bool}."""
+    from cluster.launch_ray import kill_namespace
+
+    topology = _load(topology_path)
+    state_dir = Path(state_dir or launch_head.default_state_dir())
+    conn = _connect(topology, state_dir, start=False, echo=echo)
+    if conn is None:
+        echo(f"mlx-pd: {topology.name} is not running (no local Ray head of mlx-pd)")
+        return {"stopped": [], "head_stopped": False}
+    try:
+        stopped = kill_namespace(topology, timeout_s, echo)
+    finally:
+        _shutdown()
+    head_stopped = False
+    if conn.head is not None:
+        left = tuple(ns for ns in conn.head.namespaces if ns != topology.namespace)
+        if left:
+            launch_head.write_head(state_dir, launch_head.LocalHead(**{**conn.head.__dict__, "namespaces": left}))
+            echo(f"mlx-pd: the local Ray head stays up for {', '.join(left)}")
+        else:
+            head_stopped = launch_head.stop_head(state_dir, conn.head)
+            echo("mlx-pd: stopped the local Ray head" if head_stopped else
+                 f"mlx-pd: the local Ray head (pid {conn.head.pid}) did not stop; see {conn.head.log}")
+    return {"stopped": stopped, "head_stopped": head_stopped}
+
+
+def format_status(rows: list[dict]) -> str:
+    """The `mlx-pd status` table (pure)."""
+    head = ("ACTOR", "ROLE", "HOST", "STATE", "RUNNING", "WAITING", "KV USED/FREE", "PREFIX HIT")
+    lines = [head]
+    for r in rows:
+        if r["role"] == "router":
+            continue
+        kv = f"{r['kv_blocks_used']}/{r['kv_blocks_free']}" if r.get("kv_blocks_free") is not None else "-"
+        hit = f"{r['prefix_cache_hit_rate']:.1%}" if r.get("prefix_cache_hit_rate") is not None else "-"
+        lines.append((r["actor"], r["role"], r["host"], r["state"], _cell(r.get("running")),
+                      _cell(r.get("waiting")), kv, hit))
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
+    text = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
+    for r in rows:
+        if r["role"] == "router":
+            where = r.get("endpoint") or f"http://{r['host']}:?/v1"
+            text.append(f"router {r['actor']}: {r['state']}, OpenAI API at {where}")
+            if r.get("dashboard"):
+                text.append(f"Ray dashboard: {r['dashboard']}")
+    return "\n".join(text)
+
+
+def _cell(value) -> str:
+    return "-" if value is None else str(value)

@@ -1,0 +1,293 @@
+"""Cluster mode on Ray (cluster/launch*.py, `mlx-pd up|status|down`).
+
+The first half needs no Ray: actor names, placement and options, the head's command line, metrics, the
+status table, the lab example, CLI errors. The `ray` half shares one local cluster (local-1p1d with free
+ports, a private state folder) for the whole module: up, a chat answer through the router, status, an
+idempotent second up, a worker that fails to start, and down (last: no actors, no Ray processes left).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster import launch, launch_head
+from cluster.launch_actors import COUNTERS, GAUGES, metric_values
+from cluster.topology import TOPOLOGY_DIR, load_topology, parse_topology
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=ROOT)
+
+
+# -- without Ray ---------------------------------------------------------------------------------------------
+
+def test_lab_example_parses_into_a_studio_and_two_minis():
+    t = load_topology("lab-example")
+    assert [(w.actor_name, w.role) for w in t.workers] == [
+        ("prefill-0@mac-studio-1", "prefill"), ("decode-0@mac-mini-1", "decode"), ("decode-1@mac-mini-2", "decode")]
+    assert t.security.curve_keys_dir and t.ray.address.endswith(":6379") and t.router.host == "192.168.1.10"
+    assert {w.host for w in t.workers} == {"192.168.1.10", "192.168.1.11", "192.168.1.12"}
+    text = (TOPOLOGY_DIR / "lab-example.toml").read_text()
+    for machine in ("mac-studio-1", "mac-mini-1", "mac-mini-2"):  # each Mac's `ray start` is in the comments
+        assert re.search(r"#.*ray start .*\\\n#.*--resources='\{\"" + machine, text), machine
+    assert "RAY_AUTH_MODE=token" in text and "MLX_PD_API_KEY" in text
+
+
+def test_placement_pins_actors_to_their_machine_or_host():
+    assert launch.placement_resources("192.168.1.11", "mac-mini-1", "10.0.0.1") == {"mac-mini-1": 0.01}
+    assert launch.placement_resources("192.168.1.11", None, "10.0.0.1") == {"node:192.168.1.11": 0.01}
+    for host in ("127.0.0.1", "localhost", "0.0.0.0"):  # this machine: where `mlx-pd up` runs
+        assert launch.placement_resources(host, None, "10.0.0.1") == {"node:10.0.0.1": 0.01}
+
+
+def test_worker_options_name_place_and_restart_the_actor():
+    t = load_topology("lab-example")
+    opts = launch.worker_options(t, t.worker("decode-1"), "192.168.1.10", {"LD_PRELOAD": "/x/libblas.so.3"})
+    assert opts == {"name": "decode-1@mac-mini-2", "namespace": "mlx-pd-lab-example", "lifetime": "detached",
+                    "get_if_exists": True, "num_cpus": 0, "resources": {"mac-mini-2": 0.01}, "max_restarts": 3,
+                    "max_task_retries": 0, "runtime_env": {"env_vars": {"LD_PRELOAD": "/x/libblas.so.3"}}}
+    local = load_topology("local-1p1d")
+    opts = launch.worker_options(local, local.worker("prefill-0"), "10.0.0.1", {})
+    assert opts["resources"] == {"node:10.0.0.1": 0.01} and "runtime_env" not in opts
+    router = launch.router_options(t, "192.168.1.10")
+    assert router["name"] == "router@192.168.1.10" and router["resources"] == {"node:192.168.1.10": 0.01}
+
+
+def test_missing_resources_name_what_no_node_advertises():
+    needed = [{"mac-mini-1": 0.01}, {"mac-mini-2": 0.01}, {"node:10.0.0.1": 0.01}]
+    assert launch.missing_resources(needed, {"CPU": 2.0, "mac-mini-1": 1.0, "node:10.0.0.1": 1.0}) == ["mac-mini-2"]
+
+
+def test_head_command_keeps_the_dashboard_on_loopback():
+    ports = launch_head.choose_ports(is_free=lambda p: p != 6379)  # 6379 taken: another port, not a clash
+    assert ports["gcs"] != 6379 and ports["dashboard"] == 8265 and len(set(ports.values())) == 4
+    assert not 10002 <= ports["gcs"] <= 19999  # never inside Ray's worker port range
+    cmd = launch_head.head_command(ports)
+    assert cmd[1:4] == ["start", "--head", "--block"]
+    assert "--dashboard-host=127.0.0.1" in cmd and f"--port={ports['gcs']}" in cmd
+
+
+def test_token_auth_is_on_unless_the_user_chose(monkeypatch):
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    assert launch_head.token_auth_env() == {"RAY_AUTH_MODE": "token"}
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    assert launch_head.token_auth_env() == {"RAY_AUTH_MODE": "token"}
+
+
+def test_metric_values_turn_stats_into_gauges_and_counter_increments():
+    stats = {"num_running": 2, "num_waiting": 1, "kv_blocks_total": 100, "kv_blocks_free": 60, "healthy": True,
+             "prefix_cache_hit_rate": 0.5, "tokens_out": 50, "kv_bytes_sent": 4096.0, "ttft_p50_s": None}
+    gauges, inc = metric_values(stats, None, 0.0)
+    assert gauges == {"num_running": 2, "num_waiting": 1, "kv_blocks_used": 40, "kv_blocks_free": 60,
+                      "prefix_cache_hit_rate": 0.5, "healthy": 1.0}
+    assert inc == {"tokens_out": 50, "kv_bytes_sent": 4096.0}
+    gauges, inc = metric_values({**stats, "tokens_out": 90, "healthy": False}, stats, 2.0)
+    assert gauges["tokens_per_s"] == 20.0 and gauges["healthy"] == 0.0
+    assert inc == {"tokens_out": 40, "kv_bytes_sent": 0.0}
+    names = [name for name, _ in [*GAUGES.values(), *COUNTERS.values()]]
+    assert set(GAUGES).isdisjoint(COUNTERS) and all(n.startswith("mlx_pd_") for n in names)
+
+
+def test_status_table_shows_each_worker_and_the_router():
+    rows = [{"actor": "router@127.0.0.1", "name": "router", "role": "router", "host": "127.0.0.1", "state": "alive",
+             "endpoint": "http://127.0.0.1:8000/v1", "dashboard": "http://127.0.0.1:8265"},
+            {"actor": "decode-0@127.0.0.1", "name": "decode-0", "role": "decode", "host": "127.0.0.1", "state": "alive",
+             "running": 1, "waiting": 0, "kv_blocks_used": 3, "kv_blocks_free": 725, "prefix_cache_hit_rate": 0.25},
+            {"actor": "prefill-0@127.0.0.1", "name": "prefill-0", "role": "prefill", "host": "127.0.0.1",
+             "state": "restarting"}]
+    text = launch.format_status(rows)
+    lines = text.splitlines()
+    assert lines[0].split() == ["ACTOR", "ROLE", "HOST", "STATE", "RUNNING", "WAITING", "KV", "USED/FREE",
+                                "PREFIX", "HIT"]
+    assert lines[1].split() == ["decode-0@127.0.0.1", "decode", "127.0.0.1", "alive", "1", "0", "3/725", "25.0%"]
+    assert lines[2].split()[3:] == ["restarting", "-", "-", "-", "-"]
+    assert "OpenAI API at http://127.0.0.1:8000/v1" in text and "Ray dashboard: http://127.0.0.1:8265" in text
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="cpu_affinity is Linux-only")
+def test_cpu_affinity_pins_every_thread_of_the_worker_process():
+    code = ("import os, threading; from cluster.launch_actors import pin_cpus; "
+            "t = threading.Thread(target=threading.Event().wait, daemon=True); t.start(); pin_cpus((0,)); "
+            "print(sorted({tuple(os.sched_getaffinity(int(tid))) for tid in os.listdir('/proc/self/task')}))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "[(0,)]", r.stderr
+
+
+def test_cli_errors_are_clear(tmp_path):
+    env = {"MLX_PD_CACHE": str(tmp_path)}  # a state folder with no local head recorded
+    r = _cli("up", "no-such-topology", env=env)
+    assert r.returncode == 2 and "topology 'no-such-topology' not found" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("up", "single-node", env=env)
+    assert r.returncode == 1 and "single-node topology" in r.stderr and "mlx-pd serve --topology" in r.stderr
+    r = _cli("up", "local-1p1d", "--timeout", "0", env=env)
+    assert r.returncode == 2 and "--timeout=0.0 is invalid" in r.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[ray]\naddres = "local"\n')
+    r = _cli("status", str(bad), env=env)
+    assert r.returncode == 2 and "unknown key(s) addres" in r.stderr
+    r = _cli("status", "local-1p1d", env=env)
+    assert r.returncode == 1 and "is not running" in r.stdout
+    r = _cli("down", "local-1p1d", env=env)
+    assert r.returncode == 0 and "not running" in r.stderr
+    r = _cli("up", env=env)
+    assert r.returncode == 2 and "topology" in r.stderr
+
+
+# -- on a local Ray cluster ----------------------------------------------------------------------------------
+
+def _free_port_copy(src: str, dst: Path, **replace: str) -> Path:
+    """`src` topology with every port replaced by a free one (and any `key = "value"` in `replace`)."""
+    text = (TOPOLOGY_DIR / f"{src}.toml").read_text()
+    text = re.sub(r"^(\s*(?:control_port|kv_port|events_port|port)\s*=\s*)\d+",
+                  lambda m: f"{m.group(1)}{launch_head.free_port()}", text, flags=re.M)
+    for key, value in replace.items():
+        text = re.sub(rf'^({key}\s*=\s*)"[^"]*"', rf'\g<1>"{value}"', text, flags=re.M)
+    parse_topology(text, name=dst.stem)  # still valid
+    dst.write_text(text)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """local-1p1d on a local Ray head, up once for the module; yields (topology path, state dir, up's info)."""
+    root = tmp_path_factory.mktemp("cluster")
+    path, state = _free_port_copy("local-1p1d", root / "test-1p1d.toml"), root / "clusters"  # $MLX_PD_CACHE/clusters
+    t0 = time.monotonic()
+    info = launch.up(str(path), state_dir=state, timeout_s=600)
+    info["up_s"] = time.monotonic() - t0
+    try:
+        yield path, state, info
+    finally:
+        launch.down(str(path), state_dir=state)  # a no-op when test_down already ran
+
+
+def _chat(endpoint: str, content: str, max_tokens: int = 24) -> str:
+    import httpx
+
+    r = httpx.post(f"{endpoint}/chat/completions", timeout=120, json={
+        "model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def _rows(path, state) -> dict:
+    return {r["name"]: r for r in launch.status(str(path), state_dir=state)}
+
+
+@pytest.mark.ray
+def test_up_serves_chat_through_the_router(cluster):
+    path, state, info = cluster
+    assert info["endpoint"].startswith("http://127.0.0.1:") and info["endpoint"].endswith("/v1")
+    assert info["dashboard"].startswith("http://127.0.0.1:") and set(info["workers"]) == {"prefill-0", "decode-0"}
+    baseline = _rows(path, state)
+    assert "Paris" in _chat(info["endpoint"], "What is the capital of France?")
+    long_prompt = ("Here are some facts. " + "The Seine flows through Paris. " * 12 +
+                   "Question: which river flows through Paris? Answer in one word.")
+    assert "Seine" in _chat(info["endpoint"], long_prompt, max_tokens=8)  # over local_prefill_max_tokens
+    deadline = time.monotonic() + 10
+    while True:  # stats refresh every 0.5 s in the worker
+        rows = _rows(path, state)
+        if all(rows[n]["kv_blocks_free"] == baseline[n]["kv_blocks_free"] for n in ("prefill-0", "decode-0")) \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    for name in ("prefill-0", "decode-0"):
+        row = rows[name]
+        assert row["state"] == "alive" and row["running"] == 0 and row["waiting"] == 0, row
+        assert row["kv_blocks_free"] == baseline[name]["kv_blocks_free"] == row["kv_blocks_total"], row
+    assert rows["decode-0"]["tokens_out"] > 0
+    assert rows["prefill-0"]["kv_bytes_sent"] == rows["decode-0"]["kv_bytes_received"] > 0  # the long prompt moved
+    assert rows["router"]["state"] == "alive" and rows["router"]["endpoint"] == info["endpoint"]
+
+
+@pytest.mark.ray
+def test_status_cli_prints_the_table(cluster):
+    path, state, info = cluster
+    r = _cli("status", str(path), env={"MLX_PD_CACHE": str(state.parent)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(r"prefill-0@127\.0\.0\.1\s+prefill\s+127\.0\.0\.1\s+alive", r.stdout), r.stdout
+    assert re.search(r"decode-0@127\.0\.0\.1\s+decode\s+127\.0\.0\.1\s+alive", r.stdout), r.stdout
+    assert info["endpoint"] in r.stdout
+
+
+@pytest.mark.ray
+def test_workers_export_metrics_and_run_with_openblas(cluster):
+    import httpx
+
+    path, state, info = cluster
+    launch_head.enable_token_auth()
+    import ray
+
+    ray.init(address=launch_head.read_head(state).address, log_to_driver=False, configure_logging=False)
+    try:
+        node = ray.nodes()[0]
+        url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+    finally:
+        ray.shutdown()
+    deadline, text = time.monotonic() + 60, ""
+    while time.monotonic() < deadline and 'ray_mlx_pd_output_tokens' not in text:
+        time.sleep(2)
+        text = httpx.get(url, timeout=10).text
+    assert re.search(r'ray_mlx_pd_kv_blocks_free\{[^}]*role="decode"[^}]*worker="decode-0"', text)
+    assert re.search(r'ray_mlx_pd_output_tokens\S*\{[^}]*worker="decode-0"[^}]*\} [1-9]', text)
+    if sys.platform.startswith("linux") and os.environ.get("LD_PRELOAD"):
+        for w in info["workers"].values():
+            assert "openblas" in Path(f"/proc/{w['pid']}/maps").read_text(), w
+
+
+@pytest.mark.ray
+def test_up_again_says_it_is_already_up(cluster):
+    path, state, info = cluster
+    again = launch.up(str(path), state_dir=state, timeout_s=60, echo=lambda line: None)
+    assert again["already_running"] and again["endpoint"] == info["endpoint"]
+
+
+@pytest.mark.ray
+def test_ray_restarts_a_killed_worker_and_the_router_uses_it_again(cluster):
+    path, state, info = cluster
+    old_pid = _rows(path, state)["decode-0"]["pid"]
+    os.kill(old_pid, signal.SIGKILL)
+    deadline, row = time.monotonic() + 120, {}
+    while time.monotonic() < deadline:
+        rows = _rows(path, state)
+        row = rows["decode-0"]
+        if row["state"] == "alive" and row.get("pid") not in (None, old_pid):
+            break
+        time.sleep(1)
+    assert row["state"] == "alive" and row["pid"] != old_pid, row  # Ray re-ran the constructor: model, sockets
+    assert "Paris" in _chat(info["endpoint"], "What is the capital of France?")
+
+
+@pytest.mark.ray
+def test_a_worker_that_cannot_start_shows_its_error(cluster, tmp_path):
+    path, state, _ = cluster
+    bad = _free_port_copy("local-1p1d", tmp_path / "test-broken.toml", source=str(tmp_path / "no-such-model.gguf"))
+    with pytest.raises(launch.LaunchError, match=r"(?s)failed to start.*no-such-model"):
+        launch.up(str(bad), state_dir=state, timeout_s=300, echo=lambda line: None)
+    assert all(r["state"] in ("absent", "dead") for r in launch.status(str(bad), state_dir=state))
+    assert _rows(path, state)["decode-0"]["state"] == "alive"  # the other topology and the shared head are untouched
+
+
+@pytest.mark.ray
+def test_down_leaves_no_actors_and_no_ray_processes(cluster):
+    path, state, _ = cluster
+    head = launch_head.read_head(state)
+    result = launch.down(str(path), state_dir=state, echo=lambda line: None)
+    assert result["head_stopped"] and set(result["stopped"]) == {"router@127.0.0.1", "prefill-0@127.0.0.1",
+                                                                  "decode-0@127.0.0.1"}
+    assert launch_head.read_head(state) is None and not launch_head.pid_alive(head.pid)
+    assert launch_head.group_members(head.pid) == []  # nothing of the head's session (gcs, raylet, workers)
+    assert all(r["state"] == "stopped" for r in launch.status(str(path), state_dir=state))

@@ -1,0 +1,181 @@
+"""The router's PrefixIndex and placement (issue 6): exact match lengths, event gaps and restarts resync,
+a hot prefix spills, unique prompts spread, no worker idles while another queues; and live (R1): a cleared
+or restarted worker's entries disappear from the router's index."""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace as E
+
+import httpx
+import pytest
+
+from cluster.request import GenerateRequest
+from cluster.topology import RoutingSection, WorkerSpec
+from router.placement import WorkerState, place
+from router.prefix_index import PrefixIndex
+
+
+def ev(seq, kind, *hashes):
+    return E(seq=seq, kind=kind, block_hashes=list(hashes))
+
+
+def test_match_counts_leading_blocks_per_worker():
+    idx = PrefixIndex(["w0", "w1", "w2"])
+    for name in ("w0", "w1", "w2"):
+        idx.apply_snapshot(name, "boot", 0, [])
+    assert idx.apply_events("w0", "boot", [ev(1, "stored", 10, 11, 12)])
+    assert idx.apply_events("w1", "boot", [ev(1, "stored", 10), ev(2, "stored", 12)])  # 12 without 11: no run
+    assert idx.match([10, 11, 12, 13]) == {"w0": 3, "w1": 1}
+    assert idx.match([11, 12]) == {"w0": 2}
+    assert idx.match([99]) == {}
+    assert idx.apply_events("w0", "boot", [ev(2, "removed", 11)])
+    assert idx.match([10, 11, 12]) == {"w0": 1, "w1": 1}
+    assert idx.apply_events("w1", "boot", [ev(3, "cleared")])
+    assert idx.match([10, 11, 12]) == {"w0": 1} and len(idx) == 2  # 10 and 12 of w0; nothing of w1 left
+
+
+def test_a_gap_or_a_new_boot_marks_the_worker_stale_until_a_snapshot():
+    idx = PrefixIndex(["w0"])
+    assert idx.needs_snapshot() == ["w0"]  # nothing is trusted before the first snapshot
+    idx.apply_snapshot("w0", "b1", 5, [1, 2])
+    assert idx.needs_snapshot() == [] and idx.match([1, 2]) == {"w0": 2}
+    assert idx.apply_events("w0", "b1", [ev(4, "stored", 7), ev(5, "stored", 8)])  # already in the snapshot
+    assert idx.match([7]) == {}
+    assert not idx.apply_events("w0", "b1", [ev(7, "stored", 3)])  # event 6 was lost
+    assert idx.needs_snapshot() == ["w0"]
+    assert not idx.apply_events("w0", "b1", [ev(8, "stored", 4)])  # stays stale: nothing applied
+    idx.apply_snapshot("w0", "b1", 8, [1, 3, 4])
+    assert idx.match([1, 2]) == {"w0": 1} and idx.match([3, 4]) == {"w0": 2}
+    assert not idx.apply_events("w0", "b2", [ev(1, "stored", 9)])  # a restart: new boot id
+    idx.apply_snapshot("w0", "b2", 1, [9])  # the restarted worker holds only what it computed since
+    assert idx.match([1]) == {} and idx.match([9]) == {"w0": 1} and len(idx) == 1
+
+
+def test_forget_drops_a_dead_worker_and_the_index_stays_bounded():
+    idx = PrefixIndex(["w0", "w1"])
+    idx.apply_snapshot("w0", "b", 0, range(1000))
+    idx.apply_snapshot("w1", "b", 0, range(500, 1500))
+    assert len(idx) == 1500
+    for seq in range(1, 101):  # churn: each store evicts an older block, as a full pool does
+        assert idx.apply_events("w0", "b", [ev(seq, "stored", 10_000 + seq), ev(seq, "removed", seq - 1)][:1])
+        idx.apply_events("w0", "b", [])
+    idx.forget("w1")
+    assert idx.match(list(range(500, 510))) == {"w0": 10} and len(idx) == 1100
+    assert idx.needs_snapshot() == ["w1"]
+
+
+def workers(n, role="decode"):
+    return [WorkerState(WorkerSpec(f"{role[0]}{i}", role, 7000 + i, kv_port=8000 + i if role == "decode" else None),
+                        alive=True) for i in range(n)]
+
+
+def request(n_tokens=400, rid="r"):
+    return GenerateRequest(rid, tuple(range(1, n_tokens + 1)))
+
+
+def test_unique_prompts_spread_evenly():
+    """Issue 6: requests with no cached prefix spread with max/min per-worker count <= 2 (here exactly even),
+    whether they arrive one after another or pile up."""
+    for concurrent in (False, True):
+        ws, counts = workers(4), {}
+        for i in range(40):
+            _, d = place(ws, request(rid=f"r{i}"), RoutingSection(), itertools.count(), cached={})
+            counts[d.spec.name] = counts.get(d.spec.name, 0) + 1
+            if concurrent:
+                d.inflight.add(f"r{i}")
+        assert max(counts.values()) / min(counts.values()) <= 2 and sum(counts.values()) == 40
+
+
+def test_a_hot_prefix_goes_to_its_holder_then_spills_once_it_is_saturated():
+    routing = RoutingSection(spill_margin=2, cache_weight=0.1)
+    ws = workers(3)
+    cached = {"d0": 30}  # d0 holds 30 blocks of the shared system prompt
+    picks = []
+    for i in range(12):
+        _, d = place(ws, request(rid=f"r{i}"), routing, itertools.count(), cached=cached)
+        d.inflight.add(f"r{i}")
+        picks.append(d.spec.name)
+    assert picks[:3] == ["d0", "d0", "d0"]  # the cache is worth ~3 requests in flight
+    assert set(picks) == {"d0", "d1", "d2"}  # then the others take their share: nobody idles
+    loads = [len(w.inflight) for w in ws]
+    assert max(loads) - min(loads) <= routing.spill_margin + 1  # the holder never runs away
+
+
+def test_short_uncached_suffix_skips_the_prefill_worker():
+    ws = workers(1, "prefill") + workers(2)
+    routing = RoutingSection(local_prefill_max_tokens=64)
+    p, d = place(ws, request(400), routing, itertools.count(), cached={"d1": 12}, block_size=32)
+    assert p is None and d.spec.name == "d1"  # 400 - 12 * 32 = 16 tokens left: prefilled on d1
+    p, d = place(ws, request(400), routing, itertools.count(), cached={}, block_size=32)
+    assert p is not None and p.spec.role == "prefill"
+
+
+def test_policies_for_comparison():
+    ws = workers(3)
+    rr = RoutingSection(policy="round_robin")
+    counter = itertools.count()
+    assert [place(ws, request(), rr, counter, cached={"d0": 99})[1].spec.name for _ in range(6)] == \
+        ["d0", "d1", "d2", "d0", "d1", "d2"]
+    ll = RoutingSection(policy="least_loaded")
+    ws[0].inflight.update({"a", "b"})
+    assert place(ws, request(), ll, itertools.count(), cached={"d0": 99})[1].spec.name != "d0"
+
+
+def test_no_live_decode_worker_is_a_503():
+    from cluster.engine_client import EngineError
+
+    ws = workers(2)
+    for w in ws:
+        w.alive = False
+    with pytest.raises(EngineError, match="no decode worker"):
+        place(ws, request(), RoutingSection(), itertools.count())
+
+
+# -- live: cases.md R1 ------------------------------------------------------------------------------------------
+
+def test_router_index_follows_clears_and_restarts_r1():
+    from tests.cluster_helpers import running_cluster
+    from tests.test_cluster import MODEL, wait_until
+
+    system = "You are a meticulous archivist. " * 40
+    body = {"model": MODEL, "messages": [{"role": "system", "content": system},
+                                         {"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0}
+    with running_cluster(1, 2, routing="local_prefill_max_tokens = 0") as (base, client, workers):
+        assert httpx.post(base + "/v1/chat/completions", json=body, timeout=120).status_code == 200
+        prompt = tuple(chat_ids_messages(body["messages"]))
+        req = GenerateRequest("probe", prompt)
+        predicted = lambda: client.cached_blocks(req)  # noqa: E731
+        assert wait_until(lambda: predicted().get("prefill-0", 0) >= len(prompt) // 32 - 1, 10), predicted()
+        holder = next(n for n in predicted() if n.startswith("decode"))
+        other = next(n for n in workers if n.startswith("decode") and n != holder)
+        assert wait_until(lambda: workers[holder].stats()["kv_bytes_received"] > 0, 5)  # stats lag <= 0.5 s
+        before = {n: workers[n].stats()["kv_bytes_received"] for n in (holder, other)}
+        # The same prompt again goes to the decode worker that holds it, and only its uncached tail moves.
+        assert httpx.post(base + "/v1/chat/completions", json=body, timeout=120).status_code == 200
+        assert wait_until(lambda: workers[holder].stats()["kv_bytes_received"] > before[holder], 5)
+        moved = workers[holder].stats()["kv_bytes_received"] - before[holder]
+        assert moved <= 2 * before[holder] / (len(prompt) // 32) and workers[other].stats()["kv_bytes_received"] == 0
+        assert workers["prefill-0"].stats()["prefix_cache_hits"] > 0
+
+        # Admin clear: within a bounded time the router predicts nothing cached anywhere.
+        assert httpx.post(base + "/reset_prefix_cache", timeout=30).status_code == 200
+        assert wait_until(lambda: predicted() == {}, 5), predicted()
+
+        # Restart (a new boot): after the router resyncs, the worker's old entries are gone.
+        assert httpx.post(base + "/v1/chat/completions", json=body, timeout=120).status_code == 200
+        assert wait_until(lambda: "prefill-0" in predicted(), 10)
+        workers["prefill-0"].engine.pool.reset_prefix_cache()  # what a fresh process has: nothing...
+        workers["prefill-0"].engine.pool.drain_events()  # ...and no event saying so (a restart sends none)
+        workers["prefill-0"].boot_id = "restarted"
+        workers["prefill-0"].engine.pool.cache_block(1, 12345, list(range(32)))  # its first new block
+        assert wait_until(lambda: "prefill-0" not in predicted(), 10), predicted()
+        assert client.index.num_blocks("prefill-0") == 1
+        assert all(not w.inflight for w in client.workers)  # in-flight counters back to zero
+
+
+def chat_ids_messages(messages):
+    from tests.engine_helpers import real_model
+
+    _, tokenizer, _ = real_model()
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
