@@ -1,5 +1,5 @@
 """The `mlx-pd` command: serve (single-node), generate (one prompt from the shell), bench, keys (CurveZMQ),
-up / status / down (cluster mode on Ray, cluster/launch.py).
+up / status / down (cluster mode on Ray, cluster/launch.py), worker / router (one cluster process without Ray).
 
 Documented environment variables: MLX_PD_CACHE (model cache folder), MLX_PD_NO_OPENBLAS=1 (do not
 preload OpenBLAS on Linux), MLX_PD_API_KEY (default for --api-key).
@@ -216,6 +216,18 @@ def cmd_down(args: argparse.Namespace) -> int:
     return _cluster_command(run)
 
 
+def cmd_worker(args: argparse.Namespace) -> int:
+    from cluster.launch_local import run_worker
+
+    return run_worker(args.topology, args.name)
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from cluster.launch_local import run_router
+
+    return run_router(args.topology, args.api_key or None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlx-pd", description="Prefill/decode-disaggregated LLM serving on MLX")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -244,6 +256,13 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in (("status", "show the actors of a running topology (exit 1 unless all are alive)"),
                        ("down", "stop a topology's actors (and the local Ray head that `up` started)")):
         sub.add_parser(name, help=text).add_argument("topology", help="the topology file or name given to `up`")
+    worker = sub.add_parser("worker", help="run one worker of a topology in this process (no Ray)")
+    worker.add_argument("topology", help="a topology file or name")
+    worker.add_argument("name", help="the worker's name in the topology, e.g. decode-0")
+    router = sub.add_parser("router", help="run a topology's router in this process (no Ray)")
+    router.add_argument("topology", help="a topology file or name")
+    router.add_argument("--api-key", default=os.environ.get("MLX_PD_API_KEY"),
+                        help="require `Authorization: Bearer KEY` (default: $MLX_PD_API_KEY, else open)")
     sub.add_parser("bench", help="load-test OpenAI endpoints (see `mlx-pd bench --help`)", add_help=False)
     keys = sub.add_parser("keys", help="create CurveZMQ keys that encrypt and authenticate cluster sockets")
     keys.add_argument("dir", help="folder for the keys (created with mode 0700)")
@@ -264,8 +283,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return {"serve": cmd_serve, "generate": cmd_generate, "keys": cmd_keys, "up": cmd_up,
-                "status": cmd_status, "down": cmd_down}[args.command](args)
-    except (ValueError, FileNotFoundError, FileExistsError) as exc:
+                "status": cmd_status, "down": cmd_down, "worker": cmd_worker, "router": cmd_router}[args.command](args)
+    except (ValueError, FileNotFoundError, FileExistsError, KeyError) as exc:
         print(f"mlx-pd: error: {exc}", file=sys.stderr)
         return 2
 

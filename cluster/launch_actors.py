@@ -188,14 +188,9 @@ class RouterActor:
         import uvicorn
 
         from cluster.cli import build_router_app
-        from cluster.model import read_model_spec, resolve_model_path
-        from router.cluster_client import ClusterEngineClient  # lazy: cluster imports no sibling at module level
+        from cluster.launch_local import cluster_router_client
 
-        path = resolve_model_path(topology.model.source)  # the folder the workers load: tokenizer and config
-        spec = read_model_spec(path, model_id=topology.model.served_name)
-        limits = [w.engine.max_model_len for w in topology.workers if w.engine.max_model_len]
-        self._client = ClusterEngineClient(topology, spec.model_id, min([spec.max_model_len, *limits]),
-                                           revision=spec.revision)  # so it hashes prompts as the workers do
+        self._client, path = cluster_router_client(topology)
         try:
             wait_s = max(10.0, 3 * topology.routing.dead_after_s)
             if not await self._client.wait_ready(wait_s):  # starts its sockets and heartbeats on this loop

@@ -178,13 +178,12 @@ def start_local_engine(model: Optional[str] = None, config: Optional[EngineConfi
     accepts (None = the default SmolLM2). Runs the model load on the calling thread, then hands the
     model to the engine thread.
     """
-    from cluster.model import DEFAULT_MODEL, load_model, read_model_spec, resolve_model_path
-    from cluster.engine import EngineCore  # lazy: cluster never imports a sibling at module level
+    from cluster.engine import EngineCore
+    from cluster.model import load_model, served_model
 
     config = config or EngineConfig()
-    path = resolve_model_path(model, dtype=config.dtype)
-    name = model_name or (DEFAULT_MODEL if model in (None, DEFAULT_MODEL) else str(model).rstrip("/").split("/")[-1])
-    spec = read_model_spec(path, model_id=name)
+    path, spec = served_model(model, model_name, config.dtype)
+    name = spec.model_id
     model_obj, tokenizer = load_model(path, dtype=config.dtype)
     core = EngineCore(model_obj, tokenizer, spec, config)
     thread = EngineThread(core).start()

@@ -72,6 +72,15 @@ def resolve_model_path(model: Optional[str], dtype: str = "float32") -> Path:
     return Path(hf_repo_to_path(model))
 
 
+def served_model(source: Optional[str], served_name: Optional[str], dtype: str) -> tuple[Path, "ModelSpec"]:
+    """The model folder and spec that a server (or every process of a cluster) serves: the same `model_id` and
+    `revision` everywhere, so that the router hashes prompts exactly as the workers do. The name is
+    `served_name`, else `DEFAULT_MODEL` for the default model, else the source's last path component."""
+    path = resolve_model_path(source, dtype=dtype)
+    name = served_name or (DEFAULT_MODEL if source in (None, DEFAULT_MODEL) else str(source).rstrip("/").split("/")[-1])
+    return path, read_model_spec(path, model_id=name)
+
+
 def read_model_spec(path: Path, model_id: Optional[str] = None) -> ModelSpec:
     """Read `ModelSpec` from `path/config.json`. Raises ValueError for configs without attention heads."""
     import hashlib

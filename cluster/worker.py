@@ -70,14 +70,13 @@ class Worker:
 
     def start(self) -> dict:
         """Load the model, bind the sockets, start the loop; returns {"name", "role", "control", "kv"}."""
-        from cluster.model import DEFAULT_MODEL, load_model, read_model_spec, resolve_model_path
+        from cluster.model import load_model, served_model
 
         if self._loaded is None:
             dtype = self.spec.engine.dtype
-            path = resolve_model_path(self.topology.model.source, dtype=dtype)
+            path, model_spec = served_model(self.topology.model.source, self.topology.model.served_name, dtype)
             model, tokenizer = load_model(path, dtype)
-            name = self.topology.model.served_name or self.topology.model.source or DEFAULT_MODEL
-            self._loaded = (model, tokenizer, read_model_spec(path, model_id=name))
+            self._loaded = (model, tokenizer, model_spec)
         model, tokenizer, model_spec = self._loaded
         self.engine = EngineCore(model, tokenizer, model_spec, self.spec.engine)
         self.control, control = server_socket(self.ctx, zmq.ROUTER, self.spec.host, self.spec.control_port, self.keys)
