@@ -290,3 +290,28 @@ def test_curve_keys_are_required_when_configured(links, tmp_path):
         secure.rx.poll(0)
     intruder.close()
     assert results[0].kind == "timeout" and "x" not in secure.rx.live
+
+
+def test_lost_done_message_times_out_both_sides_t2(links):
+    """cases.md T2: the 'transfer done' message is lost. The sender's wait for the ack and the receiver's wait
+    for the next message both end at their deadline; both free their blocks; nothing hangs."""
+    a, b = Side().randomize(), Side()
+    link = links(a, b, TransferConfig(timeout_s=0.5))
+    enqueue = link.tx._enqueue
+
+    def lossy(peer, frames):  # the network eats every `done`
+        if decode_header(frames[0]).type != "done":
+            enqueue(peer, frames)
+
+    link.tx._enqueue = lossy
+    table = a.pool.allocate(3)
+    link.tx.open("r", link.rx.endpoint, list(range(10)), on_release=lambda: a.pool.free(table))
+    link.tx.blocks_ready("r", table, 10)
+    link.tx.finish("r", 1)
+    t0 = time.monotonic()
+    link.pump(lambda: "r" in link.results and "r" in link.events, timeout=5)
+    assert link.results["r"].kind == "timeout"
+    ev = link.events["r"]  # the receiver's own deadline, or the sender's abort when that came first
+    assert ev.kind == "timeout" or (ev.kind == "aborted" and "timed out" in ev.reason)
+    assert time.monotonic() - t0 < 2.0
+    assert a.pool.num_free_blocks == a.baseline and b.pool.num_free_blocks == b.baseline
