@@ -310,8 +310,10 @@ def test_lost_done_message_times_out_both_sides_t2(links):
     link.tx.finish("r", 1)
     t0 = time.monotonic()
     link.pump(lambda: "r" in link.results and "r" in link.events, timeout=5)
-    assert link.results["r"].kind == "timeout"
-    ev = link.events["r"]  # the receiver's own deadline, or the sender's abort when that came first
-    assert ev.kind == "timeout" or (ev.kind == "aborted" and "timed out" in ev.reason)
+    # Both deadlines are 0.5 s: whichever side expires first tells the other with an abort.
+    sent, got = link.results["r"], link.events["r"]
+    assert "timeout" in (sent.kind, got.kind)
+    assert sent.kind == "timeout" or "deadline" in sent.reason
+    assert got.kind == "timeout" or "timed out" in got.reason
     assert time.monotonic() - t0 < 2.0
     assert a.pool.num_free_blocks == a.baseline and b.pool.num_free_blocks == b.baseline
