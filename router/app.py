@@ -28,6 +28,7 @@ from cluster.engine_client import EngineClient, EngineError
 from router.errors import (APIError, bad_request, engine_unavailable, from_validation_error,
                            install_error_handlers)
 from router.metrics import MetricsMiddleware, RouterMetrics
+from router.openapi import install_openapi
 from router.openai_schema import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from router.params import prepare_chat, prepare_completion
 from router.responses import ChatFormatter, CompletionFormatter
@@ -119,6 +120,7 @@ def create_app(engine: EngineClient, tokenizer: RouterTokenizer, *, served_model
     app = FastAPI(title="mlx-pd", summary="OpenAI-compatible API of mlx-pd", docs_url=None, redoc_url=None)
     app.state.engine, app.state.tokenizer, app.state.metrics = engine, tokenizer, metrics
     install_error_handlers(app)
+    install_openapi(app)
     if api_key:
         app.add_middleware(BearerAuthMiddleware, api_key=api_key)
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # added last = outermost: counts 401s too

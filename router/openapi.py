@@ -1,0 +1,75 @@
+"""The router's published OpenAPI schema, made to say what the router really does.
+
+The two generation endpoints read their JSON body themselves (so that every invalid body gets OpenAI's 400
+error object, never FastAPI's 422), which leaves FastAPI's generated schema without a request body. This
+module adds the bodies (CompletionRequest, ChatCompletionRequest; required), the 200 answers (JSON, or an SSE
+stream when `stream` is true) and the error answers every endpoint can give, all as the ErrorResponse shape.
+Clients, and schemathesis in tests/test_api_fuzz.py, read it from /openapi.json.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from pydantic import BaseModel
+
+from router.openai_schema import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                  CompletionResponse, ErrorResponse)
+
+_GENERATION = {"/v1/completions": (CompletionRequest, CompletionResponse),
+               "/v1/chat/completions": (ChatCompletionRequest, ChatCompletionResponse)}
+_ERRORS = {"400": "invalid request (the message says what to change)", "401": "missing or wrong API key",
+           "404": "no such model or path", "413": "request body too large",
+           "503": "the engine cannot take it now (Retry-After when transient)",
+           "504": "the engine produced nothing within the request timeout"}
+
+
+_PROMPT = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                     {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
+                     {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                      "minItems": 1, "maxItems": 1}],
+           "description": "text, token ids, or a one-element list of either"}
+
+
+def _ref(model: type[BaseModel], components: dict) -> dict:
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    for name, sub in schema.pop("$defs", {}).items():
+        components.setdefault(name, sub)
+    components[model.__name__] = schema
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Replace `app.openapi` with the generated schema completed as described in the module docstring."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version="1", summary=app.summary, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        error = {"content": {"application/json": {"schema": _ref(ErrorResponse, components)}}}
+        for path, methods in schema.get("paths", {}).items():
+            for op in methods.values():
+                responses = op.setdefault("responses", {})
+                responses.pop("422", None)  # never sent: schema errors are 400
+                for code, text in _ERRORS.items():
+                    responses.setdefault(code, {"description": text, **error})
+                if path == "/metrics":
+                    responses["200"] = {"description": "Prometheus text exposition",
+                                        "content": {"text/plain": {"schema": {"type": "string"}}}}
+                if path in _GENERATION:
+                    body, answer = _GENERATION[path]
+                    op["requestBody"] = {"required": True,
+                                         "content": {"application/json": {"schema": _ref(body, components)}}}
+                    if body is CompletionRequest:  # the validator also takes OpenAI's one-element batch forms
+                        components["CompletionRequest"]["properties"]["prompt"] = _PROMPT
+                    responses["200"] = {"description": "the answer, or with `stream: true` an SSE stream of chunks",
+                                        "content": {"application/json": {"schema": _ref(answer, components)},
+                                                    "text/event-stream": {"schema": {}}}}  # JSON chunks, then [DONE]
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi
