@@ -11,12 +11,14 @@ from cluster.topology import parse_topology
 from tests.live_server import free_port, serve_app
 
 
-def topology_text(prefill: int = 1, decode: int = 1, engine: str = "", routing: str = "", transfer: str = "") -> str:
-    """A cluster topology with free ports; `engine`/`routing`/`transfer` are extra TOML lines of those tables."""
+def topology_text(prefill: int = 1, decode: int = 1, engine: str = "", routing: str = "", transfer: str = "",
+                  security: str = "") -> str:
+    """A cluster topology with free ports; `engine`/`routing`/`transfer`/`security` are extra TOML lines of
+    those tables."""
     lines = ['[model]', 'source = "SmolLM2-135M-Instruct"', 'served_name = "SmolLM2-135M-Instruct"',
              '[engine]', 'dtype = "float32"', 'kv_cache_gb = 0.25', engine,
              '[routing]', 'heartbeat_s = 0.5', 'dead_after_s = 30.0', routing,
-             '[transfer]', 'timeout_s = 20', transfer]
+             '[transfer]', 'timeout_s = 20', transfer, '[security]', security]
     for i in range(prefill):
         lines += ['[[workers]]', f'name = "prefill-{i}"', 'role = "prefill"', f'control_port = {free_port()}',
                   f'events_port = {free_port()}']

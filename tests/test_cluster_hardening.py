@@ -1,0 +1,104 @@
+"""Issue 9 on a live in-process cluster: garbage on every cluster socket is rejected and the workers keep
+serving with nothing leaked; with CurveZMQ keys configured, every cluster socket refuses a peer without them."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import httpx
+import msgpack
+import zmq
+
+from cluster.protocol import AbortRequest, Generate, Ping, pack
+from cluster.transport import client_socket, generate_keys
+from tests.cluster_helpers import running_cluster
+from tests.test_cluster import MODEL, QUESTIONS, at_baseline, chat, wait_until
+
+
+def _garbage(rng: random.Random) -> list[list[bytes]]:
+    """Random, truncated, oversized-looking and mutated control/KV messages (each a list of frames)."""
+    valid = pack(Generate(request={"request_id": "g", "prompt_token_ids": [1, 2, 3], "sampling": {}}))
+    out = [[rng.randbytes(rng.randint(0, 64))] for _ in range(40)]
+    out += [[valid[:k]] for k in range(0, len(valid), 7)]  # truncated
+    out += [[bytes(b ^ (1 << rng.randint(0, 7)) if rng.random() < 0.1 else b for b in valid)] for _ in range(40)]
+    out += [[msgpack.packb({"version": 2, "type": "ping", "seq": 1})],  # wrong version
+            [msgpack.packb({"version": 1, "type": "launch_missiles"})],  # unknown type
+            [pack(AbortRequest(request_id="never-seen"))],  # unknown request id
+            [pack(Generate(request={"request_id": "x", "prompt_token_ids": [], "sampling": {}}))],  # empty prompt
+            [pack(Generate(request={"request_id": "y", "prompt_token_ids": [10**9], "sampling": {}},
+                           prefilled=True))],  # token id outside the vocabulary
+            [pack(Generate(request={"request_id": "z", "prompt_token_ids": [1], "sampling": {"max_tokens": -5}}))],
+            [pack(Ping(seq=1)), b"extra frame"], [b""], [b"\x00" * 100_000]]
+    return out
+
+
+def test_garbage_on_every_cluster_socket_is_rejected_and_the_workers_keep_serving():
+    rng = random.Random(7)
+    with running_cluster(1, 1, routing="local_prefill_max_tokens = 0") as (base, client, workers):
+        ctx = zmq.Context()
+        endpoints = [w.endpoints[k] for w in workers.values() for k in ("control", "kv") if w.endpoints.get(k)]
+        sent = 0
+        try:
+            for endpoint in endpoints:
+                sock = client_socket(ctx, zmq.DEALER, endpoint)
+                for frames in _garbage(rng):
+                    sock.send_multipart(frames)
+                    sent += 1
+                time.sleep(0.5)
+                sock.close(linger=0)
+        finally:
+            ctx.destroy(linger=0)
+        assert sent > 300  # about 100 per socket (control x2, KV)
+        assert all(w.healthy for w in workers.values())
+        assert "Paris" in chat(base, QUESTIONS[0])["choices"][0]["message"]["content"]
+        assert wait_until(lambda: at_baseline(workers), 10)
+
+
+def test_curve_keys_are_required_on_every_cluster_socket(tmp_path):
+    keys_dir = tmp_path / "keys"
+    generate_keys(keys_dir)
+    with running_cluster(1, 1, routing="local_prefill_max_tokens = 0",
+                         security=f'curve_keys_dir = "{keys_dir}"') as (base, client, workers):
+        assert "Paris" in chat(base, QUESTIONS[0])["choices"][0]["message"]["content"]  # keys work end to end
+        ctx = zmq.Context()
+        try:
+            decode = workers["decode-0"]
+            control = client_socket(ctx, zmq.DEALER, decode.endpoints["control"])  # no keys
+            control.send(pack(Ping(seq=1)))
+            assert not control.poll(1500)  # never answered
+            sub = client_socket(ctx, zmq.SUB, decode.endpoints["events"])
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            chat(base, QUESTIONS[1])  # makes KV events
+            assert not sub.poll(1500)  # nothing delivered without the keys
+            for sock in (control, sub):
+                sock.close(linger=0)
+        finally:
+            ctx.destroy(linger=0)
+        r = httpx.get(base + "/health", timeout=10)
+        assert r.status_code == 200
+
+
+def test_overload_beyond_the_queue_bound_gets_503_with_retry_after():
+    """Issue 9 overload on a cluster: beyond max_num_seqs running + max_waiting queued, requests get 503 with
+    Retry-After at once (nothing lost: each either completes or is refused before it runs)."""
+    import threading
+
+    with running_cluster(1, 1, engine="max_num_seqs = 1\nmax_waiting = 1") as (base, client, workers):
+        codes, retry = [], []
+
+        def one(i):
+            r = httpx.post(base + "/v1/completions", timeout=120, json={
+                "model": MODEL, "prompt": f"Story {i}: once upon a time", "max_tokens": 24, "ignore_eos": True})
+            codes.append(r.status_code)
+            if r.status_code == 503:
+                retry.append(r.headers.get("retry-after"))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert sorted(set(codes)) == [200, 503] and len(codes) == 8
+        assert all(r is not None and float(r) > 0 for r in retry)
+        assert wait_until(lambda: at_baseline(workers), 10)
