@@ -140,7 +140,8 @@ class WorkerSpec:
 
     `kv_port` (decode workers only) receives KV blocks; `control_port` takes requests from the router;
     `events_port` publishes the prefix cache's KV events (without it the router cannot see what this
-    worker has cached, and routes to it by load alone).
+    worker has cached, and routes to it by load alone). `metrics_port` serves the worker's Prometheus
+    metrics (KV transfer bytes, blocks, latency histogram, refusals, aborts, timeouts) over HTTP.
     `cpu_affinity` pins the worker's process to those CPUs (Linux; used to stand in for separate machines).
     """
 
@@ -152,6 +153,7 @@ class WorkerSpec:
     host: str = "127.0.0.1"
     kv_port: Optional[int] = None
     events_port: Optional[int] = None
+    metrics_port: Optional[int] = None
     cpu_affinity: Optional[tuple[int, ...]] = None
 
     def __post_init__(self) -> None:
@@ -159,7 +161,7 @@ class WorkerSpec:
             raise ValueError(f"name={self.name!r} is invalid: use letters, digits, '-', '_' or '.'")
         if self.role not in ROLES:
             raise ValueError(f"role={self.role!r} is invalid: must be one of {', '.join(ROLES)}")
-        for key in ("control_port", "kv_port", "events_port"):
+        for key in ("control_port", "kv_port", "events_port", "metrics_port"):
             port = getattr(self, key)
             if port is not None and (not isinstance(port, int) or not 0 < port < 65536):
                 raise ValueError(f"{key}={port!r} is invalid: must be an integer in 1..65535")
@@ -286,7 +288,8 @@ def _check_workers(workers: tuple[WorkerSpec, ...], where: str) -> None:
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ValueError(f"{where}: duplicate worker name(s) {', '.join(dup)}")
-    ports = [(w.host, p) for w in workers for p in (w.control_port, w.kv_port, w.events_port) if p is not None]
+    ports = [(w.host, p) for w in workers for p in (w.control_port, w.kv_port, w.events_port, w.metrics_port)
+             if p is not None]
     clash = sorted({f"{h}:{p}" for h, p in ports if ports.count((h, p)) > 1})
     if clash:
         raise ValueError(f"{where}: port(s) {', '.join(clash)} used twice")

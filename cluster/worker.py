@@ -22,6 +22,7 @@ import uuid
 from typing import Optional
 
 import zmq
+from prometheus_client import CollectorRegistry, start_http_server
 
 from cluster.engine import EngineCore
 from cluster.engine_client import EngineError
@@ -65,6 +66,7 @@ class Worker:
         self._stats_at = 0.0
         self.endpoints: dict = {}
         self.tokens_out = 0
+        self.registry = CollectorRegistry()  # this worker's Prometheus metrics (KV transfer)
 
     # -- life cycle ------------------------------------------------------------------------------------------
 
@@ -85,7 +87,11 @@ class Worker:
         if self.spec.events_port is not None:
             self.events_pub, events = server_socket(self.ctx, zmq.PUB, self.spec.host, self.spec.events_port, self.keys)
         self.endpoints = {"name": self.spec.name, "role": self.role, "control": control, "kv": self._setup(),
-                          "events": events}
+                          "events": events, "metrics": None}
+        if self.spec.metrics_port is not None:
+            self._metrics_server, _ = start_http_server(self.spec.metrics_port, addr=self.spec.host,
+                                                        registry=self.registry)
+            self.endpoints["metrics"] = f"http://{self.spec.host}:{self.spec.metrics_port}/metrics"
         self._refresh_stats()
         self._thread = threading.Thread(target=self._loop, name=self.spec.actor_name, daemon=True)
         self._thread.start()
@@ -97,6 +103,9 @@ class Worker:
         if self._thread is not None:
             self._thread.join(timeout_s)
         self.ctx.destroy(linger=0)
+        server = getattr(self, "_metrics_server", None)
+        if server is not None:
+            server.shutdown()
 
     @property
     def healthy(self) -> bool:

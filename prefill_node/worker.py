@@ -40,7 +40,7 @@ class PrefillWorker(Worker):
         self.engine.handoff = self._handoff
         fmt = KVFormat.of(self.engine.spec, self.spec.engine)
         self.sender = KVSender(fmt, self.engine.store, config=self.topology.transfer, keys=self.keys, ctx=self.ctx,
-                               metrics=TransferMetrics("send"))
+                               metrics=TransferMetrics("send", self.registry))
         self.handed_off: dict[str, Sequence] = {}
         self.ttft: list[float] = []
         return None

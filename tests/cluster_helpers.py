@@ -21,10 +21,10 @@ def topology_text(prefill: int = 1, decode: int = 1, engine: str = "", routing: 
              '[transfer]', 'timeout_s = 20', transfer, '[security]', security]
     for i in range(prefill):
         lines += ['[[workers]]', f'name = "prefill-{i}"', 'role = "prefill"', f'control_port = {free_port()}',
-                  f'events_port = {free_port()}']
+                  f'events_port = {free_port()}', f'metrics_port = {free_port()}']
     for i in range(decode):
         lines += ['[[workers]]', f'name = "decode-{i}"', 'role = "decode"', f'control_port = {free_port()}',
-                  f'kv_port = {free_port()}', f'events_port = {free_port()}']
+                  f'kv_port = {free_port()}', f'events_port = {free_port()}', f'metrics_port = {free_port()}']
     return "\n".join(lines) + "\n"
 
 

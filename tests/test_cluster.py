@@ -87,6 +87,11 @@ def test_streamed_disaggregated_answer_arrives_in_order():
                     delta = json.loads(line[6:])["choices"][0]["delta"]
                     parts.append(delta.get("content") or "")
         assert "".join(parts) == full and workers["decode-0"].stats()["tokens_out"] > 0
+        # Each worker serves its KV-transfer metrics for Prometheus (issue 4).
+        received = httpx.get(workers["decode-0"].endpoints["metrics"], timeout=10).text
+        sent = httpx.get(workers["prefill-0"].endpoints["metrics"], timeout=10).text
+        assert 'mlxpd_kv_transfer_bytes_total{direction="receive"}' in received
+        assert 'mlxpd_kv_transfer_latency_seconds_count{direction="send"} 2.0' in sent
 
 
 def test_short_prompts_skip_the_prefill_worker():
