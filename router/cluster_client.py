@@ -84,7 +84,6 @@ class ClusterEngineClient:
         self._tasks: list[asyncio.Task] = []
         self._seq = itertools.count()
         self._resets: dict[int, tuple[asyncio.Future, int]] = {}
-        self._rr = itertools.count()
 
     # -- life cycle ------------------------------------------------------------------------------------------
 
@@ -133,8 +132,7 @@ class ClusterEngineClient:
             raise ValueError(f"the prompt has {len(request.prompt_token_ids)} tokens but the context limit is "
                              f"{self.max_model_len}: shorten the prompt")
         await self._wait_for_decode_worker()
-        prefill, decode = place(self.workers, request, self.routing, self._rr, self.cached_blocks(request),
-                                self.block_size)
+        prefill, decode = place(self.workers, request, self.routing, self.cached_blocks(request), self.block_size)
         stream = _Stream(request, asyncio.Queue(), decode, prefill)
         self.streams[request.request_id] = stream
         self._dispatch(stream)

@@ -10,7 +10,7 @@ Policies (topology `[routing] policy`):
   cache credit (a hot prefix spills to the others instead of queueing on its holder). Ties go to the worker
   placed least often, so prompts with nothing cached spread evenly.
 - `least_loaded`: fewest requests in flight, then fewest placed, then most free KV blocks.
-- `round_robin`: live workers of each role in turn.
+- `round_robin`: live workers of each role in turn (the one placed least often so far, in topology order).
 
 Conditional disaggregation: when the chosen decode worker would have fewer than `local_prefill_max_tokens`
 prompt tokens left to compute (after its cached blocks), it prefills them itself (no prefill worker, no
@@ -19,7 +19,6 @@ transfer), as it does every prompt when no prefill worker is alive.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -43,10 +42,9 @@ class WorkerState:
     placed: int = 0  # requests placed here so far (tie-break: spread evenly)
 
 
-def _pick(workers: list[WorkerState], routing: RoutingSection, counter: "itertools.count",
-          cached: Optional[dict[str, int]]) -> WorkerState:
-    if routing.policy == "round_robin":
-        return workers[next(counter) % len(workers)]
+def _pick(workers: list[WorkerState], routing: RoutingSection, cached: Optional[dict[str, int]]) -> WorkerState:
+    if routing.policy == "round_robin":  # per role: each role's workers take turns on their own
+        return min(workers, key=lambda w: w.placed)
     if routing.policy == "least_loaded" or cached is None:
         return min(workers, key=lambda w: (len(w.inflight), w.placed, -w.stats.get("kv_blocks_free", 0)))
     least = min(len(w.inflight) for w in workers)
@@ -59,20 +57,19 @@ def _pick(workers: list[WorkerState], routing: RoutingSection, counter: "itertoo
 
 
 def place(workers: list[WorkerState], request: GenerateRequest, routing: RoutingSection,
-          counter: "itertools.count", cached: Optional[dict[str, int]] = None,
-          block_size: int = 1) -> tuple[Optional[WorkerState], WorkerState]:
+          cached: Optional[dict[str, int]] = None, block_size: int = 1) -> tuple[Optional[WorkerState], WorkerState]:
     """(prefill worker or None, decode worker) for `request`. `cached`: leading prompt blocks of
     `block_size` tokens each worker holds (PrefixIndex.match; None = unknown). Raises EngineError when no
     decode worker is alive."""
     decode = [w for w in workers if w.alive and w.spec.role == "decode"]
     if not decode:
         raise EngineError("no decode worker is alive", retry_after=routing.dead_after_s)
-    chosen = _pick(decode, routing, counter, cached)
+    chosen = _pick(decode, routing, cached)
     chosen.placed += 1
     prefill = [w for w in workers if w.alive and w.spec.role == "prefill"]
     left = len(request.prompt_token_ids) - (cached or {}).get(chosen.spec.name, 0) * block_size
     if not prefill or left < routing.local_prefill_max_tokens:
         return None, chosen
-    picked = _pick(prefill, routing, counter, cached)
+    picked = _pick(prefill, routing, cached)
     picked.placed += 1
     return picked, chosen

@@ -13,7 +13,7 @@ ALLOWED = {
     "prefill_node": {"cluster", "kv_transfer"},
     "decode_node": {"cluster", "kv_transfer"},
     "router": {"cluster"},
-    "benchmarks": {"cluster", "kv_transfer"},  # tools: the engine pieces and the transfer library
+    "benchmarks": {"cluster", "kv_transfer", "router"},  # tools: they measure every layer, in process too
 }
 # may import siblings inside functions (and cluster/launch*.py): the places that build workers and routers
 LAZY_LAUNCHERS = {"cluster/local.py", "cluster/cli.py", "cluster/worker.py"}

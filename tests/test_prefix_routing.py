@@ -4,7 +4,6 @@ or restarted worker's entries disappear from the router's index."""
 
 from __future__ import annotations
 
-import itertools
 from types import SimpleNamespace as E
 
 import httpx
@@ -80,7 +79,7 @@ def test_unique_prompts_spread_evenly():
     for concurrent in (False, True):
         ws, counts = workers(4), {}
         for i in range(40):
-            _, d = place(ws, request(rid=f"r{i}"), RoutingSection(), itertools.count(), cached={})
+            _, d = place(ws, request(rid=f"r{i}"), RoutingSection(), cached={})
             counts[d.spec.name] = counts.get(d.spec.name, 0) + 1
             if concurrent:
                 d.inflight.add(f"r{i}")
@@ -93,7 +92,7 @@ def test_a_hot_prefix_goes_to_its_holder_then_spills_once_it_is_saturated():
     cached = {"d0": 30}  # d0 holds 30 blocks of the shared system prompt
     picks = []
     for i in range(12):
-        _, d = place(ws, request(rid=f"r{i}"), routing, itertools.count(), cached=cached)
+        _, d = place(ws, request(rid=f"r{i}"), routing, cached=cached)
         d.inflight.add(f"r{i}")
         picks.append(d.spec.name)
     assert picks[:3] == ["d0", "d0", "d0"]  # the cache is worth ~3 requests in flight
@@ -105,21 +104,23 @@ def test_a_hot_prefix_goes_to_its_holder_then_spills_once_it_is_saturated():
 def test_short_uncached_suffix_skips_the_prefill_worker():
     ws = workers(1, "prefill") + workers(2)
     routing = RoutingSection(local_prefill_max_tokens=64)
-    p, d = place(ws, request(400), routing, itertools.count(), cached={"d1": 12}, block_size=32)
+    p, d = place(ws, request(400), routing, cached={"d1": 12}, block_size=32)
     assert p is None and d.spec.name == "d1"  # 400 - 12 * 32 = 16 tokens left: prefilled on d1
-    p, d = place(ws, request(400), routing, itertools.count(), cached={}, block_size=32)
+    p, d = place(ws, request(400), routing, cached={}, block_size=32)
     assert p is not None and p.spec.role == "prefill"
 
 
 def test_policies_for_comparison():
     ws = workers(3)
     rr = RoutingSection(policy="round_robin")
-    counter = itertools.count()
-    assert [place(ws, request(), rr, counter, cached={"d0": 99})[1].spec.name for _ in range(6)] == \
+    assert [place(ws, request(), rr, cached={"d0": 99})[1].spec.name for _ in range(6)] == \
         ["d0", "d1", "d2", "d0", "d1", "d2"]
+    mixed = workers(1, "prefill") + workers(2)  # each role takes turns on its own (a shared counter would not)
+    picks = [place(mixed, request(1000), rr, cached={}) for _ in range(4)]
+    assert [d.spec.name for _, d in picks] == ["d0", "d1", "d0", "d1"] and all(p is not None for p, _ in picks)
     ll = RoutingSection(policy="least_loaded")
     ws[0].inflight.update({"a", "b"})
-    assert place(ws, request(), ll, itertools.count(), cached={"d0": 99})[1].spec.name != "d0"
+    assert place(ws, request(), ll, cached={"d0": 99})[1].spec.name != "d0"
 
 
 def test_no_live_decode_worker_is_a_503():
@@ -129,7 +130,7 @@ def test_no_live_decode_worker_is_a_503():
     for w in ws:
         w.alive = False
     with pytest.raises(EngineError, match="no decode worker"):
-        place(ws, request(), RoutingSection(), itertools.count())
+        place(ws, request(), RoutingSection())
 
 
 # -- live: cases.md R1 ------------------------------------------------------------------------------------------
