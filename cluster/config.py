@@ -10,6 +10,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
+from cluster.request import MAX_DRAFT_TOKENS, SPECULATIVE_METHODS
+
 KV_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -40,6 +42,20 @@ class EngineConfig:
       only the running batch's contexts, so it is usually far smaller).
     - `queue_timeout_s`: a request still waiting for its first admission after this many seconds (the KV
       pool stayed full) is aborted with a message; the router answers 503 with Retry-After.
+    - `speculative_method`: speculative decoding for requests that do not choose ("prompt_lookup" or
+      "draft_model", see cluster/speculation.py); None = off unless a request asks for it.
+    - `num_draft_tokens`: the most draft tokens per sequence per step for requests that do not choose
+      (1..16); each sequence adapts its own number below it to its acceptance rate.
+    - `draft_model`: the draft model's source (anything `--model` accepts; it must share the target's
+      tokenizer). None = a copy of the target, quantized to `draft_quantize_bits` (4 when unset). A draft
+      model is loaded when this is set or `speculative_method` is "draft_model". Its KV lives in a second
+      pool of `num_blocks` blocks of its own size (same block ids, same KV format), on top of `kv_cache_gb`.
+    - `draft_quantize_bits`: quantize the draft model's weights (4 or 8 bits, mlx's `nn.quantize`); None =
+      as loaded (4 for a copy of the target).
+    - `draft_cost_per_token`: a draft token's cost relative to a plain decode step, which the adaptive draft
+      length weighs against the acceptance rate (cluster/speculation.py); None = measured at load (the draft's
+      forward time over the target's, plus verification). Above ~1 the draft model never pays and each
+      sequence's draft length stays at 0 apart from probes.
     """
 
     block_size: int = 32
@@ -55,6 +71,11 @@ class EngineConfig:
     max_waiting: int = 256
     queue_timeout_s: float = 120.0
     decode_mirror_gb: Optional[float] = None
+    speculative_method: Optional[str] = None
+    num_draft_tokens: int = 4
+    draft_model: Optional[str] = None
+    draft_quantize_bits: Optional[int] = None
+    draft_cost_per_token: Optional[float] = None
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> ValueError:
@@ -84,6 +105,21 @@ class EngineConfig:
             raise bad("queue_timeout_s", "must be > 0 seconds")
         if self.max_waiting < 1:
             raise bad("max_waiting", "must be >= 1")
+        if self.speculative_method not in (None, *SPECULATIVE_METHODS):
+            raise bad("speculative_method", f"must be one of {', '.join(SPECULATIVE_METHODS)} or unset")
+        if not isinstance(self.num_draft_tokens, int) or not 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise bad("num_draft_tokens", f"must be an integer in [1, {MAX_DRAFT_TOKENS}]")
+        if self.draft_model is not None and (not isinstance(self.draft_model, str) or not self.draft_model):
+            raise bad("draft_model", "must be a model folder, .gguf file or repo id, or unset (a copy of the target)")
+        if self.draft_quantize_bits not in (None, 4, 8):
+            raise bad("draft_quantize_bits", "must be 4, 8 or unset")
+        if self.draft_cost_per_token is not None and not 0 <= self.draft_cost_per_token < 100:
+            raise bad("draft_cost_per_token", "must be in [0, 100) or unset (measured at load)")
+
+    @property
+    def uses_draft_model(self) -> bool:
+        """True when this engine loads a draft model (decode_node/speculative.py builds it)."""
+        return self.speculative_method == "draft_model" or self.draft_model is not None
 
 
 @dataclass(frozen=True)

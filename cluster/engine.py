@@ -3,6 +3,16 @@
 Single-node mode runs this colocated engine (it prefills everything itself); the decode worker wraps the
 same core. `step()` never raises for a request's sake: a failing step fails the sequences it ran with
 `FinishReason.ERROR` and the engine carries on.
+
+Speculative decoding (cluster/speculation.py) is "schedule k+1": the scheduler reserves blocks for a decoding
+sequence's draft length, the step asks the sequence's drafter for up to k tokens, feeds them after the last
+token with logits at every position, and appends the tokens verification accepts one by one through the same
+`_append_token` as plain decoding (so EOS, stop strings, max_tokens and logprobs end a sequence exactly where
+plain decoding would; the rest of the accepted block is dropped). The step's deltas carry several tokens.
+Rejected positions are rolled back by the counters alone: `num_computed_tokens` ends at the accepted length
+(their KV slots are overwritten by later tokens, never hashed or cached before that) and so does
+`num_draft_computed` (the draft model's KV). Blocks allocated for rejected positions stay with the sequence
+(the next steps fill them) and are freed with it.
 """
 
 from __future__ import annotations
@@ -24,18 +34,26 @@ from cluster.runner import BatchItem, ModelRunner
 from cluster.sampling import make_key, prompt_logprobs, sample
 from cluster.sequence import Sequence
 from cluster.scheduler import ScheduledBatch, Scheduler
+from cluster.engine_spec import SpeculativeSteps
+from cluster.speculation import Drafter, Verified, verify
 
 logger = logging.getLogger(__name__)
 
 
-class EngineCore:
+class EngineCore(SpeculativeSteps):
     """Continuous batching over a paged KV pool for one model.
 
     Raises `ValueError` from `add_request` when a request can never run here (prompt at or over the
-    context limit, or larger than the whole KV pool); the message says what to change.
+    context limit, or larger than the whole KV pool, or a speculative method this engine has no drafter
+    for); the message says what to change.
+
+    `drafters` maps a speculative method ("prompt_lookup", "draft_model") to its drafter
+    (decode_node/speculative.py; cluster/ imports no sibling, so whoever builds the engine injects them, here
+    or later through the `drafters` attribute before requests arrive).
     """
 
-    def __init__(self, model, tokenizer, spec: ModelSpec, config: EngineConfig):
+    def __init__(self, model, tokenizer, spec: ModelSpec, config: EngineConfig,
+                 drafters: Optional[dict[str, Drafter]] = None):
         self.model, self.tokenizer, self.spec, self.config = model, tokenizer, spec, config
         self.block_size = config.block_size
         self.max_model_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
@@ -48,7 +66,10 @@ class EngineCore:
                              mirror_budget_bytes=self._mirror_budget(config, num_blocks * per_block))
         self.runner = ModelRunner(model, self.store)
         self.kv_format = kv_format_name(config.dtype, config.kv_bits, config.kv_group_size, config.block_size)
-        self.scheduler = Scheduler(config, self.pool, self._extra_key)
+        self.scheduler = Scheduler(config, self.pool, self._extra_key, lookahead=self._lookahead)
+        self.drafters: dict[str, Drafter] = dict(drafters or {})
+        self.num_draft_tokens = 0  # draft tokens proposed and verified, all sequences
+        self.num_accepted_tokens = 0  # of those, accepted
         self.eos_ids = set(spec.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.sequences: dict[str, Sequence] = {}
         # Prefill role: called with a sequence right after its first token was sampled (unless that token
@@ -77,6 +98,13 @@ class EngineCore:
                              "shorten the prompt or start the server with a larger --kv-cache-gb")
         if any(t < 0 or t >= self.spec.vocab_size for t in request.prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
+        method = request.sampling.speculative_method
+        if (method is not None and request.sampling.num_draft_tokens != 0 and method not in self.drafters
+                and self.handoff is None):  # a prefill engine never decodes: it has no drafters
+            have = ", ".join(sorted(self.drafters)) or "none"
+            raise ValueError(f"speculative method {method!r} is not available on this server (available: {have}); "
+                             + ("start it with --draft-model or --speculative-method draft_model"
+                                if method == "draft_model" else "ask for another method"))
         return min(request.sampling.max_tokens, self.max_model_len - n, capacity - n)
 
     def add_request(self, request: GenerateRequest) -> Optional[RequestOutput]:
@@ -89,6 +117,7 @@ class EngineCore:
         seq = Sequence(request, max_tokens=max_tokens)
         seq.output_text = OutputText(self.tokenizer, request.prompt_token_ids, sp.stop)
         seq.rng_key = None if sp.greedy else make_key(sp.seed)
+        seq.spec = self._spec_state(request)
         if max_tokens == 0 and sp.prompt_logprobs is None:
             return self._final(seq, FinishReason.LENGTH)
         self.sequences[request.request_id] = seq
@@ -117,6 +146,7 @@ class EngineCore:
         seq.output_text.add(first_token)  # its text went out with the first token
         seq.rng_key = None if sp.greedy else mx.random.split(make_key(sp.seed))[0]  # as after one draw here
         seq.first_token_time = time.monotonic()
+        seq.spec = self._spec_state(request)  # the draft model's KV of the prompt: computed here (draft prefill)
         if seq.num_output_tokens >= max_tokens:
             self.pool.free(seq.block_table)
             seq.block_table = []
@@ -150,12 +180,22 @@ class EngineCore:
             logger.exception("engine step failed")
             if self.store.mirror is not None:
                 self.store.mirror.reset()
+            for drafter in self.drafters.values():
+                drafter.reset()
             return [self._fail(seq, f"engine step failed: {exc}") for seq, _ in batch.items]
 
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        items, sample_rows = [], []
+        drafts = {} if batch.is_prefill else self._propose(batch)
+        items, sample_rows, fed = [], [], []
         for i, (seq, n) in enumerate(batch.items):
             start = seq.num_computed_tokens
+            if not batch.is_prefill:  # the last token; the other n - 1 reserved tokens are for drafts
+                n = len(seq.token_ids) - start
+            fed.append(n)
+            if i in drafts:  # verify: the last token and the drafts, logits at every position
+                items.append(BatchItem(seq.block_table, start, seq.token_ids[start:] + list(drafts[i].tokens),
+                                       "all", seq_key=seq.request_id))
+                continue
             samples = start + n == len(seq.token_ids)
             if seq.request.sampling.prompt_logprobs is not None and start < seq.num_prompt_tokens:
                 want = "all"
@@ -166,6 +206,8 @@ class EngineCore:
             if samples:
                 sample_rows.append(i)
         logits = self.runner.forward(items)
+        if drafts and self.store.mirror is not None:
+            self.store.mirror.reset()  # a verify step gathers; the next plain decode step rebuilds the mirror
         last = [lg[-1] if it.logits == "all" else lg for lg, it in zip(logits, items)]
         sampled: dict[int, tuple] = {}
         if sample_rows:
@@ -176,11 +218,19 @@ class EngineCore:
             for row, seq, key, tok, lp in zip(sample_rows, seqs, keys, tokens, lps):
                 seq.rng_key = key
                 sampled[row] = (tok, lp)
+        verified: dict[int, Verified] = {}
+        if drafts:
+            rows = list(drafts)
+            verified = dict(zip(rows, verify([batch.items[i][0] for i in rows], [drafts[i] for i in rows],
+                                             [logits[i] for i in rows])))
         outputs = []
-        for i, ((seq, n), item) in enumerate(zip(batch.items, items)):
+        for i, ((seq, _), item) in enumerate(zip(batch.items, items)):
+            if i in verified:
+                outputs.append(self._accept(seq, drafts[i], verified[i]))
+                continue
             if item.logits == "all":
                 self._collect_prompt_logprobs(seq, item, logits[i])
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += fed[i]
             self.scheduler.cache_computed_blocks(seq)
             if i in sampled and seq.max_tokens == 0:  # echo-only request: prompt logprobs, no token
                 self._retire(seq)
@@ -234,6 +284,8 @@ class EngineCore:
 
     def _retire(self, seq: Sequence) -> None:
         """Forget a finished sequence and free its blocks."""
+        if seq.spec is not None and seq.spec.method in self.drafters:
+            self.drafters[seq.spec.method].release(seq)
         self.sequences.pop(seq.request_id, None)
         self.scheduler.finish(seq)
 

@@ -27,6 +27,13 @@ class EngineStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens served from it
+    spec_draft_tokens: int = 0  # speculative decoding: draft tokens proposed and verified
+    spec_accepted_tokens: int = 0  # of those, accepted by verification
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens (0 before any draft)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
 
 
 class EngineError(RuntimeError):

@@ -124,7 +124,8 @@ class EngineThread:
             num_running=len(sch.running), num_waiting=len(sch.waiting),
             num_kv_blocks_total=core.pool.num_usable_blocks, num_kv_blocks_free=core.pool.num_free_blocks,
             kv_block_size=core.block_size, num_preemptions=sch.num_preemptions,
-            prefix_cache_queries=sch.prefix_queries, prefix_cache_hits=sch.prefix_hits)
+            prefix_cache_queries=sch.prefix_queries, prefix_cache_hits=sch.prefix_hits,
+            spec_draft_tokens=core.num_draft_tokens, spec_accepted_tokens=core.num_accepted_tokens)
 
 
 class LocalEngineClient:
@@ -186,6 +187,9 @@ def start_local_engine(model: Optional[str] = None, config: Optional[EngineConfi
     name = spec.model_id
     model_obj, tokenizer = load_model(path, dtype=config.dtype)
     core = EngineCore(model_obj, tokenizer, spec, config)
+    from decode_node.speculative import build_drafters  # lazy, as above: the colocated engine decodes too
+
+    core.drafters.update(build_drafters(core, model))
     thread = EngineThread(core).start()
     atexit.register(thread.stop)  # stop stepping before the interpreter tears MLX down
     return LocalEngineClient(thread, name), path

@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 
+SPECULATIVE_METHODS = ("prompt_lookup", "draft_model")  # the drafters of decode_node/speculative.py
+MAX_DRAFT_TOKENS = 16  # draft tokens per sequence per step at most
+
+
 class FinishReason(str, enum.Enum):
     """Why a sequence ended; the string values are OpenAI's `finish_reason` values (plus `abort`/`error`)."""
 
@@ -38,7 +42,13 @@ class SamplingParams:
       - `prompt_logprobs`: None = off; k >= 0 = logprobs of every prompt token after the first (echo).
       - `stop`: strings that end generation; they are never part of the returned text.
       - `stop_token_ids`: token ids that end generation (in addition to EOS unless `ignore_eos`).
-      - `seed`: makes sampling reproducible for this sequence alone, independent of batching.
+      - `seed`: makes sampling reproducible for this sequence alone, independent of batching (with
+        speculative decoding, for a given drafter and draft length: the draws differ from plain decoding's,
+        the distribution does not).
+      - `speculative_method`: None = the engine's default (`EngineConfig.speculative_method`, off unless
+        set), else one of `SPECULATIVE_METHODS` ("prompt_lookup", "draft_model"; see cluster/speculation.py).
+      - `num_draft_tokens`: the most draft tokens per step for this sequence, in [0, MAX_DRAFT_TOKENS];
+        None = the engine's default; 0 turns speculation off for this request.
     """
 
     max_tokens: int = 16
@@ -56,6 +66,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: Optional[int] = None
+    speculative_method: Optional[str] = None
+    num_draft_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
         def bad(name: str, value: object, rule: str) -> ValueError:
@@ -96,6 +108,13 @@ class SamplingParams:
             raise bad("stop", len(self.stop), "at most 16 stop strings")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", self.seed, "must be an integer or null")
+        if self.speculative_method is not None and self.speculative_method not in SPECULATIVE_METHODS:
+            raise bad("speculative_method", self.speculative_method,
+                      f"must be one of {', '.join(SPECULATIVE_METHODS)} or null (the server's default)")
+        k = self.num_draft_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_DRAFT_TOKENS):
+            raise bad("num_draft_tokens", k, f"must be an integer in [0, {MAX_DRAFT_TOKENS}] (0 turns speculation "
+                      "off) or null (the server's default)")
 
     @property
     def greedy(self) -> bool:

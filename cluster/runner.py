@@ -22,8 +22,8 @@ from cluster.kv_cache import BatchLayout, KVStore
 class BatchItem:
     """One sequence's share of a step.
 
-    `logits`: "last" (the last new token's row), "all" (every new position, for prompt logprobs) or
-    "none" (a prefill chunk that samples nothing).
+    `logits`: "last" (the last new token's row), "all" (every new position: prompt logprobs, or verifying
+    speculative drafts) or "none" (a prefill chunk that samples nothing).
     """
 
     block_table: Sequence[int]
@@ -74,15 +74,19 @@ class ModelRunner:
             body, head = self._split
             hidden = body(tokens, cache=views)
         out: list[Optional[mx.array]] = [None] * len(items)
-        last = [b for b, it in enumerate(items) if it.logits == "last"]
-        if last:  # one [k, hidden] x [hidden, vocab] product: the head's weights are read once per step
-            rows = hidden[mx.array(last), mx.array([num_new[b] - 1 for b in last])]
-            logits = head(rows).astype(mx.float32)
-            for i, b in enumerate(last):
-                out[b] = logits[i]
+        # one [rows, hidden] x [hidden, vocab] product: the head's weights are read once per step
+        batch_rows, positions, spans = [], [], []
         for b, it in enumerate(items):
-            if it.logits == "all":
-                out[b] = head(hidden[b, :num_new[b]]).astype(mx.float32)
-        if all(o is None for o in out):
+            if it.logits == "none":
+                continue
+            first = num_new[b] - 1 if it.logits == "last" else 0
+            spans.append((b, len(positions), num_new[b] - first))
+            batch_rows += [b] * (num_new[b] - first)
+            positions += range(first, num_new[b])
+        if positions:
+            logits = head(hidden[mx.array(batch_rows), mx.array(positions)]).astype(mx.float32)
+            for b, at, n in spans:
+                out[b] = logits[at] if items[b].logits == "last" else logits[at:at + n]
+        else:
             mx.eval(self.store.keys, self.store.values)
         return out

@@ -86,28 +86,48 @@ def sample(logits: mx.array, params: Sequence[SamplingParams], prompts: Sequence
             keys[b], sub = mx.random.split(keys[b])
             rows.append(mx.random.categorical(_filter(row, p), key=sub))
     tokens = mx.stack(rows)
-    want = [b for b, p in enumerate(params) if p.logprobs is not None]
-    logprobs = chosen = None
-    if want:
-        logprobs = logits[mx.array(want)] - mx.logsumexp(logits[mx.array(want)], axis=-1, keepdims=True)
-        chosen = mx.take_along_axis(logprobs, tokens[mx.array(want)][:, None], axis=-1)[:, 0]
-        mx.eval(tokens, logprobs, chosen, *[k for k in keys if k is not None])
-    else:
-        mx.eval(tokens, *[k for k in keys if k is not None])
+    mx.eval(tokens, *[k for k in keys if k is not None])
     token_list = tokens.tolist()
     result: list[Optional[TokenLogprob]] = [None] * len(params)
+    want = [b for b, p in enumerate(params) if p.logprobs is not None]
     if want:
-        chosen_list = chosen.tolist()
-        for i, b in enumerate(want):
-            k = params[b].logprobs
-            top: tuple[tuple[int, float], ...] = ()
-            if k:
-                idx = mx.argpartition(-logprobs[i], k - 1)[:k]
-                vals = logprobs[i][idx]
-                order = mx.argsort(-vals)
-                top = tuple(zip(idx[order].tolist(), vals[order].tolist()))
-            result[b] = TokenLogprob(token_list[b], chosen_list[i], top)
+        entries = token_logprobs(logits[mx.array(want)], [token_list[b] for b in want],
+                                 [params[b].logprobs for b in want])
+        for b, entry in zip(want, entries):
+            result[b] = entry
     return token_list, result
+
+
+def token_logprobs(logits: mx.array, tokens: Sequence[int], ks: Sequence[int]) -> list[TokenLogprob]:
+    """The logprob of `tokens[r]` under row r of `logits` (float32 [R, vocab], raw model logits) with the
+    top-`ks[r]` alternatives, as `sample` reports them."""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(logprobs, mx.array(list(tokens), dtype=mx.int32)[:, None], axis=-1)[:, 0]
+    mx.eval(logprobs, chosen)
+    out = []
+    for r, (token, lp, k) in enumerate(zip(tokens, chosen.tolist(), ks)):
+        top: tuple[tuple[int, float], ...] = ()
+        if k:
+            idx = mx.argpartition(-logprobs[r], k - 1)[:k]
+            vals = logprobs[r][idx]
+            order = mx.argsort(-vals)
+            top = tuple(zip(idx[order].tolist(), vals[order].tolist()))
+        out.append(TokenLogprob(token, lp, top))
+    return out
+
+
+def adjusted(row: mx.array, params: SamplingParams, prompt: Sequence[int], output: Sequence[int]) -> mx.array:
+    """`row` [vocab] after logit_bias and penalties, given the output so far (as `sample` applies them)."""
+    if params.logit_bias or params.needs_penalties:
+        return _penalize(row, params, prompt, output)
+    return row
+
+
+def probabilities(row: mx.array, params: SamplingParams, prompt: Sequence[int], output: Sequence[int]) -> mx.array:
+    """The distribution `sample` draws the next token from (a non-greedy row): float32 [vocab] after logit_bias,
+    penalties, temperature, top-k, top-p and min-p, given the output so far. Used by speculative decoding,
+    whose acceptance rule needs these probabilities explicitly."""
+    return mx.softmax(_filter(adjusted(row, params, prompt, output), params))
 
 
 def prompt_logprobs(logits: mx.array, targets: Sequence[int], k: int) -> list[TokenLogprob]:

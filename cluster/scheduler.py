@@ -7,6 +7,11 @@ between two decode steps and never freezes the streams already running. New sequ
 from the waiting queue (FCFS) between steps, reusing their longest cached prefix. When a running sequence
 needs a block and none is free, the most recently admitted other sequence is preempted: its blocks are
 freed and it goes back to the front of the queue to be recomputed later (vLLM's recompute preemption).
+
+Speculative decoding is "schedule k+1" (nano-vllm's counters): `lookahead(seq)` says how many draft tokens
+a decoding sequence wants this step; the decode item is then (seq, 1 + k), with blocks for all k+1
+positions. Only the one token every decoding sequence needs may preempt others; draft room is taken from
+free blocks only (k drops to 0 when there are none).
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from cluster.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledBatch:
-    """The work of one step: (sequence, number of tokens to compute from num_computed_tokens on)."""
+    """The work of one step: (sequence, number of tokens to compute from num_computed_tokens on). In a decode
+    step the number is 1 + the draft tokens the sequence may verify (blocks are reserved for all of them)."""
 
     items: list[tuple[Sequence, int]]
     is_prefill: bool
@@ -32,11 +38,13 @@ class ScheduledBatch:
 class Scheduler:
     """Owns the waiting queue and the running batch; allocates and frees blocks through the pool.
 
-    `extra_key(cache_salt)` gives the first block's hash key (model, revision, KV format, salt).
+    `extra_key(cache_salt)` gives the first block's hash key (model, revision, KV format, salt);
+    `lookahead(seq)` the draft tokens a decoding sequence wants this step (None: never any).
     """
 
-    def __init__(self, config: EngineConfig, pool: BlockPool, extra_key: Callable[[Optional[str]], int]):
-        self.config, self.pool, self.extra_key = config, pool, extra_key
+    def __init__(self, config: EngineConfig, pool: BlockPool, extra_key: Callable[[Optional[str]], int],
+                 lookahead: Optional[Callable[[Sequence], int]] = None):
+        self.config, self.pool, self.extra_key, self.lookahead = config, pool, extra_key, lookahead
         self.block_size = config.block_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -147,7 +155,10 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING or seq.is_prefilling:
                 continue
             if self._reserve(seq, 1, allow_preempt=True):
-                items.append((seq, 1))
+                k = self.lookahead(seq) if self.lookahead is not None else 0
+                if k and not self._reserve(seq, 1 + k, allow_preempt=False):
+                    k = 0
+                items.append((seq, 1 + k))
         items = [(s, n) for s, n in items if s.status is SequenceStatus.RUNNING]  # minus preempted ones
         return ScheduledBatch(items, is_prefill=False) if items else None
 
@@ -167,7 +178,7 @@ class Scheduler:
         self.running.remove(seq)
         self.pool.free(seq.block_table)
         seq.block_table, seq.block_hashes = [], []
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_draft_computed = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

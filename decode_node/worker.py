@@ -24,6 +24,7 @@ from cluster.engine_client import EngineError
 from cluster.protocol import Generate
 from cluster.request import FinishReason, GenerateRequest, RequestOutput
 from cluster.worker import Worker
+from decode_node.speculative import build_drafters
 from kv_transfer.handshake import KVFormat
 from kv_transfer.metrics import TransferMetrics
 from kv_transfer.receiver import KVReceiver, ReceivedSequence, TransferFailed
@@ -38,10 +39,13 @@ class DecodeWorker(Worker):
 
     def _setup(self) -> Optional[str]:
         e = self.engine
+        # speculative decoding: prompt lookup, plus a draft model when configured (its prompt KV is computed
+        # here, since transfers carry target KV only: KVFormat.speculative_kv stays False)
+        e.drafters.update(build_drafters(e, self.topology.model.source))
         fmt = KVFormat.of(e.spec, self.spec.engine)
         self.receiver = KVReceiver(fmt, e.pool, e.store, max_prompt_len=e.max_model_len, config=self.topology.transfer,
                                    host=self.spec.host, port=self.spec.kv_port, keys=self.keys, ctx=self.ctx,
-                                   metrics=TransferMetrics("receive"))
+                                   metrics=TransferMetrics("receive", self.registry))
         self.awaiting: dict[str, GenerateRequest] = {}  # prefilled requests whose KV has not arrived
         self.orphans: dict[str, tuple[ReceivedSequence, float]] = {}  # KV whose request has not arrived
         return self.receiver.endpoint
@@ -107,7 +111,9 @@ class DecodeWorker(Worker):
         return {"transfers_inflight": len(self.receiver.live), "awaiting_kv": len(self.awaiting),
                 "orphans": len(self.orphans), "kv_bytes_received": m.value("bytes_total"),
                 "kv_blocks_received": m.value("blocks_total"), "transfer_timeouts": m.value("timeouts_total"),
-                "reservations_busy": m.value("reservations_total", outcome="busy")}
+                "reservations_busy": m.value("reservations_total", outcome="busy"),
+                "spec_draft_tokens": self.engine.num_draft_tokens,
+                "spec_accepted_tokens": self.engine.num_accepted_tokens}
 
     def _teardown(self) -> None:
         for got, _ in self.orphans.values():

@@ -7,7 +7,7 @@ Latencies are per sequence (one choice of one request), in seconds, measured by 
     TPOT  (last token time - first token time) / (output tokens - 1), for sequences of 2+ tokens
     e2e   arrival -> the finishing delta
 
-Engine load (running/waiting sequences, KV blocks, prefix-cache counters) is read from
+Engine load (running/waiting sequences, KV blocks, prefix-cache and speculative-decoding counters) is read from
 `engine.stats()` at scrape time, never cached.
 """
 
@@ -69,9 +69,16 @@ class EngineStatsCollector(Collector):
             "engine_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache",
                                             s.prefix_cache_queries),
             "engine_prefix_cache_hits": ("Prompt tokens served from the prefix cache", s.prefix_cache_hits),
+            "engine_spec_draft_tokens": ("Speculative decoding: draft tokens proposed and verified",
+                                         s.spec_draft_tokens),
+            "engine_spec_accepted_tokens": ("Speculative decoding: draft tokens accepted",
+                                            s.spec_accepted_tokens),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        yield GaugeMetricFamily(PREFIX + "engine_spec_acceptance_rate",
+                                "Speculative decoding: accepted / proposed draft tokens since start (0 before any)",
+                                value=s.spec_acceptance_rate)
 
 
 class RouterMetrics:

@@ -20,6 +20,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from cluster.request import MAX_DRAFT_TOKENS
+
 MAX_N = 128  # most choices per request (OpenAI's own limit)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -53,6 +55,17 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class SpeculativeOptions(BaseModel):
+    """`speculative`: speculative decoding for this request (mlx-pd's extension; off unless the server's
+    default or this field turns it on). `num_draft_tokens` is the most draft tokens per step (None = the
+    server's default; 0 turns speculation off). Unknown keys are errors, so a typo never passes silently."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["prompt_lookup", "draft_model"]
+    num_draft_tokens: Optional[int] = Field(None, ge=0, le=MAX_DRAFT_TOKENS)
+
+
 class _SamplingFields(_Request):
     """Fields shared by both endpoints. None means "the default"."""
 
@@ -75,6 +88,7 @@ class _SamplingFields(_Request):
     user: Optional[str] = None
     cache_salt: Optional[str] = None
     max_tokens: Optional[int] = None
+    speculative: Optional[SpeculativeOptions] = None
 
     @field_validator("max_tokens", mode="before")
     @classmethod

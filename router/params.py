@@ -126,7 +126,9 @@ def build_sampling(req: Union[ChatCompletionRequest, CompletionRequest], *, max_
         else req.repetition_penalty,
         presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
         logit_bias=tuple(bias), logprobs=logprobs, prompt_logprobs=prompt_logprobs, stop=stop,
-        stop_token_ids=tuple(stop_ids), ignore_eos=req.ignore_eos, seed=req.seed)
+        stop_token_ids=tuple(stop_ids), ignore_eos=req.ignore_eos, seed=req.seed,
+        speculative_method=req.speculative.method if req.speculative else None,
+        num_draft_tokens=req.speculative.num_draft_tokens if req.speculative else None)
     try:
         return SamplingParams(**fields)
     except ValueError as exc:
