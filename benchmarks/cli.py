@@ -3,10 +3,18 @@
     mlx-pd bench --url http://127.0.0.1:8000 --concurrency 4 --num-requests 32 --max-tokens 64
     mlx-pd bench --url http://127.0.0.1:8000 --rate 0.5 --num-requests 32          # Poisson arrivals
     mlx-pd bench --compare --concurrency 1,4,8 --num-requests 16,32,48 --max-tokens 64 --out results.json
+    mlx-pd bench --url http://127.0.0.1:8000 --workload shared-prefix --goodput ttft:2000 tpot:150 --plots docs/img
+    mlx-pd bench --url http://A:8000 --url http://B:8000 --labels a,b --concurrency 1,4   # two endpoints, ABBA
+    mlx-pd bench --compare --targets mlx-pd,mlx-pd-1p1d,mlx_lm.server --concurrency 1,4
     mlx-pd bench prefix --pairs 8 --system-tokens 1500      # TTFT: cached vs cold system prompt
     mlx-pd bench chat --users 16 --system-prompts 4         # multi-tenant 2-turn chat: prefix hit rate
     mlx-pd bench kv --engine-check --decode                 # KV bytes/token, capacity, 8-bit decode
     mlx-pd bench transfer --json transfer.json              # KV shipping vs raw pyzmq, bytes, projection
+    mlx-pd bench cluster --out cluster.json                 # 1P1D on pinned cores vs single-node, mixed load
+    mlx-pd bench routing --out routing.json                 # 1P2D: prefix_aware vs round_robin vs least_loaded
+    mlx-pd bench routing-sim                                # placement latency at 64 workers / 1M blocks
+    mlx-pd bench reliability --json r.json --markdown docs/RELIABILITY.md   # issue 9: fuzz, soak, faults
+    mlx-pd bench spec --concurrency 1,4 --out spec.json     # speculative decoding: plain vs prompt lookup vs draft
 
 Every run warms up first (not measured), sends unique prompts (unless --shared-prefix), and reports
 p50/p90/p99. See docs/BENCHMARKS.md for the rules and the latest numbers.
@@ -15,11 +23,10 @@ p50/p90/p99. See docs/BENCHMARKS.md for the rules and the latest numbers.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import shlex
 import signal
 import sys
-from typing import Optional, Sequence
+from typing import Sequence
 
 
 def _int_list(text: str) -> list[int]:
@@ -49,9 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
                                             "mlx_lm.server side by side.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument("--url", help="an OpenAI endpoint: server root, /v1 base or full /v1/chat/completions")
+    target.add_argument("--url", action="append",
+                        help="an OpenAI endpoint: server root, /v1 base or full /v1/chat/completions; give it "
+                             "several times to compare endpoints in alternating rounds")
     target.add_argument("--compare", action="store_true",
-                        help="start mlx-pd and mlx_lm.server on the same model and compare them")
+                        help="start mlx-pd and mlx_lm.server (or --targets) on the same model and compare them")
     p.add_argument("--concurrency", type=_int_list, default=None,
                    help="requests in flight (closed loop); a list like 1,4,8 runs one level each "
                         "(default 1; with --rate, a cap on requests in flight)")
@@ -78,60 +87,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "ignore_eos, so its answers may then be shorter)")
     p.add_argument("--seed", type=int, default=0, help="seed of prompt order, prefixes and arrivals")
     p.add_argument("--out", default=None, help="write the full results (per-request records too) as JSON")
-    p.add_argument("--markdown", default=None, help="--compare: also write the tables as Markdown here")
+    p.add_argument("--markdown", default=None, help="also write the tables as Markdown here")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    from benchmarks.bench_run import add_workload_args
+
+    add_workload_args(p)
     return p
 
 
-def _levels(args: argparse.Namespace) -> list[Optional[int]]:
-    if args.concurrency:
-        return list(args.concurrency)
-    return [None] if args.rate else [1]
-
-
 def _run_url(args: argparse.Namespace) -> int:
-    from benchmarks.loadgen import WorkloadConfig, run_benchmark
-    from benchmarks.report import print_single, write_json
+    from benchmarks.bench_run import run_url
 
-    cfg = WorkloadConfig(url=args.url, model=args.model, max_tokens=args.max_tokens, api_key=args.api_key,
-                         ignore_eos=not args.no_ignore_eos, suppress_token_ids=args.suppress_tokens)
-    levels = _levels(args)
-    counts = args.num_requests * len(levels) if len(args.num_requests) == 1 else args.num_requests
-    if len(counts) != len(levels):
-        print("mlx-pd bench: error: give one --num-requests or one per concurrency level", file=sys.stderr)
-        return 2
-    results = []
-    for c, n in zip(levels, counts):
-        result = asyncio.run(run_benchmark(cfg, num_requests=n, concurrency=c, rate=args.rate,
-                                           warmup_requests=args.warmup, seed=args.seed,
-                                           shared_prefix=args.shared_prefix, progress=not args.no_progress))
-        print_single(result)
-        results.append(result)
-    write_json(results[0] if len(results) == 1 else {"runs": results}, args.out)
-    return 1 if any(r["summary"]["errors"] for r in results) else 0
+    return run_url(args)
 
 
 def _run_compare(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    from benchmarks.bench_run import run_compare
 
-    from benchmarks.compare import run_compare
-    from benchmarks.report import markdown_compare, print_compare, write_json
-
-    if args.rate is not None:
-        print("mlx-pd bench: error: --compare runs fixed concurrency levels; drop --rate", file=sys.stderr)
-        return 2
-    levels = args.concurrency or [1, 4, 8]
-    result = run_compare(levels, args.num_requests, max_tokens=args.max_tokens, model_dir=args.model_dir,
-                         dtype=args.dtype, rounds=args.rounds, seed=args.seed, progress=not args.no_progress,
-                         suppress_eos=not args.no_eos_bias,
-                         log=lambda msg: print(msg, file=sys.stderr, flush=True))
-    result["command"] = "mlx-pd bench " + shlex.join(args.argv)
-    print_compare(result)
-    write_json(result, args.out)
-    if args.markdown:
-        Path(args.markdown).write_text(markdown_compare(result), encoding="utf-8")
-    errors = sum(s["errors"] for level in result["levels"] for s in level["servers"].values())
-    return 1 if errors else 0
+    return run_compare(args)
 
 
 SUBCOMMANDS = {
@@ -140,13 +113,38 @@ SUBCOMMANDS = {
     "kv": "KV bytes per token per format, sequences per budget, decode with quantized KV (benchmarks/kv_bench.py)",
     "transfer": "KV transfer over loopback vs raw pyzmq, bytes on the wire per format, and a projection for an 8B "
                 "model (benchmarks/transfer_bench.py)",
+    "cluster": "1P1D on pinned cores vs single-node on the same cores: short chats streaming while long prompts "
+               "arrive, and a projection to Macs (benchmarks/cluster_bench.py)",
+    "routing": "1P2D with a multi-tenant chat workload: prefix hit rate and TTFT per routing policy "
+               "(benchmarks/routing_bench.py)",
+    "routing-sim": "placement latency, index memory and event throughput at 64 workers / 1M blocks, no model "
+                   "(benchmarks/routing_sim.py)",
+    "reliability": "issue 9 on a live 1P2D cluster of processes: API and wire fuzzing, access, a mixed soak "
+                   "checked against single-node, faults, overload (benchmarks/reliability.py, docs/RELIABILITY.md)",
+    "spec": "speculative decoding on a rewrite/summarize workload: plain vs prompt lookup vs draft model, "
+            "output tokens/s and acceptance rates (benchmarks/spec_bench.py)",
 }
+MODULES = {"cluster": "cluster_bench", "routing": "routing_bench", "routing-sim": "routing_sim",
+           "spec": "spec_bench"}  # own add/run/tables
 
 
 def build_subcommand_parser(name: str) -> argparse.ArgumentParser:
     """The argument parser of `mlx-pd bench prefix|chat|kv|transfer`."""
+    import importlib
+
+    if name == "reliability":
+        from benchmarks.reliability import build_parser as reliability_parser
+
+        return reliability_parser()
+
     from benchmarks import kv_bench, prefix_bench, transfer_bench
 
+    if name in MODULES:
+        module = importlib.import_module(f"benchmarks.{MODULES[name]}")
+        p = argparse.ArgumentParser(prog=f"mlx-pd bench {name}", description=SUBCOMMANDS[name],
+                                    epilog=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_args(p)
+        return p
     add = {"prefix": prefix_bench.add_prefix_args, "chat": prefix_bench.add_chat_args, "kv": kv_bench.add_kv_args,
            "transfer": transfer_bench.add_transfer_args}
     module = {"kv": kv_bench, "transfer": transfer_bench}.get(name, prefix_bench)
@@ -162,7 +160,21 @@ def _run_subcommand(name: str, argv: Sequence[str]) -> int:
     from benchmarks import kv_bench, prefix_bench, prefix_report, transfer_bench
     from benchmarks.report import write_json
 
+    if name == "reliability":  # its own report (a generated section of docs/RELIABILITY.md) and exit codes
+        from benchmarks.reliability import main as reliability_main
+
+        return reliability_main(argv)
     args = build_subcommand_parser(name).parse_args(list(argv))
+    if name in MODULES:
+        import importlib
+
+        module = importlib.import_module(f"benchmarks.{MODULES[name]}")
+        result = module.run(args)
+        result["command"] = f"mlx-pd bench {name} " + shlex.join(argv)
+        write_json(result, args.out)
+        if args.markdown:
+            Path(args.markdown).write_text(prefix_report.markdown(module.tables(result)), encoding="utf-8")
+        return 1 if result.get("errors") else 0
     if getattr(args, "max_tokens", 1) < 1:
         print(f"mlx-pd bench {name}: error: --max-tokens must be >= 1", file=sys.stderr)
         return 2

@@ -1,11 +1,18 @@
-"""Side-by-side: mlx-pd against mlx-lm's own server, same model folder, same workload, one run.
+"""Side-by-side: mlx-pd against mlx-lm's own server (and/or a local 1P1D cluster), same model, same workload.
 
-For each concurrency level both servers get the *same* list of unique prompts, split into rounds;
-the rounds alternate between the servers in ABBA order (ours, theirs, theirs, ours, ...), so that
-drift in machine speed (other processes, thermal state) hits both alike and neither always goes
-first. Only one server has requests in flight at any time; both processes stay up throughout.
-Each server is warmed up at each level (``concurrency`` requests, not measured) before its first
-round. Aggregate throughput is total output tokens over the summed round durations.
+Targets (``--targets``, default ``mlx-pd,mlx_lm.server``): ``mlx-pd`` (single-node ``mlx-pd serve``),
+``mlx-pd-1p1d`` (``mlx-pd worker`` x 2 + ``mlx-pd router`` on loopback, benchmarks/servers.py) and
+``mlx_lm.server``, all started by the tool on one model folder; or endpoints already running
+(``mlx-pd bench --url A --url B``, :func:`run_levels`).
+
+For each concurrency level every target gets the *same* list of prompts (a workload of
+benchmarks/scenarios.py), split into rounds; the rounds alternate between the targets in ABBA order
+(forward, backward, backward, forward, ...; with two targets: ours, theirs, theirs, ours), so that
+drift in machine speed (other processes, thermal state) hits all alike and none always goes first.
+Only one target has requests in flight at any time; all processes stay up throughout. Each target is
+warmed up at each level (``concurrency`` requests, not measured) before its first round. Aggregate
+throughput is total output tokens over the summed round durations. Ratios are the first target over
+each other one.
 """
 
 from __future__ import annotations
@@ -19,10 +26,12 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from benchmarks.loadgen import WorkloadConfig, make_prompts, run_load, warmup
-from benchmarks.servers import ServerProcess, free_port, mlx_lm_command, mlx_pd_command
+from benchmarks.servers import ClusterProcess, ServerProcess, free_port, mlx_lm_command, mlx_pd_command
 from benchmarks.stats import RequestRecord, merge_rounds
 
 OURS, THEIRS = "mlx-pd", "mlx_lm.server"
+CLUSTER = "mlx-pd-1p1d"
+TARGETS = (OURS, CLUSTER, THEIRS)
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RATIO_KEYS = (("output_throughput", None), ("request_throughput", None), ("ttft_s", "p50"), ("ttft_s", "p99"),
               ("tpot_s", "p50"), ("tpot_s", "p99"), ("e2e_s", "p50"), ("e2e_s", "p99"))
@@ -40,9 +49,10 @@ def split_rounds(items: Sequence, rounds: int) -> list[list]:
     return out
 
 
-def round_order(r: int) -> tuple[str, str]:
-    """Which server goes first in round `r`: ABBA (ours first in rounds 0, 3, 4, 7, ...)."""
-    return (OURS, THEIRS) if r % 4 in (0, 3) else (THEIRS, OURS)
+def round_order(r: int, names: Sequence[str] = (OURS, THEIRS)) -> tuple[str, ...]:
+    """The order of the targets in round `r`: ABBA, generalized as forward in rounds 0, 3, 4, 7, ... and
+    backward in the others (two targets: ours first in rounds 0, 3, 4, 7, ...)."""
+    return tuple(names) if r % 4 in (0, 3) else tuple(reversed(names))
 
 
 def ratios(ours: dict, theirs: dict) -> dict[str, float]:
@@ -54,9 +64,9 @@ def ratios(ours: dict, theirs: dict) -> dict[str, float]:
     return out
 
 
-def sanity(ours: list[RequestRecord], theirs: list[RequestRecord]) -> dict:
+def sanity(ours: list[RequestRecord], theirs: list[RequestRecord], names: Sequence[str] = (OURS, THEIRS)) -> dict:
     """Do both answer every prompt, with the same greedy text? (mlx_lm.server ignores ignore_eos, so
-    it may stop early; such answers are compared over its shorter length.)"""
+    it may stop early; such answers are compared over its shorter length.) `names` label the two sides."""
     by_prompt = {r.prompt: r for r in theirs}
     same = prefix = 0
     for r in ours:
@@ -65,12 +75,13 @@ def sanity(ours: list[RequestRecord], theirs: list[RequestRecord]) -> dict:
             continue
         same += r.text == other.text
         prefix += r.text.startswith(other.text) or other.text.startswith(r.text)
+    a, b = names
     return {"pairs": len(ours), "identical_text": same, "one_text_prefix_of_other": prefix,
-            "errors": {OURS: sum(not r.ok for r in ours), THEIRS: sum(not r.ok for r in theirs)},
-            "early_stops": {OURS: sum(r.finish_reason == "stop" for r in ours),
-                            THEIRS: sum(r.finish_reason == "stop" for r in theirs)},
-            "empty_answers": {OURS: sum(r.ok and not r.text.strip() for r in ours),
-                              THEIRS: sum(r.ok and not r.text.strip() for r in theirs)}}
+            "errors": {a: sum(not r.ok for r in ours), b: sum(not r.ok for r in theirs)},
+            "early_stops": {a: sum(r.finish_reason == "stop" for r in ours),
+                            b: sum(r.finish_reason == "stop" for r in theirs)},
+            "empty_answers": {a: sum(r.ok and not r.text.strip() for r in ours),
+                              b: sum(r.ok and not r.text.strip() for r in theirs)}}
 
 
 def eos_token_ids(model_dir: str) -> tuple[int, ...]:
@@ -114,50 +125,90 @@ def machine_info() -> dict:
             "ld_preload": preload_env().get("LD_PRELOAD"), "loadavg_start": os.getloadavg()}
 
 
-async def _level(servers: dict[str, ServerProcess], concurrency: int, num_requests: int, rounds: int,
-                 max_tokens: int, seed: int, progress: bool, suppress: tuple[int, ...]) -> dict:
-    level_seed = seed * 1000 + concurrency
-    cfgs = {name: WorkloadConfig(url=s.url, max_tokens=max_tokens, suppress_token_ids=suppress)
-            for name, s in servers.items()}
+async def _level(urls: dict[str, str], concurrency: Optional[int], num_requests: int, rounds: int, max_tokens: int,
+                 seed: int, progress: bool, suppress: tuple[int, ...], make=None, slos=None,
+                 rate: Optional[float] = None) -> dict:
+    """One level: warm up every target, then the ABBA rounds; `make(n, seed)` gives the prompts."""
+    level_seed = seed * 1000 + (concurrency or 0)
+    names = list(urls)
+    cfgs = {name: WorkloadConfig(url=url, max_tokens=max_tokens, suppress_token_ids=suppress)
+            for name, url in urls.items()}
     load_start = os.getloadavg()
-    for name in (OURS, THEIRS):
-        warm = await warmup(cfgs[name], max(2, concurrency), concurrency, seed=level_seed, progress=progress)
+    for name in names:
+        warm = await warmup(cfgs[name], max(2, concurrency or 2), concurrency or 2, seed=level_seed,
+                            progress=progress)
         bad = [r for r in warm if not r.ok]
         if len(bad) == len(warm):
             raise RuntimeError(f"{name}: every warm-up request failed at concurrency {concurrency}: {bad[0].error}")
-    prompts = make_prompts(num_requests, level_seed)
+    prompts = (make or make_prompts)(num_requests, level_seed)
     parts = split_rounds(prompts, rounds)
-    done: dict[str, list] = {OURS: [], THEIRS: []}
+    done: dict[str, list] = {name: [] for name in names}
     t0 = time.perf_counter()
     for r, part in enumerate(parts):
-        for name in round_order(r):
-            recs, dur = await run_load(cfgs[name], part, concurrency=concurrency, progress=progress,
-                                       desc=f"c={concurrency} round {r + 1}/{len(parts)} {name}")
+        for name in round_order(r, names):
+            recs, dur = await run_load(cfgs[name], part, concurrency=concurrency, rate=rate, seed=level_seed + r,
+                                       progress=progress, desc=f"c={concurrency} round {r + 1}/{len(parts)} {name}")
             done[name].append((recs, dur))
-    summaries = {name: merge_rounds(done[name]) for name in done}
-    records = {name: [rec for recs, _ in done[name] for rec in recs] for name in done}
-    return {"concurrency": concurrency, "num_requests": num_requests, "rounds": len(parts),
-            "wall_s": time.perf_counter() - t0, "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
-            "servers": summaries, "ratios": ratios(summaries[OURS], summaries[THEIRS]),
-            "sanity": sanity(records[OURS], records[THEIRS]),
-            "records": {name: [r.to_dict() for r in recs] for name, recs in records.items()}}
+    summaries = {name: merge_rounds(done[name], slos) for name in names}
+    records = {name: [rec for recs, _ in done[name] for rec in recs] for name in names}
+    first, others = names[0], names[1:]
+    level = {"concurrency": concurrency, "rate": rate, "num_requests": num_requests, "rounds": len(parts),
+             "wall_s": time.perf_counter() - t0, "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
+             "targets": names, "servers": summaries,
+             "ratios_vs": {o: ratios(summaries[first], summaries[o]) for o in others},
+             "sanity_vs": {o: sanity(records[first], records[o], (first, o)) for o in others},
+             "records": {name: [r.to_dict() for r in recs] for name, recs in records.items()}}
+    if others:  # the headline pair: the first two targets
+        level["ratios"], level["sanity"] = level["ratios_vs"][others[0]], level["sanity_vs"][others[0]]
+    return level
+
+
+def run_levels(urls: dict[str, str], levels: Sequence[Optional[int]], num_requests: Sequence[int], *,
+               max_tokens: int = 64, rounds: int = 4, min_round_waves: int = 2, seed: int = 0, progress: bool = True,
+               suppress: tuple[int, ...] = (), make=None, slos=None, rate: Optional[float] = None,
+               log: Optional[callable] = None) -> list[dict]:
+    """Run every level against endpoints already up (`urls`: name -> URL), alternating as the module doc says."""
+    if len(num_requests) == 1:
+        num_requests = list(num_requests) * len(levels)
+    if len(num_requests) != len(levels):
+        raise ValueError(f"give one request count or one per level; got {len(num_requests)} for {len(levels)} levels")
+    out = []
+    for c, n in zip(levels, num_requests):
+        r = max(1, min(rounds, n // max(1, min_round_waves * (c or 2))))
+        out.append(level := asyncio.run(_level(urls, c, n, r, max_tokens, seed, progress, suppress, make, slos, rate)))
+        if log:
+            log(f"concurrency {c}: {level['wall_s']:.0f} s" + (f", ratios {_fmt(level['ratios'])}"
+                                                              if "ratios" in level else ""))
+    return out
+
+
+def start_target(name: str, model_dir: str, dtype: str, env: dict):
+    """A (not yet started) server process for target `name` on a free port."""
+    port = free_port()
+    if name == OURS:
+        return ServerProcess(OURS, mlx_pd_command(port, model_dir, dtype), port, env=env, cwd=str(REPO_ROOT))
+    if name == THEIRS:
+        return ServerProcess(THEIRS, mlx_lm_command(port, model_dir), port, env=env, cwd=str(REPO_ROOT))
+    if name == CLUSTER:
+        return ClusterProcess(CLUSTER, model_dir, dtype, port, env=env, cwd=str(REPO_ROOT))
+    raise ValueError(f"unknown target {name!r}; choose from {', '.join(TARGETS)}")
 
 
 def run_compare(levels: Sequence[int], num_requests: Sequence[int], *, max_tokens: int = 64,
                 model_dir: Optional[str] = None, dtype: str = "float32", rounds: int = 4, seed: int = 0,
                 min_round_waves: int = 2, health_deadline_s: float = 600.0, progress: bool = True,
-                suppress_eos: bool = True, log: Optional[callable] = print) -> dict:
-    """Start both servers, run every level, measure memory, stop both; return the JSON-ready result.
+                suppress_eos: bool = True, log: Optional[callable] = print, targets: Sequence[str] = (OURS, THEIRS),
+                make=None, slos=None, workload: str = "chat") -> dict:
+    """Start every target, run every level, measure memory, stop them; return the JSON-ready result.
 
     `num_requests` has one count per level (or one for all). A level's rounds are at most `rounds`
     and at least `min_round_waves` x concurrency requests long. With `suppress_eos` every request
     carries ``logit_bias`` -100 on the model's EOS ids, since mlx_lm.server has no ``ignore_eos``:
-    both servers then produce exactly `max_tokens` tokens (the same greedy text).
+    all targets then produce exactly `max_tokens` tokens (the same greedy text). `make(n, seed)` gives
+    a level's prompts (default: unique chat prompts); `slos` ({metric: seconds}) adds goodput.
     """
-    if len(num_requests) == 1:
-        num_requests = list(num_requests) * len(levels)
-    if len(num_requests) != len(levels):
-        raise ValueError(f"give one request count or one per level; got {len(num_requests)} for {len(levels)} levels")
+    if len(set(targets)) != len(targets) or len(targets) < 2:
+        raise ValueError(f"give at least two different targets, got {list(targets)}")
     if model_dir is None:
         from cluster.model import resolve_model_path
 
@@ -165,12 +216,10 @@ def run_compare(levels: Sequence[int], num_requests: Sequence[int], *, max_token
     log = log or (lambda *a, **k: None)
     suppress = eos_token_ids(model_dir) if suppress_eos else ()
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)}
-    p1, p2 = free_port(), free_port()
-    servers = {OURS: ServerProcess(OURS, mlx_pd_command(p1, model_dir, dtype), p1, env=env, cwd=str(REPO_ROOT)),
-               THEIRS: ServerProcess(THEIRS, mlx_lm_command(p2, model_dir), p2, env=env, cwd=str(REPO_ROOT))}
+    servers = {name: start_target(name, model_dir, dtype, env) for name in targets}
     result = {"machine": machine_info(), "model_dir": model_dir, "dtype": dtype, "max_tokens": max_tokens,
-              "seed": seed, "suppressed_token_ids": list(suppress),
-              "commands": {n: s.argv for n, s in servers.items()}, "levels": []}
+              "seed": seed, "suppressed_token_ids": list(suppress), "targets": list(targets), "workload": workload,
+              "slo_s": slos or {}, "commands": {n: s.argv for n, s in servers.items()}, "levels": []}
     with contextlib.ExitStack() as stack:
         for s in servers.values():
             stack.enter_context(s)
@@ -178,11 +227,9 @@ def run_compare(levels: Sequence[int], num_requests: Sequence[int], *, max_token
             waited = s.wait_healthy(health_deadline_s)
             log(f"{name} healthy on port {s.port} after {waited:.1f} s (log: {s.log_path})")
         result["memory_idle"] = {name: s.memory() for name, s in servers.items()}
-        for c, n in zip(levels, num_requests):
-            r = max(1, min(rounds, n // max(1, min_round_waves * c)))
-            level = asyncio.run(_level(servers, c, n, r, max_tokens, seed, progress, suppress))
-            result["levels"].append(level)
-            log(f"concurrency {c}: {level['wall_s']:.0f} s, ratios {_fmt(level['ratios'])}")
+        result["levels"] = run_levels({n: s.url for n, s in servers.items()}, levels, num_requests,
+                                      max_tokens=max_tokens, rounds=rounds, min_round_waves=min_round_waves, seed=seed,
+                                      progress=progress, suppress=suppress, make=make, slos=slos, log=log)
         result["memory"] = {name: s.memory() for name, s in servers.items()}
     result["machine"]["loadavg_end"] = os.getloadavg()
     return result

@@ -7,7 +7,8 @@
 Each request is ``POST /v1/chat/completions`` with ``stream: true``, ``temperature: 0``,
 ``ignore_eos: true`` (servers that do not know it, like mlx_lm.server, ignore it), ``max_tokens``
 and ``stream_options.include_usage``; optionally ``logit_bias`` -100 on the EOS ids, which makes
-servers without ``ignore_eos`` produce ``max_tokens`` tokens too. Prompts come from
+servers without ``ignore_eos`` produce ``max_tokens`` tokens too. A prompt is a user message's text or a
+tuple of chat messages (the workloads of benchmarks/scenarios.py). Prompts come from
 ``benchmarks/prompts.jsonl`` and are made unique per request with a prefix like ``[req 4f2a1c] ``
 (unless ``shared_prefix``), so that the prefix cache does not turn the benchmark into a cache
 benchmark. A warm-up (not measured) runs first. Requests go out at a fixed concurrency (closed
@@ -24,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import httpx
 
@@ -32,6 +33,19 @@ from benchmarks.sse import SSEParser, parse_chunk
 from benchmarks.stats import RequestRecord, summarize
 
 PROMPTS_PATH = Path(__file__).with_name("prompts.jsonl")
+Prompt = Union[str, tuple]  # a user message's text, or a whole tuple of {"role", "content"} messages
+
+
+def prompt_key(prompt: Prompt) -> str:
+    """One string naming a request's prompt (its record's `prompt`; matches answers across servers)."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n\n".join(f"[{m['role']}] {m['content']}" for m in prompt)
+
+
+def messages(prompt: Prompt) -> list[dict]:
+    """The chat messages sent for `prompt`."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
 
 
 @dataclass(frozen=True)
@@ -66,9 +80,9 @@ class WorkloadConfig:
             return url + "/chat/completions"
         return url + "/v1/chat/completions"
 
-    def body(self, prompt: str) -> dict:
-        """The JSON body for one prompt."""
-        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": self.max_tokens,
+    def body(self, prompt: Prompt) -> dict:
+        """The JSON body for one prompt (a user message's text, or a tuple of messages)."""
+        body = {"messages": messages(prompt), "max_tokens": self.max_tokens,
                 "temperature": self.temperature, "stream": True, "stream_options": {"include_usage": True}}
         if self.ignore_eos:
             body["ignore_eos"] = True
@@ -112,10 +126,10 @@ def make_prompts(n: int, seed: int = 0, *, shared_prefix: bool = False, tag: str
     return out
 
 
-async def send_request(client: httpx.AsyncClient, cfg: WorkloadConfig, index: int, prompt: str,
+async def send_request(client: httpx.AsyncClient, cfg: WorkloadConfig, index: int, prompt: Prompt,
                        t0: float) -> RequestRecord:
     """Send one streaming request and time it; never raises for server or network errors."""
-    rec = RequestRecord(index=index, prompt=prompt)
+    rec = RequestRecord(index=index, prompt=prompt_key(prompt))
     start = time.perf_counter()
     rec.start_s = start - t0
     last = None
@@ -165,7 +179,7 @@ def _progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False, disable=not enabled)
 
 
-async def run_load(cfg: WorkloadConfig, prompts: Sequence[str], *, concurrency: Optional[int] = None,
+async def run_load(cfg: WorkloadConfig, prompts: Sequence[Prompt], *, concurrency: Optional[int] = None,
                    rate: Optional[float] = None, seed: int = 0, progress: bool = True,
                    desc: str = "bench") -> tuple[list[RequestRecord], float]:
     """Send every prompt once; return (records in prompt order, wall seconds from first send to last end).
@@ -232,8 +246,13 @@ async def warmup(cfg: WorkloadConfig, num_requests: int, concurrency: int, *, se
 
 async def run_benchmark(cfg: WorkloadConfig, *, num_requests: int, concurrency: Optional[int] = None,
                         rate: Optional[float] = None, warmup_requests: Optional[int] = None, seed: int = 0,
-                        shared_prefix: bool = False, progress: bool = True) -> dict:
-    """Warm up, run `num_requests`, and return ``{"config", "summary", "records"}`` (JSON-ready)."""
+                        shared_prefix: bool = False, progress: bool = True,
+                        prompts: Optional[Sequence[Prompt]] = None, workload: str = "chat",
+                        slos: Optional[dict[str, float]] = None) -> dict:
+    """Warm up, run `num_requests`, and return ``{"config", "summary", "records"}`` (JSON-ready).
+
+    `prompts` (default: `num_requests` unique chat prompts) is what the measured requests send, e.g. a
+    workload of benchmarks/scenarios.py named `workload`; `slos` ({metric: seconds}) adds goodput."""
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
     n_warm = warmup_requests if warmup_requests is not None else max(2, concurrency or 2)
@@ -241,11 +260,14 @@ async def run_benchmark(cfg: WorkloadConfig, *, num_requests: int, concurrency: 
     failed = [r for r in warm if not r.ok]
     if warm and len(failed) == len(warm):
         raise RuntimeError(f"every warm-up request failed; first error: {failed[0].error}")
-    prompts = make_prompts(num_requests, seed, shared_prefix=shared_prefix)
+    if prompts is None:
+        prompts = make_prompts(num_requests, seed, shared_prefix=shared_prefix)
+    elif len(prompts) != num_requests:
+        raise ValueError(f"got {len(prompts)} prompts for {num_requests} requests")
     records, duration = await run_load(cfg, prompts, concurrency=concurrency, rate=rate, seed=seed,
                                        progress=progress)
     return {"config": {**vars(replace(cfg, api_key=None)), "endpoint": cfg.endpoint, "num_requests": num_requests,
                        "concurrency": concurrency, "rate": rate, "warmup_requests": n_warm, "seed": seed,
-                       "shared_prefix": shared_prefix},
-            "summary": summarize(records, duration),
+                       "shared_prefix": shared_prefix, "workload": workload, "slo_s": slos or {}},
+            "summary": summarize(records, duration, slos),
             "records": [r.to_dict() for r in records]}

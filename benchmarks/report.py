@@ -31,7 +31,8 @@ def _print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]
     except ImportError:
         Console = None
     if Console is not None:
-        console = Console(file=out, width=max(120, len(header) * 12))
+        cols = [max([len(str(h))] + [len(str(r[i])) for r in rows]) + 3 for i, h in enumerate(header)]
+        console = Console(file=out, width=max(120, sum(cols) + 1))
         console.print(title)
         table = Table()
         for i, h in enumerate(header):
@@ -64,35 +65,83 @@ def print_single(result: dict, out: Optional[TextIO] = None) -> None:
     print(f"output throughput {s['output_throughput']:.2f} tok/s, {s['request_throughput']:.3f} req/s, "
           f"{s['output_tokens_mean']:.1f} output tokens/request, {s['errors']} errors, "
           f"{s['duration_s']:.1f} s", file=out)
+    hit = s.get("prefix_hit_rate")
+    if hit is not None and not math.isnan(hit):
+        print(f"prefix hit rate {100 * hit:.1f}% of prompt tokens (server's usage.cached_tokens)", file=out)
+    if s.get("goodput"):
+        g = s["goodput"]
+        slo = ", ".join(f"{k[:-2].upper()} <= {1000 * v:g} ms" for k, v in g["slo_s"].items())
+        print(f"goodput {g['request_goodput']:.3f} req/s ({g['good_requests']}/{s['requests']} met {slo}), "
+              f"{g['output_goodput']:.2f} tok/s", file=out)
 
 
-COMPARE_HEADER = ["conc.", "server", "out tok/s", "req/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
-                  "E2E p99", "out tok/req", "prompt tok (cached)", "errors"]
+def _dist(d: dict) -> str:
+    """'p50 / p90 / p99' of a latency distribution, in ms."""
+    return " / ".join(_ms(d.get(k)) for k in ("p50", "p90", "p99"))
 
 
-def compare_rows(result: dict) -> list[list[str]]:
-    """Rows of the comparison table: per level, one per server and one with the ratios ours/theirs."""
+def level_header(with_goodput: bool) -> list[str]:
+    """Columns of the runs table (latency cells are p50 / p90 / p99 in ms)."""
+    return (["conc.", "target", "out tok/s", "req/s", "TTFT ms p50 / p90 / p99", "TPOT ms p50 / p90 / p99",
+             "ITL ms p50 / p90 / p99", "E2E ms p50 / p90 / p99", "out tok/req", "prompt tok (cached)",
+             "prefix hit"] + (["goodput req/s (SLO met)"] if with_goodput else []) + ["errors"])
+
+
+def run_row(conc: str, name: str, s: dict, with_goodput: bool) -> list[str]:
+    """One table row for one target's summary at one level."""
+    hit = s.get("prefix_hit_rate")
+    row = [conc, name, _num(s["output_throughput"]), _num(s["request_throughput"], 3), _dist(s["ttft_s"]),
+           _dist(s["tpot_s"]), _dist(s["itl_s"]), _dist(s["e2e_s"]), _num(s["output_tokens_mean"], 1),
+           f"{_num(s.get('prompt_tokens_mean'), 1)} ({_num(s.get('cached_tokens_mean'), 1)})",
+           "-" if hit is None or math.isnan(hit) else f"{100 * hit:.1f}%"]
+    if with_goodput:
+        g = s.get("goodput")
+        row.append(f"{_num(g['request_goodput'], 3)} ({100 * g['attainment']:.0f}%)" if g else "-")
+    return row + [str(s["errors"])]
+
+
+def _conc(level: dict) -> str:
+    return str(level["concurrency"]) if level.get("concurrency") else f"rate {level.get('rate')}/s"
+
+
+def compare_rows(result: dict) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of a comparison: per level one row per target, then one ratio row per other target
+    (first / other; with mlx-pd and mlx_lm.server labelled "ratio ours/theirs")."""
+    levels = result["levels"]
+    with_goodput = any("goodput" in s for lv in levels for s in lv["servers"].values())
+    header = level_header(with_goodput)
     rows = []
-    for level in result["levels"]:
-        for name in (OURS, THEIRS):
-            s = level["servers"][name]
-            rows.append([str(level["concurrency"]), name, _num(s["output_throughput"]),
-                         _num(s["request_throughput"], 3), _ms(s["ttft_s"]["p50"]), _ms(s["ttft_s"]["p99"]),
-                         _ms(s["tpot_s"]["p50"]), _ms(s["tpot_s"]["p99"]), _ms(s["e2e_s"]["p99"]),
-                         _num(s["output_tokens_mean"], 1),
-                         f"{_num(s.get('prompt_tokens_mean'), 1)} ({_num(s.get('cached_tokens_mean'), 1)})",
-                         str(s["errors"])])
-        r = level["ratios"]
-        rows.append([str(level["concurrency"]), "ratio ours/theirs", _num(r["output_throughput"]) + "x",
-                     _num(r["request_throughput"]) + "x", _num(r["ttft_s_p50"]) + "x", _num(r["ttft_s_p99"]) + "x",
-                     _num(r["tpot_s_p50"]) + "x", _num(r["tpot_s_p99"]) + "x", _num(r["e2e_s_p99"]) + "x", "", "", ""])
-    return rows
+    for level in levels:
+        names = level.get("targets") or [OURS, THEIRS]
+        conc = _conc(level)
+        rows += [run_row(conc, name, level["servers"][name], with_goodput) for name in names]
+        for other in names[1:]:
+            r = level.get("ratios_vs", {}).get(other) or level["ratios"]
+            label = "ratio ours/theirs" if list(names) == [OURS, THEIRS] else f"ratio {names[0]}/{other}"
+            rows.append([conc, label, _num(r["output_throughput"]) + "x", _num(r["request_throughput"]) + "x",
+                         f"{_num(r['ttft_s_p50'])}x / - / {_num(r['ttft_s_p99'])}x",
+                         f"{_num(r['tpot_s_p50'])}x / - / {_num(r['tpot_s_p99'])}x", "",
+                         f"{_num(r['e2e_s_p50'])}x / - / {_num(r['e2e_s_p99'])}x"] + [""] * (len(header) - 8))
+    return header, rows
+
+
+def runs_rows(results: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of `mlx-pd bench --url` runs (one row per level)."""
+    with_goodput = any("goodput" in r["summary"] for r in results)
+    rows = []
+    for r in results:
+        c = r["config"]
+        conc = str(c["concurrency"]) if not c.get("rate") else f"rate {c['rate']}/s"
+        rows.append(run_row(conc, c.get("workload", "chat"), r["summary"], with_goodput))
+    header = level_header(with_goodput)
+    header[1] = "workload"
+    return header, rows
 
 
 def memory_rows(result: dict) -> list[list[str]]:
     """Rows: server, RSS idle (after load), RSS after the run, peak RSS."""
     rows = []
-    for name in (OURS, THEIRS):
+    for name in result.get("targets") or (OURS, THEIRS):
         idle = result.get("memory_idle", {}).get(name, {})
         end = result.get("memory", {}).get(name, {})
         rows.append([name, _num(idle.get("rss_mib"), 0), _num(end.get("rss_mib"), 0),
@@ -105,13 +154,18 @@ MEMORY_HEADER = ["server", "RSS before load (MiB)", "RSS after run (MiB)", "peak
 
 def print_compare(result: dict, out: Optional[TextIO] = None) -> None:
     """Print the comparison and memory tables (latencies in ms)."""
-    _print_table(f"mlx-pd vs mlx_lm.server - max_tokens {result['max_tokens']}, latencies in ms",
-                 COMPARE_HEADER, compare_rows(result), out)
-    _print_table("resident memory", MEMORY_HEADER, memory_rows(result), out)
+    names = result.get("targets") or [OURS, THEIRS]
+    header, rows = compare_rows(result)
+    _print_table(f"{' vs '.join(names)} - {result.get('workload', 'chat')}, max_tokens {result['max_tokens']}, "
+                 "latencies in ms", header, rows, out)
+    if result.get("memory"):
+        _print_table("resident memory", MEMORY_HEADER, memory_rows(result), out)
     for level in result["levels"]:
-        s = level["sanity"]
-        print(f"c={level['concurrency']}: identical greedy text {s['identical_text']}/{s['pairs']}, "
-              f"errors {s['errors']}, early EOS stops {s['early_stops']}", file=out)
+        for other, s in level.get("sanity_vs", {"": level.get("sanity")}).items():
+            if s:
+                print(f"{_conc(level)} {names[0]} vs {other or names[1]}: identical greedy text "
+                      f"{s['identical_text']}/{s['pairs']}, errors {s['errors']}, early EOS stops {s['early_stops']}",
+                      file=out)
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -122,9 +176,16 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def markdown_compare(result: dict) -> str:
-    """The comparison and memory tables as Markdown (what docs/BENCHMARKS.md shows)."""
-    return (markdown_table(COMPARE_HEADER, compare_rows(result)) + "\n\n"
-            + markdown_table(MEMORY_HEADER, memory_rows(result)) + "\n")
+    """The comparison (and, when measured, memory) tables as Markdown (what docs/BENCHMARKS.md shows)."""
+    text = markdown_table(*compare_rows(result)) + "\n"
+    if result.get("memory"):
+        text += "\n" + markdown_table(MEMORY_HEADER, memory_rows(result)) + "\n"
+    return text
+
+
+def markdown_runs(results: list[dict]) -> str:
+    """`mlx-pd bench --url` runs as a Markdown table."""
+    return markdown_table(*runs_rows(results)) + "\n"
 
 
 def write_json(result: dict, path: Optional[str]) -> None:

@@ -8,6 +8,9 @@
 Each server runs in its own session (process group), with OpenBLAS preloaded on Linux
 (:func:`cluster.platform.preload_env`), its output going to a log file. Leaving the ``with`` block,
 normally, on an error or on Ctrl-C, sends SIGTERM to the group, then SIGKILL after a grace period.
+
+:class:`ClusterProcess` does the same for a local 1P1D cluster (``mlx-pd worker`` x 2 + ``mlx-pd router``
+from a temporary topology on free ports), with the same interface, so a comparison treats it as one server.
 """
 
 from __future__ import annotations
@@ -162,6 +165,114 @@ class ServerProcess:
         return self.proc.poll()
 
     def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+ONE_P_ONE_D = """# written by benchmarks/servers.py for a comparison run
+[model]
+source = {model}
+
+[engine]
+dtype = "{dtype}"
+prefill_chunk_size = {chunk}
+
+[transfer]
+timeout_s = 120
+
+[routing]
+local_prefill_max_tokens = {local_prefill}
+
+[router]
+host = "127.0.0.1"
+port = {router}
+
+[[workers]]
+name = "prefill-0"
+role = "prefill"
+control_port = {p_ctl}
+events_port = {p_ev}
+
+[[workers]]
+name = "decode-0"
+role = "decode"
+control_port = {d_ctl}
+kv_port = {d_kv}
+events_port = {d_ev}
+"""
+
+
+def one_p_one_d_topology(model_dir: str, dtype: str, router_port: int, prefill_chunk_size: int = 512,
+                         local_prefill_max_tokens: int = 0) -> str:
+    """TOML of a 1P1D cluster on loopback (like topologies/local-1p1d.toml) with free ports. By default every
+    prompt goes through the prefill worker (`local_prefill_max_tokens` 0), so the run measures disaggregation."""
+    import json
+
+    ports = [free_port() for _ in range(5)]
+    return ONE_P_ONE_D.format(model=json.dumps(str(model_dir)), dtype=dtype, chunk=prefill_chunk_size,
+                              local_prefill=local_prefill_max_tokens, router=router_port, p_ctl=ports[0],
+                              p_ev=ports[1], d_ctl=ports[2], d_kv=ports[3], d_ev=ports[4])
+
+
+class ClusterProcess:
+    """A local 1P1D cluster as one "server": both workers and the router in their own processes.
+
+    Healthy when each worker has logged that it serves and the router's ``/health`` answers 200 (a decode
+    worker is alive). Memory sums the three process trees; stopping stops the router first."""
+
+    def __init__(self, name: str, model_dir: str, dtype: str, port: int, *, env: Optional[dict] = None,
+                 log_dir: Optional[str] = None, cwd: Optional[str] = None, prefill_chunk_size: int = 512):
+        self.name, self.port = name, port
+        self.dir = Path(tempfile.mkdtemp(prefix="mlx-pd-bench-1p1d-"))
+        self.topology = self.dir / "1p1d.toml"
+        self.topology.write_text(one_p_one_d_topology(model_dir, dtype, port, prefill_chunk_size), encoding="utf-8")
+        cli = [sys.executable, "-m", "cluster.cli"]
+        kw = {"env": env, "log_dir": log_dir, "cwd": cwd}
+        self.workers = [ServerProcess(f"{name}-{w}", cli + ["worker", str(self.topology), w], port, **kw)
+                        for w in ("prefill-0", "decode-0")]
+        self.router = ServerProcess(f"{name}-router", cli + ["router", str(self.topology)], port, **kw)
+        self.argv = {"topology": str(self.topology), **{p.name: p.argv for p in (*self.workers, self.router)}}
+        self.log_path = self.router.log_path
+
+    @property
+    def url(self) -> str:
+        return self.router.url
+
+    @property
+    def proc(self):
+        return self.router.proc
+
+    def start(self) -> "ClusterProcess":
+        for p in (*self.workers, self.router):
+            p.start()
+        return self
+
+    def wait_healthy(self, deadline_s: float = 300.0, interval_s: float = 0.5) -> float:
+        """Wait until both workers serve and the router answers /health; returns seconds waited."""
+        t0 = time.monotonic()
+        for w in self.workers:
+            while "serving" not in w.log_tail(50):
+                if w.proc.poll() is not None:
+                    raise RuntimeError(f"{w.name} exited with code {w.proc.returncode}:\n{w.log_tail()}")
+                if time.monotonic() - t0 > deadline_s:
+                    raise RuntimeError(f"{w.name} did not serve within {deadline_s:.0f} s:\n{w.log_tail()}")
+                time.sleep(interval_s)
+        self.router.wait_healthy(max(1.0, deadline_s - (time.monotonic() - t0)), interval_s)
+        return time.monotonic() - t0
+
+    def memory(self) -> dict:
+        parts = [p.memory() for p in (*self.workers, self.router)]
+        return {"rss_mib": sum(m["rss_mib"] for m in parts),
+                "peak_rss_mib": sum(m["peak_rss_mib"] or 0 for m in parts),
+                "processes": sum(m["processes"] for m in parts), "source": parts[0]["source"]}
+
+    def stop(self) -> None:
+        for p in (self.router, *self.workers):
+            p.stop()
+
+    def __enter__(self) -> "ClusterProcess":
         return self.start()
 
     def __exit__(self, *exc) -> None:

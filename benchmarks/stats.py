@@ -5,7 +5,14 @@ span over which they ran. :func:`summarize` turns that into a flat dict of numbe
 
     requests, errors, duration_s, request_throughput (req/s), output_throughput (tok/s),
     output_tokens_mean, prompt_tokens_mean, cached_tokens_mean (from usage; NaN when not sent),
-    and for each of ttft_s, tpot_s, itl_s, e2e_s: {p50, p90, p99, mean, max}
+    prefix_hit_rate (cached / prompt tokens, summed over requests that report both),
+    for each of ttft_s, tpot_s, itl_s, e2e_s: {p50, p90, p99, mean, max},
+    and with SLOs given, goodput: {slo_s, good_requests, attainment, request_goodput, output_goodput}
+
+Goodput follows vLLM's benchmark_serving (``--goodput ttft:500 tpot:50``, from DistServe, Zhong et al.
+2024): a request is *good* when it succeeded and met every given SLO (TTFT, TPOT, E2E; a one-token
+answer has no TPOT and meets a TPOT SLO); request_goodput = good requests / duration (req/s),
+output_goodput = their output tokens / duration, attainment = good / all requests.
 
 Percentiles use linear interpolation between closest ranks (NumPy's default "linear" method), so
 p50 of [1, 2, 3, 4] is 2.5 and p99 of 1..100 is 99.01. Failed requests count in `errors` and in
@@ -20,6 +27,7 @@ from typing import Optional, Sequence
 
 PERCENTILES = (50, 90, 99)
 METRICS = ("ttft_s", "tpot_s", "itl_s", "e2e_s")
+SLO_NAMES = {"ttft": "ttft_s", "tpot": "tpot_s", "e2e": "e2e_s"}  # per-request metrics an SLO may bound
 
 
 @dataclass
@@ -97,7 +105,58 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
-def summarize(records: Sequence[RequestRecord], duration_s: float) -> dict:
+def parse_slos(items: Sequence[str]) -> dict[str, float]:
+    """SLOs from the command line, vLLM's form ``NAME:MILLISECONDS`` -> {metric: seconds}.
+
+    >>> parse_slos(["ttft:500", "tpot:50"])
+    {'ttft_s': 0.5, 'tpot_s': 0.05}
+    """
+    out = {}
+    for item in items:
+        name, sep, value = item.partition(":")
+        if not sep or name.strip().lower() not in SLO_NAMES:
+            raise ValueError(f"SLO {item!r}: expected NAME:MS with NAME one of {', '.join(SLO_NAMES)}")
+        try:
+            ms = float(value)
+        except ValueError:
+            raise ValueError(f"SLO {item!r}: {value!r} is not a number of milliseconds") from None
+        if not ms > 0:
+            raise ValueError(f"SLO {item!r}: the bound must be > 0 ms")
+        out[SLO_NAMES[name.strip().lower()]] = ms / 1000.0
+    return out
+
+
+def meets_slos(rec: RequestRecord, slos: dict[str, float]) -> bool:
+    """True when `rec` succeeded and met every SLO in `slos` ({metric: seconds}); see the module doc."""
+    if not rec.ok:
+        return False
+    for metric, bound in slos.items():
+        value = getattr(rec, metric)
+        if value is not None and value > bound:
+            return False
+        if value is None and metric != "tpot_s":
+            return False
+    return True
+
+
+def goodput(records: Sequence[RequestRecord], duration_s: float, slos: dict[str, float]) -> dict:
+    """Requests (and their output tokens) per second that met every SLO; see the module doc."""
+    good = [r for r in records if meets_slos(r, slos)]
+    rate = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: math.nan)
+    return {"slo_s": dict(slos), "good_requests": len(good),
+            "attainment": len(good) / len(records) if records else math.nan,
+            "request_goodput": rate(len(good)), "output_goodput": rate(sum(r.output_tokens for r in good))}
+
+
+def prefix_hit_rate(records: Sequence[RequestRecord]) -> float:
+    """Cached prompt tokens / prompt tokens over the requests whose usage reported both; NaN if none did."""
+    pairs = [(r.prompt_tokens, r.cached_tokens) for r in records
+             if r.ok and r.prompt_tokens is not None and r.cached_tokens is not None]
+    total = sum(p for p, _ in pairs)
+    return sum(c for _, c in pairs) / total if total else math.nan
+
+
+def summarize(records: Sequence[RequestRecord], duration_s: float, slos: Optional[dict[str, float]] = None) -> dict:
     """Aggregate `records` that ran over `duration_s` wall-clock seconds (see the module doc)."""
     ok = [r for r in records if r.ok]
     tokens = sum(r.output_tokens for r in ok)
@@ -117,13 +176,17 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> dict:
         "output_tokens_mean": tokens / len(ok) if ok else math.nan,
         "prompt_tokens_mean": _mean([r.prompt_tokens for r in ok if r.prompt_tokens is not None]),
         "cached_tokens_mean": _mean([r.cached_tokens for r in ok if r.cached_tokens is not None]),
+        "prefix_hit_rate": prefix_hit_rate(ok),
     }
     for name in METRICS:
         summary[name] = distribution(per_metric[name])
+    if slos:
+        summary["goodput"] = goodput(records, duration_s, slos)
     return summary
 
 
-def merge_rounds(rounds: Sequence[tuple[Sequence[RequestRecord], float]]) -> dict:
+def merge_rounds(rounds: Sequence[tuple[Sequence[RequestRecord], float]],
+                 slos: Optional[dict[str, float]] = None) -> dict:
     """Summarize several rounds as one run: records pooled, durations added (gaps between rounds excluded)."""
     records = [r for recs, _ in rounds for r in recs]
-    return summarize(records, sum(d for _, d in rounds))
+    return summarize(records, sum(d for _, d in rounds), slos)

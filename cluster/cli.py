@@ -1,4 +1,4 @@
-"""The `mlx-pd` command: serve (single-node), generate (one prompt from the shell), bench, keys (CurveZMQ),
+"""The `mlx-pd` command: serve (single-node), generate (one prompt from the shell), bench, profile, keys (CurveZMQ),
 up / status / down (cluster mode on Ray, cluster/launch.py), worker / router (one cluster process without Ray).
 
 Documented environment variables: MLX_PD_CACHE (model cache folder), MLX_PD_NO_OPENBLAS=1 (do not
@@ -21,6 +21,8 @@ from cluster.config import EngineConfig
 ENGINE_FLAGS = {  # CLI flag -> EngineConfig field; unset flags leave the topology's (or the default) value
     "block_size": int, "kv_cache_gb": float, "kv_bits": int, "kv_group_size": int, "max_num_seqs": int,
     "prefill_chunk_size": int, "max_model_len": int, "dtype": str, "decode_mirror_gb": float,
+    "speculative_method": str, "num_draft_tokens": int, "draft_model": str, "draft_quantize_bits": int,
+    "draft_cost_per_token": float,
 }
 
 
@@ -47,6 +49,20 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="GiB for contiguous decode-batch contexts kept between steps (default: as large as "
                         "the KV pool; 0 disables)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix-cache reuse")
+    p.add_argument("--speculative-method", default=None, choices=["prompt_lookup", "draft_model"],
+                   help="speculative decoding for requests that do not choose (default: off; a request turns it "
+                        'on with "speculative": {"method": ..., "num_draft_tokens": k})')
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help=f"most draft tokens per sequence per step (default {d.num_draft_tokens}; each sequence "
+                        "adapts below it to its acceptance rate)")
+    p.add_argument("--draft-model", default=None,
+                   help="draft model for speculative decoding (same forms as --model; it must share the "
+                        "target's tokenizer; default with --speculative-method draft_model: a 4-bit copy of the target)")
+    p.add_argument("--draft-quantize-bits", type=int, default=None, choices=[4, 8],
+                   help="quantize the draft model's weights (default: as loaded; 4 for a copy of the target)")
+    p.add_argument("--draft-cost-per-token", type=float, default=None,
+                   help="a draft token's cost relative to a decode step, for the adaptive draft length "
+                        "(default: measured at load)")
 
 
 def _topology(args: argparse.Namespace):
@@ -144,6 +160,12 @@ def cmd_bench(argv: Sequence[str]) -> int:
     from benchmarks.cli import main as bench_main  # lazy: cluster imports no sibling at module level
 
     return bench_main(list(argv))
+
+
+def cmd_profile(argv: Sequence[str]) -> int:
+    from benchmarks.profile_cli import main as profile_main  # lazy: cluster imports no sibling at module level
+
+    return profile_main(list(argv))
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
@@ -264,6 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--api-key", default=os.environ.get("MLX_PD_API_KEY"),
                         help="require `Authorization: Bearer KEY` (default: $MLX_PD_API_KEY, else open)")
     sub.add_parser("bench", help="load-test OpenAI endpoints (see `mlx-pd bench --help`)", add_help=False)
+    sub.add_parser("profile", help="prefill fit, decode speed, MFU/MBU and KV capacity of this machine "
+                                   "(see `mlx-pd profile --help`)", add_help=False)
     keys = sub.add_parser("keys", help="create CurveZMQ keys that encrypt and authenticate cluster sockets")
     keys.add_argument("dir", help="folder for the keys (created with mode 0700)")
     keys.add_argument("--force", action="store_true", help="replace keys already in DIR")
@@ -279,6 +303,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         reexec_with_openblas()
     if argv[:1] == ["bench"]:
         return cmd_bench(argv[1:])
+    if argv[:1] == ["profile"]:
+        return cmd_profile(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
