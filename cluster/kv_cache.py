@@ -19,8 +19,9 @@ One engine step runs a batch of B sequences, each with T_b new tokens (padded to
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import mlx.core as mx
 import numpy as np
@@ -108,36 +109,84 @@ class KVStore:
                 (kv[layer] if isinstance(kv[layer], tuple) else (kv[layer],))]
 
     def _block_views(self, layer: int) -> list[np.ndarray]:
-        """Writable NumPy views of the layer's (evaluated) pool arrays, `array_names` order, shaped
+        """Writable NumPy views of the layer's pool arrays, `array_names` order, shaped
         [num_blocks, block_size, kv_heads, d]; bfloat16 as uint16. Zero-copy: a write lands in the MLX array.
         Only the pool's owner thread may use them, between engine steps (no step is building a graph then),
-        and only on blocks no running sequence reads (reserved for a transfer)."""
-        leaves = [a.view(mx.uint16) if a.dtype == mx.bfloat16 else a for a in self._leaves(layer)]
-        mx.eval(leaves)
-        return [np.array(a, copy=False).reshape(self.num_blocks, self.block_size, *a.shape[1:]) for a in leaves]
+        and only on blocks no running sequence reads (reserved for a transfer). Keep them transient: a view
+        holds its MLX array (and buffer) alive, so one kept across steps would stop MLX reusing that memory.
+
+        The views come straight from the arrays' buffer protocol (`np.frombuffer`, ~1 us each), which also
+        evaluates a lazy array; no MLX op is built (an `a.view(mx.uint16)` per bfloat16 array costs a graph
+        evaluation each, ~8 us idle and milliseconds when the CPU is contended)."""
+        shape = (self.num_blocks, self.block_size)
+        out = []
+        for a in self._leaves(layer):
+            view = np.frombuffer(a, dtype=_NUMPY_DTYPES[a.dtype])
+            if view.size != a.size:  # pool arrays are always row-contiguous; never read a strided buffer as flat
+                raise ValueError(f"pool array of shape {a.shape} exports {view.size} elements, expected {a.size}")
+            out.append(view.reshape(*shape, *a.shape[1:]))
+        return out
+
+    def _evaluate(self, layers: range) -> None:
+        """One `mx.eval` over the layers' pool arrays (a few us when they are already evaluated, as between
+        steps), so `_block_views` never evaluates them one at a time."""
+        mx.eval([a for layer in layers for a in self._leaves(layer)])
+
+    def _block_ids(self, block_ids: Sequence[int]) -> np.ndarray:
+        """`block_ids` as an index array, checked to lie in the pool (read_blocks indexes with mode="clip")."""
+        ids = np.asarray(block_ids, dtype=np.intp).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
+            raise IndexError(f"block ids {block_ids!r} are outside the pool of {self.num_blocks} blocks")
+        return ids
 
     def read_blocks(self, block_ids: Sequence[int], layers: range) -> list[np.ndarray]:
         """Copies of the blocks' K/V, one array per `array_names` entry, shaped as in `block_array_specs`
-        (bfloat16 as uint16 words). One memcpy per block and layer (blocks are contiguous slot ranges).
-        Slots beyond a partial block's tokens hold whatever was there (never read)."""
-        ids = np.asarray(block_ids, dtype=np.intp)
+        (bfloat16 as uint16 words). One `np.take` per array and layer: a memcpy per block (blocks are
+        contiguous slot ranges). Slots beyond a partial block's tokens hold whatever was there (never read)."""
+        ids = self._block_ids(block_ids)
+        self._evaluate(layers)
         per_layer = [self._block_views(layer) for layer in layers]
         out = []
         for i in range(len(self.array_names)):
             first = per_layer[0][i]
-            buf = np.empty((len(per_layer), len(ids)) + first.shape[1:], first.dtype)
+            shape = (len(per_layer), len(ids)) + first.shape[1:]
+            piece = first[0].nbytes
+            shifts = _alias_shifts(ids, piece)
+            if shifts:  # place the buffer so that no block copy 4K-aliases (see _alias_shifts)
+                srcs, layer_bytes = [_address(views[i]) for views in per_layer], len(ids) * piece
+                buf = _placed_empty(shape, first.dtype, lambda b: any(
+                    _aliases(b + j * layer_bytes - src, shifts, -1) for j, src in enumerate(srcs)))
+            else:
+                buf = np.empty(shape, first.dtype)
             for j, views in enumerate(per_layer):
-                np.take(views[i], ids, axis=0, out=buf[j])
+                # mode="clip" (ids are checked above): with the default "raise" NumPy takes into a temporary
+                # and copies that into `out`, two copies instead of one (2.7x slower, measured)
+                np.take(views[i], ids, axis=0, out=buf[j], mode="clip")
             out.append(buf.reshape(len(per_layer), len(ids) * self.block_size, *first.shape[2:]))
         return out
 
     def write_blocks(self, block_ids: Sequence[int], layers: range, arrays: Sequence[np.ndarray]) -> None:
         """Store `arrays` (as `read_blocks` returns them) into the blocks `block_ids` of `layers`, in place
-        (see `_block_views` for who may call this and when)."""
-        ids = np.asarray(block_ids, dtype=np.intp)
+        (see `_block_views` for who may call this and when). One fancy assignment (a memcpy per block) per
+        array and layer. A layer whose block copies would 4K-alias (see `_alias_shifts`) goes through a bounce
+        buffer placed so that neither copy does: one more copy of that layer, in cache, instead of block
+        copies ~10x slower."""
+        ids = self._block_ids(block_ids)
+        self._evaluate(layers)
+        shifts = {}
         for j, layer in enumerate(layers):
             for view, arr in zip(self._block_views(layer), arrays):
-                view[ids] = arr[j].reshape(len(ids), *view.shape[1:])
+                src, piece = arr[j].reshape(len(ids), *view.shape[1:]), view[0].nbytes
+                if piece not in shifts:
+                    shifts[piece] = _alias_shifts(ids, piece)
+                if shifts[piece]:
+                    dst, at = _address(view), _address(src)
+                    if _aliases(dst - at, shifts[piece], 1):
+                        bounce = _placed_empty(src.shape, src.dtype, lambda b: _aliases(b - at, (0,), 1)
+                                               or _aliases(dst - b, shifts[piece], 1))
+                        np.copyto(bounce, src)
+                        src = bounce
+                view[ids] = src
 
     def views(self, batch: "BatchLayout") -> list["LayerCacheView"]:
         """One mlx-lm cache object per layer for this step's batch."""
@@ -290,6 +339,44 @@ class DequantizingLayerCacheView(LayerCacheView):
             else:
                 out.append(gather(None, self.batch.gather_slots))
         return tuple(out)
+
+
+# MLX dtype -> the NumPy dtype of its pool's views and wire frames (NumPy has no bfloat16: its raw words)
+_NUMPY_DTYPES = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16, mx.uint32: np.uint32}
+
+# 4K aliasing: glibc's memcpy copies a piece of more than 2 KiB about 10x slower on some x86 CPUs when
+# (dst - src) mod 4096 is in [1, 15] (measured on this project's AMD EPYC VM, glibc 2.36; 16..63 cost up to
+# 1.3x): a load then looks as if it depended on a store just made to the same page offset. Block copies are one
+# memcpy per block; in one (layer, array), block k of the message and block ids[k] of the pool are at
+# (dst - src) of the first pair plus (ids[k] - k) * piece, so a handful of shifts covers every block.
+_PAGE, _ALIAS_WINDOW, _SMALL_COPY = 4096, 64, 2048
+
+
+def _alias_shifts(ids: np.ndarray, piece: int) -> tuple[int, ...]:
+    """The distinct (ids[k] - k) * piece mod 4096; () when pieces are too small to 4K-alias."""
+    if piece <= _SMALL_COPY or not ids.size:
+        return ()
+    return tuple(np.unique((ids - np.arange(ids.size)) * piece % _PAGE).tolist())
+
+
+def _aliases(delta: int, shifts: Sequence[int], sign: int) -> bool:
+    """Whether some block copy lands at (delta + sign * shift) mod 4096 in [1, 63]: delta = dst - src of the
+    first pair, sign 1 when the pool is the destination (write), -1 when it is the source (read)."""
+    return any(0 < (delta + sign * s) % _PAGE < _ALIAS_WINDOW for s in shifts)
+
+
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def _placed_empty(shape: tuple, dtype, bad: Callable[[int], bool]) -> np.ndarray:
+    """An uninitialized C-contiguous array at the first of 64 offsets (multiples of 64 bytes into one page of
+    slack) whose address `bad` does not reject; offset 0 if `bad` rejects them all."""
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + _PAGE, np.uint8)
+    base = _address(raw)
+    shift = next((s for s in range(0, _PAGE, _ALIAS_WINDOW) if not bad(base + s)), 0)
+    return raw[shift:shift + nbytes].view(dtype).reshape(shape)
 
 
 def _flatten_new(x: mx.array) -> mx.array:

@@ -120,3 +120,56 @@ def test_cli_runs_end_to_end_on_a_tiny_config(tmp_path, monkeypatch, capsys):
     printed = capsys.readouterr().out
     assert "| float32 |" in printed and "Projection: Llama-3.1-8B" in printed
     assert "| --- |" in printed  # Markdown tables
+
+
+def test_rounds_past_nine_keep_the_replayed_frames():
+    # request ids are fixed-width, so the 11th round's headers are the size of the first's
+    out = ship_format(TINY, dtype="float32", kv_bits=None, group_size=64, tokens=64, rounds=10, raw=False)
+    assert len(out["seconds"]["mlx-pd"]) == 10
+
+
+# --- the copies the benchmark measures (KVStore.read_blocks / write_blocks) ------------------------------
+
+
+def _placed(a, address_mod_4096):
+    """A copy of NumPy array `a` whose data starts at `address_mod_4096` modulo 4096 (as a ZeroMQ frame might)."""
+    import numpy as np
+
+    raw = np.empty(a.nbytes + 8192, np.uint8)
+    start = (address_mod_4096 - raw.ctypes.data) % 4096
+    out = raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+@pytest.mark.parametrize("dtype,bits,group", [("float32", None, 64), ("bfloat16", None, 64), ("bfloat16", 8, 64),
+                                              ("bfloat16", 4, 32)])
+def test_block_copies_survive_4k_aliased_frames(dtype, bits, group):
+    """Frames placed 8 bytes below the receiver's pool arrays modulo 4096 (the 4K-aliasing case that makes
+    memcpy ~10x slower on some x86 CPUs) go through the bounce buffer and still land bit-exact, in any block
+    order; the sender's buffers are placed off that window."""
+    import numpy as np
+
+    from cluster import kv_cache
+    from cluster.kv_cache import KVStore
+
+    spec = ModelSpec("t", "r", num_layers=3, num_heads=16, num_kv_heads=16, head_dim=64, vocab_size=100,
+                     max_model_len=4096, eos_token_ids=(1,))  # 16 heads: blocks of 32 KiB / 64 KiB, over 2 KiB
+    src = transfer_bench._filled_store(spec, 12, 32, dtype, bits, group)
+    ids = [3, 9, 1, 4, 10]
+    arrays = src.read_blocks(ids, range(3))
+    views = [src._block_views(layer) for layer in range(3)]
+    for i, a in enumerate(arrays):  # the sender's buffer: no block copy in its 4K-aliasing window
+        shifts = kv_cache._alias_shifts(np.asarray(ids), views[0][i][0].nbytes)
+        assert not any(kv_cache._aliases(a[j].ctypes.data - views[j][i].ctypes.data, shifts, -1) for j in range(3))
+        for j in range(3):
+            assert np.array_equal(a[j].reshape(len(ids), *views[j][i].shape[1:]), views[j][i][ids])
+    dst = KVStore(spec, 12, 32, dtype, bits, group)
+    targets = [7, 2, 11, 5, 6]
+    pool = dst._block_views(0)[0].ctypes.data % 4096
+    frames = [_placed(a, pool - 8) for a in arrays]
+    assert frames[0][0].ctypes.data % 4096 == (pool - 8) % 4096
+    dst.write_blocks(targets, range(3), frames)
+    assert all(np.array_equal(x, y) for x, y in zip(dst.read_blocks(targets, range(3)), arrays))
+    with pytest.raises(IndexError):
+        src.read_blocks([12], range(3))  # outside the pool: read_blocks indexes with mode="clip"
