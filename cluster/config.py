@@ -131,7 +131,8 @@ class TransferConfig:
       On expiry both sides free their blocks and report an error. A prefill chunk must compute within it, so
       on slow machines (MLX's CPU backend: ~50 prompt tokens/s for a 135M model) use smaller chunks or more time.
     - `reserve_timeout_s`: how long a sender keeps retrying a receiver that answers "busy" (no free blocks);
-      None = `timeout_s`.
+      None = `timeout_s` for a bare KVSender, and the engine's `queue_timeout_s` (if longer) in a prefill
+      worker, since a request waiting for decode capacity is queued, not stuck.
     - `max_blocks_per_message`: blocks per `blocks` message at most (one 2048-token chunk is 64 blocks of 32).
     - `layers_per_message`: None sends all layers of a block batch in one message; a number splits it by
       layers (smaller frames, earlier first bytes on slow links).

@@ -15,6 +15,7 @@ decode worker's ack, or on refusal, abort or deadline; full blocks stay in the p
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Optional
@@ -39,7 +40,11 @@ class PrefillWorker(Worker):
     def _setup(self) -> Optional[str]:
         self.engine.handoff = self._handoff
         fmt = KVFormat.of(self.engine.spec, self.spec.engine)
-        self.sender = KVSender(fmt, self.engine.store, config=self.topology.transfer, keys=self.keys, ctx=self.ctx,
+        transfer = self.topology.transfer
+        if transfer.reserve_timeout_s is None:  # a full decode worker is a queue: wait as long as a queued request
+            transfer = dataclasses.replace(transfer, reserve_timeout_s=max(transfer.timeout_s,
+                                                                           self.spec.engine.queue_timeout_s))
+        self.sender = KVSender(fmt, self.engine.store, config=transfer, keys=self.keys, ctx=self.ctx,
                                metrics=TransferMetrics("send", self.registry))
         self.handed_off: dict[str, Sequence] = {}
         self.ttft: list[float] = []
