@@ -65,23 +65,9 @@ def pinned(argv: list[str], cpus: Sequence[int]) -> list[str]:
 
 def probe_worker(endpoint: str, timeout_s: float = 2.0) -> Optional[dict]:
     """A worker's stats from one Ping on its control socket (what the router sees), or None if no answer."""
-    import zmq
+    from cluster.worker import probe_worker as ping
 
-    from cluster.protocol import PROTOCOL_VERSION, TO_ROUTER, Ping, Pong, pack, unpack
-
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.linger = 0
-    try:
-        sock.connect(endpoint)
-        sock.send(pack(Ping(seq=1)))
-        deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0 and sock.poll(int(left * 1000)):
-            msg = unpack(sock.recv_multipart()[0], TO_ROUTER, PROTOCOL_VERSION)
-            if isinstance(msg, Pong):
-                return msg.stats
-        return None
-    finally:
-        sock.close()
+    return ping(endpoint, None, timeout_s)
 
 
 def _env() -> dict:

@@ -164,24 +164,9 @@ class ReliabilityCluster:
 
     def probe(self, name: str, timeout_s: float = 3.0, keys="default") -> Optional[dict]:
         """The worker's stats from one Ping on its control socket (None: no answer within `timeout_s`)."""
-        import zmq
+        from cluster.worker import probe_worker
 
-        from cluster.protocol import PROTOCOL_VERSION, TO_ROUTER, Ping, Pong, pack, unpack
-        from cluster.transport import client_socket
-
-        ctx = zmq.Context()
-        sock = client_socket(ctx, zmq.DEALER, self.endpoint(name, "control"), self.keys if keys == "default" else keys)
-        try:
-            sock.send(pack(Ping(seq=1)))
-            deadline = time.monotonic() + timeout_s
-            while (left := deadline - time.monotonic()) > 0 and sock.poll(int(left * 1000)):
-                msg = unpack(sock.recv_multipart()[0], TO_ROUTER, PROTOCOL_VERSION)
-                if isinstance(msg, Pong):
-                    return msg.stats
-            return None
-        finally:
-            sock.close(linger=0)
-            ctx.destroy(linger=0)
+        return probe_worker(self.endpoint(name, "control"), self.keys if keys == "default" else keys, timeout_s)
 
     def wait_worker(self, name: str, deadline_s: float) -> None:
         t0, proc = time.monotonic(), self.procs[name]
