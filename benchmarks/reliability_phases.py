@@ -15,6 +15,8 @@ import httpx
 
 from benchmarks.reliability_cluster import ReliabilityCluster
 
+MODEL = "SmolLM2-135M-Instruct"
+
 
 # -- 1. API fuzz ---------------------------------------------------------------------------------------------
 
@@ -29,8 +31,38 @@ def _cap_case(case) -> None:
                 body[key] = cap
 
 
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _repair(case) -> None:
+    """Make a positive case the router accepts: the served model, known roles, a non-empty message list. The
+    published schema is looser than the router's validation (any role string, an empty message list), so most
+    generated "valid" chats are answered 400 before they reach the engine; repaired, every sampling field
+    schemathesis generated (temperature, logit_bias, stop, seed, penalties, ...) reaches the real engine."""
+    body = getattr(case, "body", None)
+    if not isinstance(body, dict):
+        return
+    if "model" in body:
+        body["model"] = MODEL
+    if "messages" in body:
+        msgs = [m for m in body["messages"] if isinstance(m, dict)] if isinstance(body["messages"], list) else []
+        for m in msgs:
+            if m.get("role") not in _ROLES:
+                m["role"] = "user"
+            if not isinstance(m.get("content"), (str, list)) or not m.get("content"):
+                m["content"] = "Hello"
+        body["messages"] = msgs or [{"role": "user", "content": "Hello"}]
+    if "prompt" in body and not body["prompt"]:
+        body["prompt"] = "Hello"
+
+
+def _first_field(message: str) -> str:
+    return message.split(":", 1)[0][:60]
+
+
 def api_fuzz(c: ReliabilityCluster, examples: int, log: Callable[[str], None], seed: int = 0) -> dict:
-    """schemathesis over every operation of the router's published schema, positive and negative data."""
+    """schemathesis over every operation of the router's published schema: positive data, negative data, and
+    positive data repaired to pass the router's stricter validation (see `_repair`)."""
     import schemathesis
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis.errors import Unsatisfiable
@@ -43,27 +75,36 @@ def api_fuzz(c: ReliabilityCluster, examples: int, log: Callable[[str], None], s
     schema = schemathesis.openapi.from_url(c.router_url + "/openapi.json", headers=headers, timeout=30)
     ops: dict[str, dict] = {}
     modes: Counter = Counter()
+    rejected_valid: Counter = Counter()
     bad: list[str] = []
     t0 = time.monotonic()
     for result in schema.get_all_operations():
         op = result.ok()
         stats = ops.setdefault(op.label, {"requests": 0, "server_errors": 0, "violations": 0, "statuses": Counter()})
-        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-            def make(op=op, stats=stats, mode=mode):
-                @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+        for label, mode in (("positive", GenerationMode.POSITIVE), ("negative", GenerationMode.NEGATIVE),
+                            ("repaired", GenerationMode.POSITIVE)):
+            def make(op=op, stats=stats, mode=mode, label=label):
+                @settings(max_examples=examples, deadline=None, database=None, derandomize=label != "repaired",
                           phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
                 @given(case=op.as_strategy(generation_mode=mode))
                 def one(case):
+                    if label == "repaired":
+                        _repair(case)
                     _cap_case(case)
                     stats["requests"] += 1
-                    modes[mode.value] += 1
+                    modes[label] += 1
                     try:
                         response = case.call(base_url=c.router_url, headers=headers, timeout=180)
                     except Exception as exc:  # a connection the server dropped counts as a server error
                         stats["server_errors"] += 1
-                        bad.append(f"{op.label} ({mode.value}): {type(exc).__name__}: {exc}"[:300])
+                        bad.append(f"{op.label} ({label}): {type(exc).__name__}: {exc}"[:300])
                         return
                     stats["statuses"][str(response.status_code)] += 1
+                    if label == "positive" and response.status_code == 400:  # valid by the schema, refused
+                        try:
+                            rejected_valid[_first_field(response.json()["error"]["message"])] += 1
+                        except Exception:
+                            rejected_valid["?"] += 1
                     if response.status_code >= 500:
                         stats["server_errors"] += 1
                     try:
@@ -72,12 +113,12 @@ def api_fuzz(c: ReliabilityCluster, examples: int, log: Callable[[str], None], s
                         stats["violations"] += 1
                         if len(bad) < 20:
                             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                            bad.append(f"{op.label} ({mode.value}) -> {response.status_code}: {first}"[:300])
+                            bad.append(f"{op.label} ({label}) -> {response.status_code}: {first}"[:300])
                 return one
             try:
                 make()()
             except Unsatisfiable:  # e.g. no negative data exists for an operation without inputs
-                stats.setdefault("not_applicable", []).append(mode.value)
+                stats.setdefault("not_applicable", []).append(label)
         log(f"  {op.label}: {stats['requests']} requests, statuses {dict(stats['statuses'])}, "
             f"violations {stats['violations']}")
     health = httpx.get(c.router_url + "/health", timeout=30).status_code
@@ -90,6 +131,8 @@ def api_fuzz(c: ReliabilityCluster, examples: int, log: Callable[[str], None], s
             "server_errors": sum(s["server_errors"] for s in ops.values()),
             "violations": sum(s["violations"] for s in ops.values()), "statuses": dict(sorted(statuses.items())),
             "examples_per_operation_and_mode": examples, "violation_examples": bad, "healthy_after": health == 200,
+            "positive_rejected_400": sum(rejected_valid.values()),
+            "positive_rejected_fields": dict(rejected_valid.most_common(8)),
             "duration_s": time.monotonic() - t0}
 
 

@@ -123,6 +123,19 @@ def failures(result: dict) -> list[str]:
     return out
 
 
+def warnings(result: dict) -> list[str]:
+    """What is worth a look without breaking a rule: RSS over 1.2x its warm value, greedy answers that
+    differed only under batching (equal when sent alone)."""
+    p, out = result.get("phases", {}), []
+    for name in _get(p, "baseline", "rss_over_1_2x", default=[]):
+        out.append(f"RSS of {name} {p['baseline']['rss'][name]['ratio']:.2f}x its warm value")
+    for phase in [p.get("soak", {}), *p.get("faults", {}).values()]:
+        n = _get(phase, "totals", "mismatch_batch_only")
+        if n:
+            out.append(f"{n} greedy answers differed from the reference under load but equalled it alone")
+    return out
+
+
 # -- Markdown ------------------------------------------------------------------------------------------------
 
 def _table(head: Iterable[str], rows: Iterable[Iterable]) -> str:
@@ -152,10 +165,11 @@ def summary_rows(result: dict) -> list[list]:
     if "api_fuzz" in p:
         a = p["api_fuzz"]
         rows.append(["1 API fuzz", f"{a['requests']} generated requests over {len(a.get('operations', {}))} "
-                     f"operations (positive {a.get('modes', {}).get('positive', 0)}, negative "
-                     f"{a.get('modes', {}).get('negative', 0)})", "-", "-", 0,
+                     f"operations ({_kinds(a.get('modes', {}))})", "-", "-", 0,
                      f"5xx {a['server_errors']}, schema violations {a['violations']}, statuses "
-                     f"{_kinds(a.get('statuses', {}))}; /health after: {'200' if a.get('healthy_after') else 'NOT 200'}"])
+                     f"{_kinds(a.get('statuses', {}))}; /health after: {'200' if a.get('healthy_after') else 'NOT 200'}"
+                     + (f"; schema-valid requests answered 400: {a['positive_rejected_400']} (fields: "
+                        f"{_kinds(a.get('positive_rejected_fields', {}))})" if a.get("positive_rejected_400") else "")])
     if "access" in p:
         a = p["access"]
         rows.append(["2 access", f"{_get(a, 'http', 'unauthorized_expected')} HTTP requests with no/wrong key; "
@@ -214,7 +228,8 @@ def render_markdown(result: dict) -> str:
     fails = failures(result)
     out = [f"Run: `{result.get('command', 'mlx-pd bench reliability')}` on {result.get('machine', '?')}, "
            f"{result.get('started', '?')}, {result.get('duration_s', 0) / 60:.1f} min. "
-           f"Verdict: **{'every rule held' if not fails else 'FAILED: ' + '; '.join(fails)}**.", ""]
+           f"Verdict: **{'every rule held' if not fails else 'FAILED: ' + '; '.join(fails)}**"
+           + (f" (to look at: {'; '.join(warnings(result))})" if warnings(result) else "") + ".", ""]
     if result.get("notes"):
         out += [f"- {n}" for n in result["notes"]] + [""]
     out += [_table(["phase", "inputs tried", "faults injected", "load held", "lost", "outcome"], summary_rows(result)),

@@ -29,6 +29,7 @@ from typing import Optional
 from benchmarks.compare import REPO_ROOT, machine_info
 from benchmarks.loadgen import WorkloadConfig, run_load
 from benchmarks.prefix_bench import prom_counters
+from benchmarks.report import write_json
 from benchmarks.servers import ServerProcess, free_port, mlx_pd_command
 from benchmarks.stats import merge_rounds
 
@@ -202,6 +203,8 @@ def run(args, log=None) -> dict:
             result["draft"]["cost_per_token"] = float(costs[-1])
         for c in levels:
             result["levels"].append(asyncio.run(_level(server.url, modes, c, args, log)))
+            if args.out:  # what is done survives an interrupted run
+                write_json(result, args.out)
     result["machine"]["loadavg_end"] = os.getloadavg()
     result["errors"] = sum(s["errors"] for level in result["levels"] for s in level["modes"].values())
     return result

@@ -159,6 +159,7 @@ def _result(**phases) -> dict:
                      "rss_before_mib": 9},
         "baseline": {"workers": {"decode-0": {"kv_blocks_free": 5, "kv_blocks_total": 5}}, "at_baseline": ["decode-0"],
                      "not_at_baseline": [], "rss": {"decode-0": {"warm_mib": 100, "end_mib": 130, "ratio": 1.3}},
+                     "rss_over_1_2x": ["decode-0"],
                      "max_rss_ratio": 1.3},
     }
     for name, patch in phases.items():
@@ -188,6 +189,7 @@ def test_render_markdown_and_markers():
     assert [r[0] for r in rows] == ["1 API fuzz", "2 access", "3 wire fuzz", "4 soak", "5 fault: kill",
                                     "5 fault: lost messages", "6 overload", "7 baseline"]
     assert "1.30x (over 1.2x)" in md and "offer_wrong_format" in md
+    assert "to look at: RSS of decode-0 1.30x" in md
     assert "| chat | 8 | 2 | 0 | 1.2 | 3.0 |" in md and "| 10 | 104 |" in md
     assert "FAILED" in render_markdown(_result(soak={"totals": {"lost": 2}}))
     doc = "# Reliability\n\nintro\n"
