@@ -67,6 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _abandoned_deadline_s() -> float:
+    """Seconds until a worker lets go of what a fuzzing peer abandoned: a decode worker waits for a transfer to
+    start up to the engine's queue deadline plus the transfer deadline (decode_node/worker.py), a prefill
+    worker retries an offer to a receiver that never answers as long (its reserve deadline)."""
+    from benchmarks.reliability_cluster import ENGINE, TRANSFER
+    from cluster.config import EngineConfig
+
+    return ENGINE.get("queue_timeout_s", EngineConfig.queue_timeout_s) + TRANSFER["timeout_s"]
+
+
 def _log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -160,7 +170,7 @@ def run_reliability(args: argparse.Namespace) -> dict:
             _phase(phases, "overload", lambda: asyncio.run(so.overload(c, args.burst, _log)))
         if "baseline" not in skip:
             _log("phase 7: baseline")
-            _phase(phases, "baseline", lambda: ph.baseline(c, rss_warm, TRANSFER["timeout_s"] + 30, _log))
+            _phase(phases, "baseline", lambda: ph.baseline(c, rss_warm, _abandoned_deadline_s() + 30, _log))
         if "access" in phases:  # logs are complete now: scan them again
             phases["access"].update(_phase({}, "scan", lambda: acc.scan_secrets(c)))
     result["duration_s"] = time.monotonic() - t_start

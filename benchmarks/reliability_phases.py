@@ -21,14 +21,17 @@ MODEL = "SmolLM2-135M-Instruct"
 # -- 1. API fuzz ---------------------------------------------------------------------------------------------
 
 def _cap_case(case) -> None:
-    """Keep generated requests cheap on a CPU: max_tokens <= 8, n <= 2 (other values, invalid ones included,
-    are sent as generated)."""
+    """Keep generated requests cheap on a CPU: max_tokens <= 8 (8 when absent, which would otherwise mean "up
+    to the context limit"), n <= 2. Every other value, invalid ones included, is sent as generated."""
     body = getattr(case, "body", None)
     if isinstance(body, dict):
         for key, cap in (("max_tokens", 8), ("max_completion_tokens", 8), ("n", 2), ("best_of", 2)):
             v = body.get(key)
             if isinstance(v, int) and not isinstance(v, bool) and v > cap:
                 body[key] = cap
+        if ("messages" in body or "prompt" in body) and body.get("max_tokens") is None \
+                and body.get("max_completion_tokens") is None:
+            body["max_tokens"] = 8
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -138,7 +141,8 @@ def api_fuzz(c: ReliabilityCluster, examples: int, log: Callable[[str], None], s
 
 # -- 7. baseline ---------------------------------------------------------------------------------------------
 
-_BUSY_KEYS = ("num_running", "num_waiting", "transfers_inflight", "awaiting_kv", "orphans", "requests", "handed_off")
+_BUSY_KEYS = ("num_running", "num_waiting", "transfers_inflight", "transfers_pending", "awaiting_kv", "orphans",
+              "requests", "handed_off")
 
 
 def at_baseline(stats: Optional[dict]) -> bool:

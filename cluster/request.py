@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -106,6 +107,10 @@ class SamplingParams:
             raise bad("stop", self.stop, "stop strings must be non-empty strings")
         if len(self.stop) > 16:
             raise bad("stop", len(self.stop), "at most 16 stop strings")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", self.stop_token_ids, "must be token ids >= 0")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", self.ignore_eos, "must be true or false")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", self.seed, "must be an integer or null")
         if self.speculative_method is not None and self.speculative_method not in SPECULATIVE_METHODS:
@@ -144,10 +149,16 @@ class GenerateRequest:
     arrival_time: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.request_id:
+        if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError("request_id must be a non-empty string")
         if len(self.prompt_token_ids) == 0:
             raise ValueError("the prompt is empty: send at least one token")
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in self.prompt_token_ids):
+            raise ValueError("prompt_token_ids must be integers")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise ValueError("cache_salt must be a string or null")
+        if not isinstance(self.arrival_time, (int, float)) or isinstance(self.arrival_time, bool):
+            raise ValueError("arrival_time must be a number (seconds since the epoch)")
 
 
 @dataclass(frozen=True)

@@ -198,6 +198,10 @@ class Worker:
                 self._reject(request.request_id, str(exc), 400)
             except EngineError as exc:
                 self._reject(request.request_id, str(exc), 503, exc.retry_after)
+            except Exception as exc:  # a bug: answer (the request must not hang) and keep serving
+                logger.exception("%s: generate %s failed", self.spec.actor_name, request.request_id)
+                self._guard(self._on_abort, request.request_id)  # whatever it started is let go
+                self._reject(request.request_id, f"internal error in the worker: {type(exc).__name__}: {exc}", 500)
         elif isinstance(msg, AbortRequest):
             if self.routes.pop(msg.request_id, None) is not None:
                 self._on_abort(msg.request_id)

@@ -9,8 +9,10 @@ A request reaches the decode worker in one of two ways (the router decides):
 - local: the prompt's uncached part is short (conditional disaggregation), so the decode worker prefills it
   itself with the ordinary engine path; no KV moves.
 
-Pairing state is bounded: a request waiting for its KV holds no blocks; a completed transfer whose request
-has not arrived (or was aborted) holds its blocks for at most the transfer deadline, then frees them.
+Pairing state is bounded: a request waiting for its KV holds no blocks, and fails once no transfer for it
+has started within `queue_timeout_s + [transfer] timeout_s` (the prefill worker offers when it starts
+computing, after at most its queue deadline); a completed transfer whose request has not arrived (or was
+aborted) holds its blocks for at most the transfer deadline, then frees them.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ class DecodeWorker(Worker):
         self.receiver = KVReceiver(fmt, e.pool, e.store, max_prompt_len=e.max_model_len, config=self.topology.transfer,
                                    host=self.spec.host, port=self.spec.kv_port, keys=self.keys, ctx=self.ctx,
                                    metrics=TransferMetrics("receive", self.registry))
-        self.awaiting: dict[str, GenerateRequest] = {}  # prefilled requests whose KV has not arrived
+        self.awaiting: dict[str, tuple[GenerateRequest, float]] = {}  # prefilled requests whose KV has not
+        # arrived, with the deadline for their transfer to start
         self.orphans: dict[str, tuple[ReceivedSequence, float]] = {}  # KV whose request has not arrived
         return self.receiver.endpoint
 
@@ -65,7 +68,8 @@ class DecodeWorker(Worker):
         if orphan is not None:
             self._admit(request, orphan[0])
         else:
-            self.awaiting[request.request_id] = request
+            wait_s = self.spec.engine.queue_timeout_s + self.topology.transfer.timeout_s
+            self.awaiting[request.request_id] = (request, time.monotonic() + wait_s)
 
     def _on_abort(self, request_id: str) -> None:
         self.awaiting.pop(request_id, None)
@@ -90,9 +94,9 @@ class DecodeWorker(Worker):
     def _poll_transfers(self) -> None:
         for ev in self.receiver.poll(0.0):
             if isinstance(ev, ReceivedSequence):
-                request = self.awaiting.pop(ev.request_id, None)
-                if request is not None:
-                    self._admit(request, ev)
+                entry = self.awaiting.pop(ev.request_id, None)
+                if entry is not None:
+                    self._admit(entry[0], ev)
                 else:
                     self.orphans[ev.request_id] = (ev, time.monotonic() + self.topology.transfer.timeout_s)
             elif isinstance(ev, TransferFailed) and ev.request_id in self.awaiting:
@@ -105,6 +109,13 @@ class DecodeWorker(Worker):
         now = time.monotonic()
         for rid in [rid for rid, (_, deadline) in self.orphans.items() if deadline < now]:
             self.engine.pool.free(self.orphans.pop(rid)[0].block_table)
+        for rid in [rid for rid, (_, deadline) in self.awaiting.items()
+                    if deadline < now and rid not in self.receiver.live]:
+            del self.awaiting[rid]
+            self.emit(RequestOutput(rid, finish_reason=FinishReason.ERROR,
+                                    error="the KV transfer from the prefill worker never started (waited "
+                                          f"{self.spec.engine.queue_timeout_s + self.topology.transfer.timeout_s:g} s); "
+                                          "retry the request"))
 
     def _role_stats(self) -> dict:
         m = self.receiver.metrics

@@ -1,9 +1,11 @@
 """PrefillWorker: chunked prefill with its own prefix cache, shipping KV blocks while it computes.
 
 For each request the router names a decode worker (`decode_endpoint`, its KV socket). The worker offers the
-transfer at once (the handshake overlaps the first chunk), runs the prompt through the shared engine in
-`prefill_chunk_size` chunks, and after every step tells the sender how far each prompt is computed, so the
-blocks that filled up go out while the next chunk computes. The step that computes the last chunk samples
+transfer once the engine starts computing the prompt (its first chunk, or the step that hands it over): a
+request queued here holds no blocks on the decode worker and cannot run into the receiver's inactivity
+deadline while it waits (the handshake still overlaps the rest of the computation). It runs the prompt
+through the shared engine in `prefill_chunk_size` chunks, and after every step tells the sender how far each
+prompt is computed, so the blocks that filled up go out while the next chunk computes. The step that computes the last chunk samples
 the first token (with the request's own sampling parameters, stops and logprobs); the engine then hands the
 sequence over (`EngineCore.handoff`): the worker streams that first token to the router (that is the TTFT)
 and `finish`es the transfer; the decode worker continues from the second token. If the first token already
@@ -47,6 +49,7 @@ class PrefillWorker(Worker):
         self.sender = KVSender(fmt, self.engine.store, config=transfer, keys=self.keys, ctx=self.ctx,
                                metrics=TransferMetrics("send", self.registry))
         self.handed_off: dict[str, Sequence] = {}
+        self.pending: dict[str, str] = {}  # request id -> decode KV endpoint, until its computation starts
         self.ttft: list[float] = []
         return None
 
@@ -59,15 +62,23 @@ class PrefillWorker(Worker):
         if out is not None:  # nothing to generate: no transfer either
             self.emit(out)
             return
-        rid = request.request_id
-        self.sender.open(rid, msg.decode_endpoint, request.prompt_token_ids, request.cache_salt,
-                         on_release=lambda: self._release(rid))
+        self.pending[request.request_id] = msg.decode_endpoint
+
+    def _open(self, seq: Sequence) -> None:
+        """Offer `seq`'s transfer if it is still pending (its computation has started)."""
+        endpoint = self.pending.pop(seq.request_id, None)
+        if endpoint is not None:
+            rid = seq.request_id
+            self.sender.open(rid, endpoint, seq.request.prompt_token_ids, seq.request.cache_salt,
+                             on_release=lambda: self._release(rid))
 
     def _on_abort(self, request_id: str) -> None:
+        self.pending.pop(request_id, None)
         if not self.sender.abort(request_id, "the request was aborted"):
             self.engine.abort(request_id)
 
     def _handoff(self, seq: Sequence) -> None:
+        self._open(seq)
         self.handed_off[seq.request_id] = seq
         self.sender.blocks_ready(seq.request_id, seq.block_table, seq.num_computed_tokens)
         self.sender.finish(seq.request_id, seq.token_ids[-1])
@@ -93,10 +104,13 @@ class PrefillWorker(Worker):
 
     def _after_step(self, outputs: list[RequestOutput]) -> None:
         for seq in self.engine.sequences.values():  # progress, also of sequences preempted this step (0)
+            if seq.num_computed_tokens > 0:
+                self._open(seq)
             self.sender.blocks_ready(seq.request_id, seq.block_table, seq.num_computed_tokens)
         for out in outputs:
             self.emit(out)
             if out.finished:  # ended here (first token was the last, or an error): no transfer needed
+                self.pending.pop(out.request_id, None)
                 self.sender.abort(out.request_id, f"the request finished on the prefill worker ({out.finish_reason.value})")
         self._poll_transfers()  # ship what this step made ready while the next one computes
 
@@ -104,6 +118,7 @@ class PrefillWorker(Worker):
         m = self.sender.metrics
         recent = self.ttft[-256:]
         return {"transfers_inflight": len(self.sender.transfers), "handed_off": len(self.handed_off),
+                "transfers_pending": len(self.pending),
                 "kv_bytes_sent": m.value("bytes_total"), "kv_blocks_sent": m.value("blocks_total"),
                 "transfer_timeouts": m.value("timeouts_total"),
                 "ttft_p50_s": sorted(recent)[len(recent) // 2] if recent else None}

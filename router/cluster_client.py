@@ -370,7 +370,7 @@ class ClusterEngineClient:
             w.inflight.discard(rid)
             if stream is None or stream.finished or (w is stream.prefill and stream.first_seen):
                 continue  # a prefill worker that already handed over: the decode worker carries on
-            if w is stream.decode and stream.token_ids and self._migrate(stream):
+            if w is stream.decode and self._migrate(stream):
                 continue
             self._deliver(stream, RequestOutput(rid, finish_reason=FinishReason.ERROR,
                                                 error=f"the {w.spec.role} worker {w.spec.name} stopped "
@@ -378,7 +378,9 @@ class ClusterEngineClient:
 
     def _migrate(self, stream: _Stream) -> bool:
         """Re-run a request whose decode worker died on another live decode worker, from its prompt plus the
-        tokens already streamed (prefilled there locally). False when there is nowhere to go."""
+        tokens already streamed (prefilled there locally; a prefill worker still computing it is told to stop).
+        Nothing streamed yet: the request runs there from the start, prompt logprobs included. False when
+        there is nowhere to go."""
         others = [w for w in self.workers if w.alive and w.spec.role == "decode" and w is not stream.decode]
         if not others:
             return False
@@ -390,9 +392,13 @@ class ClusterEngineClient:
             return False
         request = dataclasses.replace(stream.request, prompt_token_ids=tuple(stream.request.prompt_token_ids)
                                       + tuple(stream.token_ids),
-                                      sampling=dataclasses.replace(sp, max_tokens=left, prompt_logprobs=None))
+                                      sampling=dataclasses.replace(sp, max_tokens=left, prompt_logprobs=None)
+                                      if done else sp)
         logger.warning("migrating %s to %s after %d tokens", request.request_id, target.spec.name, done)
         stream.decode.inflight.discard(request.request_id)
+        if stream.prefill is not None:  # its KV was bound for the dead worker
+            stream.prefill.inflight.discard(request.request_id)
+            self._post(stream.prefill, AbortRequest(request_id=request.request_id))
         stream.decode, stream.prefill, stream.first_seen = target, None, True
         stream.migrated_from = done
         stream.held.clear()

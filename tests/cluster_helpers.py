@@ -4,6 +4,7 @@ router (ClusterEngineClient + the FastAPI app) served by uvicorn on a free port.
 
 from __future__ import annotations
 
+import re
 import time
 from contextlib import contextmanager
 
@@ -18,7 +19,8 @@ def topology_text(prefill: int = 1, decode: int = 1, engine: str = "", routing: 
     lines = ['[model]', 'source = "SmolLM2-135M-Instruct"', 'served_name = "SmolLM2-135M-Instruct"',
              '[engine]', 'dtype = "float32"', 'kv_cache_gb = 0.25', engine,
              '[routing]', 'heartbeat_s = 0.5', 'dead_after_s = 30.0', routing,
-             '[transfer]', 'timeout_s = 20', transfer, '[security]', security]
+             '[transfer]', '' if re.search(r'(?m)^timeout_s', transfer) else 'timeout_s = 20', transfer,
+             '[security]', security]
     for i in range(prefill):
         lines += ['[[workers]]', f'name = "prefill-{i}"', 'role = "prefill"', f'control_port = {free_port()}',
                   f'events_port = {free_port()}', f'metrics_port = {free_port()}']

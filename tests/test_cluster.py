@@ -202,3 +202,55 @@ def test_more_requests_than_the_decode_pool_holds_all_finish_t4():
         assert results == [200] * 10
         assert wait_until(lambda: at_baseline(workers))
         assert workers["decode-0"].stats()["reservations_busy"] > 0
+
+
+def test_requests_queued_at_the_prefill_worker_outlive_the_transfer_deadline():
+    """The reliability soak's failure: long prompts queue at the prefill worker for longer than the KV
+    transfer's inactivity deadline. The prefill worker offers a transfer only when it starts computing the
+    prompt, so a queued request neither holds decode blocks nor times out; every request completes."""
+    with running_cluster(1, 1, engine="prefill_chunk_size = 64", routing=ALL_REMOTE,
+                         transfer="timeout_s = 4") as (base, client, workers):
+        codes, reserved_at_once = [], []
+
+        def one(i):
+            r = httpx.post(base + "/v1/completions", timeout=300, json={
+                "model": MODEL, "prompt": f"Report {i}: " + long_text(700), "max_tokens": 4, "temperature": 0})
+            codes.append(r.status_code)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            reserved_at_once.append(workers["decode-0"].stats()["transfers_inflight"])
+            time.sleep(0.1)
+        assert codes == [200, 200, 200]
+        assert max(reserved_at_once) <= 2  # not all three reserved while two wait in the prefill queue
+        sent = workers["prefill-0"].stats()
+        assert sent["transfer_timeouts"] == 0 and sent["transfers_pending"] == 0
+        assert wait_until(lambda: at_baseline(workers))
+
+
+def test_decode_worker_death_before_any_token_reruns_the_request_elsewhere_t2():
+    """A decode worker dies while the prefill worker is still computing the prompt bound for it (nothing
+    streamed yet): the router stops that prefill and re-runs the request on the other decode worker from
+    the start; the client gets the whole answer, equal to single-node output."""
+    prompt = "Summarize: " + long_text(600)
+    with running_cluster(1, 2, engine="prefill_chunk_size = 64", routing=ALL_REMOTE) as (base, client, workers):
+        result = {}
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+        t = threading.Thread(target=lambda: result.setdefault(
+            "r", httpx.post(base + "/v1/completions", json=body, timeout=300)))
+        t.start()
+        assert wait_until(lambda: workers["prefill-0"].stats()["num_running"] > 0 and client.streams, 60)
+        victim = next(iter(client.streams.values())).decode.spec.name
+        workers[victim].stop()
+        t.join(300)
+        r = result["r"]
+        assert r.status_code == 200, r.text
+        _, tokenizer, _ = real_model()
+        assert r.json()["choices"][0]["text"] == reference_text(tokenizer.encode(prompt), 12)
+        survivor = next(n for n in workers if n.startswith("decode") and n != victim)
+        assert workers[survivor].stats()["tokens_out"] > 0
+        assert wait_until(lambda: workers["prefill-0"].stats()["kv_blocks_free"]
+                          == workers["prefill-0"].stats()["kv_blocks_total"], 60)
+        assert all(not w.inflight for w in client.workers)

@@ -102,3 +102,74 @@ def test_overload_beyond_the_queue_bound_gets_503_with_retry_after():
         assert sorted(set(codes)) == [200, 503] and len(codes) == 8
         assert all(r is not None and float(r) > 0 for r in retry)
         assert wait_until(lambda: at_baseline(workers), 10)
+
+
+def _answers(sock, n: int, timeout_s: float) -> list:
+    """Up to `n` messages from a worker's control socket, decoded, within `timeout_s`."""
+    from cluster.protocol import PROTOCOL_VERSION, TO_ROUTER, unpack
+
+    out, deadline = [], time.monotonic() + timeout_s
+    while len(out) < n and sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+        out.append(unpack(sock.recv_multipart()[0], TO_ROUTER, PROTOCOL_VERSION))
+    return out
+
+
+BAD_FIELD_TYPES = [  # well-formed messages whose request has a field of the wrong type: each must get a 400
+    {"prompt_token_ids": "abc"}, {"prompt_token_ids": [True, 2]}, {"prompt_token_ids": [1.5]},
+    {"prompt_token_ids": [[1], [2]]}, {"cache_salt": 7}, {"arrival_time": "now"},
+    {"sampling": {"stop_token_ids": ["x"]}}, {"sampling": {"ignore_eos": "yes"}},
+    {"sampling": {"stop": [3]}}, {"sampling": {"temperature": "hot"}}, {"sampling": {"logit_bias": [["a", 1]]}},
+]
+
+
+def test_generate_with_fields_of_the_wrong_type_is_answered_400_and_leaves_nothing():
+    """Issue 9 wire fuzz, the kind the reliability run found (a string prompt reached the engine and raised a
+    TypeError nobody answered): every worker answers each such request 400 `rejected`, keeps no route for it,
+    and serves afterwards."""
+    from cluster.protocol import Rejected
+
+    with running_cluster(1, 1, routing="local_prefill_max_tokens = 0") as (base, client, workers):
+        ctx = zmq.Context()
+        try:
+            for w in workers.values():
+                sock = client_socket(ctx, zmq.DEALER, w.endpoints["control"])
+                for i, bad in enumerate(BAD_FIELD_TYPES):
+                    request = {"request_id": f"bad-{i}", "prompt_token_ids": [1, 2, 3], "sampling": {}}
+                    request.update({k: v for k, v in bad.items() if k != "sampling"})
+                    request["sampling"] = bad.get("sampling", {})
+                    sock.send(pack(Generate(request=request, prefilled=w.role == "decode",
+                                            decode_endpoint=None if w.role == "decode" else "tcp://127.0.0.1:9")))
+                got = _answers(sock, len(BAD_FIELD_TYPES), 10)
+                sock.close(linger=0)
+                assert [type(m) for m in got] == [Rejected] * len(BAD_FIELD_TYPES), (w.name, got)
+                assert sorted(m.request_id for m in got) == sorted(f"bad-{i}" for i in range(len(BAD_FIELD_TYPES)))
+                assert all(m.status == 400 for m in got), got
+                assert not w.routes, w.routes
+        finally:
+            ctx.destroy(linger=0)
+        assert "Paris" in chat(base, QUESTIONS[0])["choices"][0]["message"]["content"]
+
+
+def test_prefilled_request_whose_kv_never_comes_fails_at_its_deadline():
+    """A decode worker told to expect KV that no prefill worker ever sends holds the request (no blocks)
+    until `queue_timeout_s + [transfer] timeout_s`, then answers an error: nothing waits forever."""
+    from cluster.protocol import Output
+
+    with running_cluster(1, 1, engine="queue_timeout_s = 1", transfer="timeout_s = 2") as (base, client, workers):
+        decode = workers["decode-0"]
+        ctx = zmq.Context()
+        try:
+            sock = client_socket(ctx, zmq.DEALER, decode.endpoints["control"])
+            request = {"request_id": "orphaned", "prompt_token_ids": list(range(1, 40)), "sampling": {}}
+            sock.send(pack(Generate(request=request, prefilled=True)))
+            assert wait_until(lambda: decode.stats()["awaiting_kv"] == 1, 5)
+            start = time.monotonic()
+            got = _answers(sock, 1, 15)
+            waited = time.monotonic() - start
+            sock.close(linger=0)
+        finally:
+            ctx.destroy(linger=0)
+        assert len(got) == 1 and isinstance(got[0], Output), got
+        assert got[0].output["finish_reason"] == "error" and "never started" in got[0].output["error"]
+        assert 1.5 < waited < 10, waited
+        assert not decode.routes and wait_until(lambda: decode.stats()["awaiting_kv"] == 0, 5)  # stats lag a step

@@ -209,3 +209,24 @@ def test_topology_text_parses_with_keys_and_loopback_only(tmp_path):
     assert topo.security.curve_keys_dir == str(tmp_path / "k")
     assert [w.host for w in topo.workers] == ["127.0.0.1"] * 2
     assert topo.routing.local_prefill_max_tokens == 128 and topo.engine.prefill_chunk_size == 256
+
+
+def test_api_fuzz_cases_are_capped_and_repaired():
+    from types import SimpleNamespace
+
+    from benchmarks.reliability_phases import _cap_case, _repair
+
+    case = SimpleNamespace(body={"messages": [{"role": "\x00", "content": 3}, "junk"], "model": "x", "n": 99})
+    _repair(case)
+    _cap_case(case)
+    assert case.body == {"messages": [{"role": "user", "content": "Hello"}], "model": "SmolLM2-135M-Instruct",
+                         "n": 2, "max_tokens": 8}
+    empty = SimpleNamespace(body={"messages": [], "max_completion_tokens": 10**6, "max_tokens": -3})
+    _repair(empty)
+    _cap_case(empty)
+    assert empty.body["messages"] == [{"role": "user", "content": "Hello"}]
+    assert empty.body["max_completion_tokens"] == 8 and empty.body["max_tokens"] == -3  # invalid values stay
+    other = SimpleNamespace(body=["not", "a", "dict"])
+    _repair(other)
+    _cap_case(other)
+    assert other.body == ["not", "a", "dict"]
