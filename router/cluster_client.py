@@ -169,7 +169,9 @@ class ClusterEngineClient:
             kv_block_size=decode[0]["kv_block_size"] if decode else 0,
             num_preemptions=sum(s["num_preemptions"] for s in live),
             prefix_cache_queries=sum(s["prefix_cache_queries"] for s in live),
-            prefix_cache_hits=sum(s["prefix_cache_hits"] for s in live))
+            prefix_cache_hits=sum(s["prefix_cache_hits"] for s in live),
+            spec_draft_tokens=sum(s.get("spec_draft_tokens", 0) for s in decode),
+            spec_accepted_tokens=sum(s.get("spec_accepted_tokens", 0) for s in decode))
 
     def is_healthy(self) -> bool:
         self._ensure_started()  # the first /health starts the heartbeats on the server's event loop

@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from router.metrics import PREFIX
 from tests.cluster_helpers import running_cluster
 from tests.engine_helpers import greedy, make_engine, real_model, run
 
@@ -254,3 +255,20 @@ def test_decode_worker_death_before_any_token_reruns_the_request_elsewhere_t2():
         assert wait_until(lambda: workers["prefill-0"].stats()["kv_blocks_free"]
                           == workers["prefill-0"].stats()["kv_blocks_total"], 60)
         assert all(not w.inflight for w in client.workers)
+
+
+def test_router_metrics_sum_the_decode_workers_speculative_counters():
+    """Speculative decoding runs on the decode workers; the router's /metrics adds up their draft and accepted
+    token counters (they were always 0 in cluster mode)."""
+    text = "alpha beta gamma delta epsilon zeta eta theta " * 6
+    with running_cluster(0, 2) as (base, client, workers):
+        r = httpx.post(base + "/v1/completions", timeout=300, json={
+            "model": MODEL, "prompt": "Repeat exactly: " + text, "max_tokens": 24, "temperature": 0,
+            "speculative": {"method": "prompt_lookup", "num_draft_tokens": 4}})
+        assert r.status_code == 200, r.text
+        per_worker = lambda: sum(w.stats().get("spec_draft_tokens", 0) for w in workers.values())  # noqa: E731
+        assert wait_until(lambda: per_worker() > 0 and client.stats().spec_draft_tokens == per_worker(), 10)
+        metrics = httpx.get(base + "/metrics", timeout=10).text
+        drafted = [float(line.split()[-1]) for line in metrics.splitlines()
+                   if line.startswith(PREFIX + "engine_spec_draft_tokens_total")]
+        assert drafted and drafted[0] == per_worker(), [ln for ln in metrics.splitlines() if "spec" in ln]
