@@ -227,12 +227,15 @@ def check_endpoint(endpoint: object) -> str:
 
 
 def server_socket(ctx: zmq.Context, kind: int, host: str = LOOPBACK, port: int = 0,
-                  keys: Optional[CurveKeys] = None) -> tuple[zmq.Socket, str]:
+                  keys: Optional[CurveKeys] = None, options: Optional[dict[int, int]] = None) -> tuple[zmq.Socket, str]:
     """Create a ``kind`` socket (zmq.ROUTER, zmq.PUB, ...) and bind it to tcp://host:port.
 
     ``port`` 0 picks a free port. With ``keys`` the socket is a Curve server that accepts only
-    ``keys.authorized_clients``. Returns (socket, "tcp://host:actual_port"). Raises ValueError for a bad
-    host or port, or when binding fails (address in use, no such interface); the socket is then closed.
+    ``keys.authorized_clients``. ``options`` ({zmq.MAXMSGSIZE: n, ...}) are set before binding: the listener
+    copies the socket's options when it binds, so an option set afterwards never reaches the connections it
+    accepts (checked in tests/test_transport.py). Returns (socket, "tcp://host:actual_port"). Raises
+    ValueError for a bad host or port, or when binding fails (address in use, no such interface); the socket
+    is then closed.
     """
     _check_port(port, "bind", allow_zero=True)
     addr_host, ipv6 = _bind_host(host)
@@ -250,6 +253,8 @@ def server_socket(ctx: zmq.Context, kind: int, host: str = LOOPBACK, port: int =
             sock.curve_server = True
             sock.curve_publickey = keys.server_public
             sock.curve_secretkey = keys.server_secret
+        for option, value in (options or {}).items():
+            sock.setsockopt(option, value)
         if port == 0:
             port = sock.bind_to_random_port(f"tcp://{addr_host}")
         else:
@@ -264,16 +269,22 @@ def server_socket(ctx: zmq.Context, kind: int, host: str = LOOPBACK, port: int =
     return sock, f"tcp://{addr_host}:{port}"
 
 
-def client_socket(ctx: zmq.Context, kind: int, endpoint: str, keys: Optional[CurveKeys] = None) -> zmq.Socket:
+def client_socket(ctx: zmq.Context, kind: int, endpoint: str, keys: Optional[CurveKeys] = None,
+                  options: Optional[dict[int, int]] = None) -> zmq.Socket:
     """Create a ``kind`` socket and connect it to ``endpoint`` (see :func:`check_endpoint`).
 
     With ``keys`` it is a Curve client: it checks the server's public key and presents
     ``keys.client_public``. Connecting is asynchronous: a refused handshake delivers nothing, it does not raise.
+    ``options`` ({zmq.SNDHWM: 4, zmq.HEARTBEAT_IVL: 1000, ...}) are set before connecting: ZeroMQ applies
+    high-water marks and heartbeats to connections made after they are set, never to an existing one
+    (libzmq's zmq_setsockopt(3): "subsequent ... connections").
     """
     check_endpoint(endpoint)
     sock = ctx.socket(kind)
     try:
         sock.linger = 0
+        for option, value in (options or {}).items():
+            sock.setsockopt(option, value)
         if endpoint.startswith("tcp://["):
             sock.ipv6 = True
         if keys is not None:

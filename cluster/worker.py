@@ -36,6 +36,8 @@ from cluster.transport import CurveKeys, server_socket
 logger = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.02
 _STATS_EVERY_S = 0.5
+CONTROL_MAX_MESSAGE_BYTES = 64 * 2**20  # a peer's larger message closes its connection (ZeroMQ MAXMSGSIZE); a
+# generate for a 1M-token prompt is ~5 MB of msgpack
 
 
 def probe_worker(endpoint: str, keys: Optional[CurveKeys] = None, timeout_s: float = 3.0) -> Optional[dict]:
@@ -101,7 +103,8 @@ class Worker:
             self._loaded = (model, tokenizer, model_spec)
         model, tokenizer, model_spec = self._loaded
         self.engine = EngineCore(model, tokenizer, model_spec, self.spec.engine)
-        self.control, control = server_socket(self.ctx, zmq.ROUTER, self.spec.host, self.spec.control_port, self.keys)
+        self.control, control = server_socket(self.ctx, zmq.ROUTER, self.spec.host, self.spec.control_port, self.keys,
+                                              options={zmq.MAXMSGSIZE: CONTROL_MAX_MESSAGE_BYTES})
         self.boot_id = uuid.uuid4().hex[:16]  # a restarted worker's events start a new sequence
         self.events_pub, events = None, None
         if self.spec.events_port is not None:

@@ -100,8 +100,8 @@ class KVReceiver:
         self.max_prompt_len, self.clock = max_prompt_len, clock
         self.metrics = metrics or TransferMetrics("receive")
         self.ctx = ctx or zmq.Context.instance()
-        self.sock, self.endpoint = server_socket(self.ctx, zmq.ROUTER, host, port, keys)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes)
+        self.sock, self.endpoint = server_socket(self.ctx, zmq.ROUTER, host, port, keys,
+                                                 options={zmq.MAXMSGSIZE: config.max_frame_bytes})
         self.live: dict[str, _Incoming] = {}
         self._epoch = 0
         self._events: list[ReceiveEvent] = []

@@ -183,8 +183,7 @@ class KVSender:
     def _peer(self, endpoint: str) -> _Peer:
         peer = self.peers.get(endpoint)
         if peer is None:
-            sock = client_socket(self.ctx, zmq.DEALER, endpoint, self.keys)
-            sock.setsockopt(zmq.SNDHWM, _SNDHWM)
+            sock = client_socket(self.ctx, zmq.DEALER, endpoint, self.keys, options={zmq.SNDHWM: _SNDHWM})
             peer = self.peers[endpoint] = _Peer(endpoint, sock)
             self._poller.register(sock, zmq.POLLIN)
         return peer

@@ -91,9 +91,9 @@ class ClusterEngineClient:
         if self._tasks:
             return
         for w in self.workers:
-            w.sock = client_socket(self.ctx, zmq.DEALER, w.spec.endpoint(w.spec.control_port), self.keys)
-            w.sock.setsockopt(zmq.HEARTBEAT_IVL, int(self.routing.heartbeat_s * 1000))
-            w.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.routing.heartbeat_s * 5000))
+            w.sock = client_socket(self.ctx, zmq.DEALER, w.spec.endpoint(w.spec.control_port), self.keys, options={
+                zmq.HEARTBEAT_IVL: int(self.routing.heartbeat_s * 1000),
+                zmq.HEARTBEAT_TIMEOUT: int(self.routing.heartbeat_s * 5000)})
             self._tasks.append(asyncio.ensure_future(self._reader(w)))
             self._tasks.append(asyncio.ensure_future(self._monitor(w)))
             if w.spec.events_port is not None:

@@ -272,3 +272,4 @@ def test_router_metrics_sum_the_decode_workers_speculative_counters():
         drafted = [float(line.split()[-1]) for line in metrics.splitlines()
                    if line.startswith(PREFIX + "engine_spec_draft_tokens_total")]
         assert drafted and drafted[0] == per_worker(), [ln for ln in metrics.splitlines() if "spec" in ln]
+

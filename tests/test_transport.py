@@ -31,8 +31,8 @@ class Net:
         self.sockets.append(sock)
         return sock, endpoint
 
-    def client(self, endpoint, kind=zmq.DEALER, keys=None):
-        sock = client_socket(self.ctx, kind, endpoint, keys)
+    def client(self, endpoint, kind=zmq.DEALER, keys=None, **kw):
+        sock = client_socket(self.ctx, kind, endpoint, keys, **kw)
         self.sockets.append(sock)
         return sock
 
@@ -195,3 +195,51 @@ def test_close_context_leaves_no_authenticator_thread(tmp_path):
     sock.close()
     close_context(context)
     assert threading.active_count() == before and context.closed
+
+
+def test_server_options_reach_the_connections_it_accepts(net, keys):
+    """MAXMSGSIZE passed to server_socket bounds what a peer can make it buffer (set after bind, ZeroMQ ignored
+    it: the listener copies the options when it binds). Also under CurveZMQ."""
+    for curve in (None, keys):
+        server, endpoint = net.server(options={zmq.MAXMSGSIZE: 1000}, keys=curve)
+        big = net.client(endpoint, keys=curve)
+        big.send(b"x" * 5000)
+        assert recv(server, WAIT_MS) is None  # the oversized message closed that connection
+        small = net.client(endpoint, keys=curve)
+        small.send(b"x" * 500)
+        assert recv(server)[1] == b"x" * 500
+
+
+def test_client_heartbeats_notice_a_stopped_server(net, tmp_path):
+    """Heartbeat options passed to client_socket apply to its connection (set after connect, ZeroMQ ignored them
+    and the router never noticed a SIGSTOPped worker): a server process that stops answering shows as a
+    disconnect within the heartbeat timeout, although its TCP connection stays open."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from zmq.utils.monitor import recv_monitor_message
+
+    script = ("import sys, zmq\nctx = zmq.Context(); s = ctx.socket(zmq.ROUTER)\n"
+              "port = s.bind_to_random_port('tcp://127.0.0.1'); print(port, flush=True)\n"
+              "while True: s.send_multipart(s.recv_multipart())\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())
+        client = net.client(f"tcp://127.0.0.1:{port}", options={zmq.HEARTBEAT_IVL: 200, zmq.HEARTBEAT_TIMEOUT: 1000})
+        mon = client.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            client.send(b"hi")
+            assert recv(client) == [b"hi"]
+            proc.send_signal(signal.SIGSTOP)
+            start = time.monotonic()
+            assert mon.poll(10_000), "no disconnect: the heartbeat options did not apply"
+            assert recv_monitor_message(mon)["event"] == zmq.EVENT_DISCONNECTED
+            assert time.monotonic() - start < 5
+        finally:
+            mon.close(linger=0)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait(10)
