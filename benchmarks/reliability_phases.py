@@ -27,7 +27,7 @@ def _cap_case(case) -> None:
     if isinstance(body, dict):
         for key, cap in (("max_tokens", 8), ("max_completion_tokens", 8), ("n", 2), ("best_of", 2)):
             v = body.get(key)
-            if isinstance(v, int) and not isinstance(v, bool) and v > cap:
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > cap:  # 85.0 is a valid n too
                 body[key] = cap
         if ("messages" in body or "prompt" in body) and body.get("max_tokens") is None \
                 and body.get("max_completion_tokens") is None:

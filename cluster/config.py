@@ -35,7 +35,8 @@ class EngineConfig:
       fp16 ~4x slower), bfloat16 is the usual choice on a Mac.
     - `kv_bits` / `kv_group_size`: quantized KV (mlx-lm's names); None = unquantized.
     - `enable_prefix_caching`: reuse cached full blocks across requests.
-    - `max_waiting`: requests queued before new ones get 503 with Retry-After.
+    - `max_waiting`: requests queued (beyond those the next step admits into free running slots) before new
+      ones get 503 with Retry-After; a request whose `n` exceeds `max_num_seqs + max_waiting` gets 400.
     - `decode_mirror_gb`: GiB for contiguous copies of the decode batch's contexts kept between decode
       steps (`cluster.decode_mirror`); None = as large as the KV pool, 0 disables it (every step gathers
       from the pool). Not part of `kv_cache_gb`: the two add up to the KV memory at most (the mirror holds

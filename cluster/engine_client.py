@@ -7,7 +7,7 @@ mode implements it over ZeroMQ. The router depends on this protocol only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Optional, Protocol
 
 from cluster.request import GenerateRequest, RequestOutput
 
@@ -58,6 +58,9 @@ class EngineClient(Protocol):
 
     model_name: str
     max_model_len: int
+    # The most sequences the engine holds running and queued at once (None: no fixed bound). One request
+    # asking for more (`n`) could never be admitted whole: the router answers 400 rather than 503.
+    max_sequences: Optional[int]
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Submit `request` and iterate its output deltas.

@@ -135,6 +135,8 @@ class LocalEngineClient:
         self.thread = thread
         self.model_name = model_name
         self.max_model_len = thread.core.max_model_len
+        config = thread.core.config
+        self.max_sequences = config.max_num_seqs + config.max_waiting
         self._ids = itertools.count()
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:

@@ -78,6 +78,14 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def queue_full(self, pending: int = 0) -> bool:
+        """True when one more sequence would be queued beyond `max_waiting`: sequences waiting (plus `pending`
+        the caller holds outside, e.g. a decode worker's requests awaiting their KV), less those the next
+        step can still admit into free running slots, already fill the queue. So `max_num_seqs + max_waiting`
+        sequences arriving at once at an idle engine are all taken."""
+        free_slots = max(0, self.config.max_num_seqs - len(self.running))
+        return len(self.waiting) + pending - free_slots >= self.config.max_waiting
+
     def schedule(self) -> Optional[ScheduledBatch]:
         """Pick the next step's work, or None when there is nothing to do."""
         decoding = [s for s in self.running if not s.is_prefilling]

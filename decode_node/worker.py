@@ -54,7 +54,7 @@ class DecodeWorker(Worker):
         return self.receiver.endpoint
 
     def _on_generate(self, request: GenerateRequest, msg: Generate) -> None:
-        if len(self.engine.scheduler.waiting) + len(self.awaiting) >= self.spec.engine.max_waiting:
+        if self.engine.scheduler.queue_full(pending=len(self.awaiting)):
             raise EngineError(f"the decode queue is full ({self.spec.engine.max_waiting} requests)", retry_after=1.0)
         if not msg.prefilled:
             out = self.engine.add_request(request)

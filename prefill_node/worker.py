@@ -56,7 +56,7 @@ class PrefillWorker(Worker):
     def _on_generate(self, request: GenerateRequest, msg: Generate) -> None:
         if not msg.decode_endpoint:
             raise ValueError("a prefill worker needs decode_endpoint (the decode worker's KV socket)")
-        if len(self.engine.scheduler.waiting) >= self.spec.engine.max_waiting:
+        if self.engine.scheduler.queue_full():
             raise EngineError(f"the prefill queue is full ({self.spec.engine.max_waiting} requests)", retry_after=1.0)
         out = self.engine.add_request(request)
         if out is not None:  # nothing to generate: no transfer either

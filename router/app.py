@@ -145,6 +145,10 @@ def create_app(engine: EngineClient, tokenizer: RouterTokenizer, *, served_model
         model = resolve_model(req.model)
         prepared = await prepare(req, tokenizer, request_id=prefix + uuid.uuid4().hex, model=model,
                                  max_model_len=engine.max_model_len, arrival_time=arrival_wall)
+        capacity = getattr(engine, "max_sequences", None)
+        if capacity and prepared.n > capacity:
+            raise APIError(400, f"n={prepared.n} asks for more sequences than this server holds running and "
+                                f"queued at once ({capacity}); lower n", param="n")
         formatter = formatter_cls(prepared, tokenizer, int(arrival_wall))
         return await serve_prepared(request, prepared, formatter, engine=engine, metrics=metrics,
                                     stall_timeout_s=request_timeout_s, arrival=arrival)

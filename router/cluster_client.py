@@ -80,6 +80,8 @@ class ClusterEngineClient:
         self.keys = keys
         self.ctx = zmq.asyncio.Context()
         self.workers = [WorkerState(spec) for spec in topology.workers]
+        self.max_sequences = sum(w.engine.max_num_seqs + w.engine.max_waiting for w in topology.workers
+                                 if w.role == "decode")
         self.streams: dict[str, _Stream] = {}
         self._tasks: list[asyncio.Task] = []
         self._seq = itertools.count()

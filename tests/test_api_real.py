@@ -240,3 +240,14 @@ def test_request_that_waits_too_long_for_kv_blocks_gets_503_with_retry_after():
         assert second.status_code == 503 and "retry-after" in second.headers
         assert "retry later" in second.json()["error"]["message"]
         healthy_after(base)
+
+
+def test_n_beyond_what_the_engine_can_hold_is_400_not_503():
+    """n larger than running + queued sequences could never be admitted whole: a 400 naming n (a 503 would
+    tell the client to retry something that cannot succeed). Found by the reliability run's API fuzz."""
+    with live_server(max_num_seqs=1, max_waiting=2) as (base, _):
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+        r = post(base, "/v1/completions", {**body, "n": 4})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        r = post(base, "/v1/completions", {**body, "n": 3})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 3, r.text

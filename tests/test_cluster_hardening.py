@@ -102,6 +102,15 @@ def test_overload_beyond_the_queue_bound_gets_503_with_retry_after():
         assert sorted(set(codes)) == [200, 503] and len(codes) == 8
         assert all(r is not None and float(r) > 0 for r in retry)
         assert wait_until(lambda: at_baseline(workers), 10)
+        # one request asking for more choices than the cluster could ever hold (1 running + 1 queued): 400, not
+        # a 503 that no retry could cure
+        r = httpx.post(base + "/v1/completions", timeout=120, json={"model": MODEL, "prompt": "Hi", "n": 3,
+                                                                     "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        assert "lower n" in r.json()["error"]["message"]
+        r = httpx.post(base + "/v1/completions", timeout=120, json={"model": MODEL, "prompt": "Hi", "n": 2,
+                                                                     "max_tokens": 2})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
 
 
 def _answers(sock, n: int, timeout_s: float) -> list:

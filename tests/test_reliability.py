@@ -216,7 +216,7 @@ def test_api_fuzz_cases_are_capped_and_repaired():
 
     from benchmarks.reliability_phases import _cap_case, _repair
 
-    case = SimpleNamespace(body={"messages": [{"role": "\x00", "content": 3}, "junk"], "model": "x", "n": 99})
+    case = SimpleNamespace(body={"messages": [{"role": "\x00", "content": 3}, "junk"], "model": "x", "n": 99.0})
     _repair(case)
     _cap_case(case)
     assert case.body == {"messages": [{"role": "user", "content": "Hello"}], "model": "SmolLM2-135M-Instruct",
