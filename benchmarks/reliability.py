@@ -68,13 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _abandoned_deadline_s() -> float:
-    """Seconds until a worker lets go of what a fuzzing peer abandoned: a decode worker waits for a transfer to
-    start up to the engine's queue deadline plus the transfer deadline (decode_node/worker.py), a prefill
-    worker retries an offer to a receiver that never answers as long (its reserve deadline)."""
+    """Seconds until a worker lets go of what a fuzzing peer abandoned: the longest is a decode worker told to
+    expect KV that never comes (`TransferConfig.kv_start_deadline_s`); a prefill worker's offer to a receiver
+    that never answers ends sooner (its reserve deadline)."""
     from benchmarks.reliability_cluster import ENGINE, TRANSFER
-    from cluster.config import EngineConfig
+    from cluster.config import EngineConfig, TransferConfig
 
-    return ENGINE.get("queue_timeout_s", EngineConfig.queue_timeout_s) + TRANSFER["timeout_s"]
+    return TransferConfig(**TRANSFER).kv_start_deadline_s(ENGINE.get("queue_timeout_s", EngineConfig.queue_timeout_s))
 
 
 def _log(msg: str) -> None:

@@ -6,6 +6,8 @@ command line fails at start, never mid-request.
 
 from __future__ import annotations
 
+import dataclasses
+
 import sys
 from dataclasses import dataclass, field
 from typing import Optional
@@ -169,3 +171,17 @@ class TransferConfig:
     @property
     def reserve_deadline_s(self) -> float:
         return self.timeout_s if self.reserve_timeout_s is None else self.reserve_timeout_s
+
+    def for_prefill_worker(self, queue_timeout_s: float) -> "TransferConfig":
+        """This config as a prefill worker uses it: unless `reserve_timeout_s` is set, a decode worker that
+        answers "busy" is retried as long as a request may wait in a queue (`queue_timeout_s`, if longer)."""
+        if self.reserve_timeout_s is not None:
+            return self
+        return dataclasses.replace(self, reserve_timeout_s=max(self.timeout_s, queue_timeout_s))
+
+    def kv_start_deadline_s(self, prefill_queue_timeout_s: float) -> float:
+        """Seconds a decode worker waits for the transfer of a prefilled request to start (its first message,
+        an offer): the prefill worker may queue the request for `prefill_queue_timeout_s`, then retry "busy"
+        answers for its reserve deadline (`for_prefill_worker`), and an offer may take one `timeout_s`."""
+        reserve = self.for_prefill_worker(prefill_queue_timeout_s).reserve_deadline_s
+        return prefill_queue_timeout_s + reserve + self.timeout_s

@@ -10,9 +10,10 @@ A request reaches the decode worker in one of two ways (the router decides):
   itself with the ordinary engine path; no KV moves.
 
 Pairing state is bounded: a request waiting for its KV holds no blocks, and fails once no transfer for it
-has started within `queue_timeout_s + [transfer] timeout_s` (the prefill worker offers when it starts
-computing, after at most its queue deadline); a completed transfer whose request has not arrived (or was
-aborted) holds its blocks for at most the transfer deadline, then frees them.
+has started within `TransferConfig.kv_start_deadline_s` (the prefill worker offers when it starts computing,
+after at most its queue deadline, then retries "busy" answers up to its reserve deadline); a completed
+transfer whose request has not arrived (or was aborted) holds its blocks for at most the transfer deadline,
+then frees them.
 """
 
 from __future__ import annotations
@@ -49,7 +50,10 @@ class DecodeWorker(Worker):
                                    host=self.spec.host, port=self.spec.kv_port, keys=self.keys, ctx=self.ctx,
                                    metrics=TransferMetrics("receive", self.registry))
         self.awaiting: dict[str, tuple[GenerateRequest, float]] = {}  # prefilled requests whose KV has not
-        # arrived, with the deadline for their transfer to start
+        # arrived, with the deadline for their transfer to start (the slowest prefill worker's queue)
+        queue_s = max((w.engine.queue_timeout_s for w in self.topology.workers if w.role == "prefill"),
+                      default=self.spec.engine.queue_timeout_s)
+        self.kv_start_deadline_s = self.topology.transfer.kv_start_deadline_s(queue_s)
         self.orphans: dict[str, tuple[ReceivedSequence, float]] = {}  # KV whose request has not arrived
         return self.receiver.endpoint
 
@@ -68,8 +72,7 @@ class DecodeWorker(Worker):
         if orphan is not None:
             self._admit(request, orphan[0])
         else:
-            wait_s = self.spec.engine.queue_timeout_s + self.topology.transfer.timeout_s
-            self.awaiting[request.request_id] = (request, time.monotonic() + wait_s)
+            self.awaiting[request.request_id] = (request, time.monotonic() + self.kv_start_deadline_s)
 
     def _on_abort(self, request_id: str) -> None:
         self.awaiting.pop(request_id, None)
@@ -114,8 +117,7 @@ class DecodeWorker(Worker):
             del self.awaiting[rid]
             self.emit(RequestOutput(rid, finish_reason=FinishReason.ERROR,
                                     error="the KV transfer from the prefill worker never started (waited "
-                                          f"{self.spec.engine.queue_timeout_s + self.topology.transfer.timeout_s:g} s); "
-                                          "retry the request"))
+                                          f"{self.kv_start_deadline_s:g} s); retry the request"))
 
     def _role_stats(self) -> dict:
         m = self.receiver.metrics

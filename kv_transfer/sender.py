@@ -97,8 +97,30 @@ class KVSender:
         self.ctx = ctx or zmq.Context.instance()
         self.peers: dict[str, _Peer] = {}
         self.transfers: dict[str, _Outgoing] = {}
+        self.blocks_per_message, self.layers_per_message = self._message_geometry()
         self._poller = zmq.Poller()
         self._results: list[SendResult] = []
+
+    def _message_geometry(self) -> tuple[int, int]:
+        """Blocks and layers per `blocks` message: the configured ones, halved (layers first) until every array
+        frame fits `max_frame_bytes`, the receiver's limit (ZeroMQ drops a connection that sends a larger
+        frame, stalling every transfer on it). Raises ValueError when one block of one layer does not fit."""
+        blocks = self.config.max_blocks_per_message
+        layers = self.config.layers_per_message or self.fmt.num_layers
+
+        def largest_frame(b: int, n: int) -> int:
+            return max(ArraySpec(name=name, dtype=dtype, shape=list(shape)).nbytes
+                       for name, dtype, shape in self.store.block_array_specs(b, n))
+
+        while largest_frame(blocks, layers) > self.config.max_frame_bytes:
+            if layers > 1:
+                layers = (layers + 1) // 2
+            elif blocks > 1:
+                blocks = (blocks + 1) // 2
+            else:
+                raise ValueError(f"one KV block of one layer is {largest_frame(1, 1)} bytes, over max_frame_bytes="
+                                 f"{self.config.max_frame_bytes}: raise [transfer] max_frame_bytes")
+        return blocks, layers
 
     # -- the caller's interface ------------------------------------------------------------------------------
 
@@ -227,9 +249,9 @@ class KVSender:
         """Queue `blocks` messages for ready blocks (while the peer's queue has room), then `done`."""
         bs, n = self.fmt.block_size, len(t.offer.token_ids)
         ready = t.num_blocks if t.num_ready_tokens >= n else min(t.num_ready_tokens // bs, t.num_blocks)
-        step_layers = self.config.layers_per_message or self.fmt.num_layers
+        step_layers = self.layers_per_message
         while t.next_block < ready and len(t.peer.queue) < _SNDHWM:
-            start, stop = t.next_block, min(ready, t.next_block + self.config.max_blocks_per_message)
+            start, stop = t.next_block, min(ready, t.next_block + self.blocks_per_message)
             ids = list(t.block_table[start:stop])
             for l0 in range(0, self.fmt.num_layers, step_layers):
                 layers = range(l0, min(self.fmt.num_layers, l0 + step_layers))

@@ -17,7 +17,6 @@ decode worker's ack, or on refusal, abort or deadline; full blocks stay in the p
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Optional
@@ -26,6 +25,7 @@ from cluster.engine_client import EngineError
 from cluster.protocol import Generate
 from cluster.request import FinishReason, GenerateRequest, RequestOutput
 from cluster.sequence import Sequence
+from cluster.transport import check_endpoint
 from cluster.worker import Worker
 from kv_transfer.handshake import KVFormat
 from kv_transfer.metrics import TransferMetrics
@@ -42,10 +42,7 @@ class PrefillWorker(Worker):
     def _setup(self) -> Optional[str]:
         self.engine.handoff = self._handoff
         fmt = KVFormat.of(self.engine.spec, self.spec.engine)
-        transfer = self.topology.transfer
-        if transfer.reserve_timeout_s is None:  # a full decode worker is a queue: wait as long as a queued request
-            transfer = dataclasses.replace(transfer, reserve_timeout_s=max(transfer.timeout_s,
-                                                                           self.spec.engine.queue_timeout_s))
+        transfer = self.topology.transfer.for_prefill_worker(self.spec.engine.queue_timeout_s)
         self.sender = KVSender(fmt, self.engine.store, config=transfer, keys=self.keys, ctx=self.ctx,
                                metrics=TransferMetrics("send", self.registry))
         self.handed_off: dict[str, Sequence] = {}
@@ -56,6 +53,7 @@ class PrefillWorker(Worker):
     def _on_generate(self, request: GenerateRequest, msg: Generate) -> None:
         if not msg.decode_endpoint:
             raise ValueError("a prefill worker needs decode_endpoint (the decode worker's KV socket)")
+        check_endpoint(msg.decode_endpoint)  # ValueError (400) now, not when the transfer opens
         if self.engine.scheduler.queue_full():
             raise EngineError(f"the prefill queue is full ({self.spec.engine.max_waiting} requests)", retry_after=1.0)
         out = self.engine.add_request(request)
@@ -64,13 +62,22 @@ class PrefillWorker(Worker):
             return
         self.pending[request.request_id] = msg.decode_endpoint
 
-    def _open(self, seq: Sequence) -> None:
-        """Offer `seq`'s transfer if it is still pending (its computation has started)."""
-        endpoint = self.pending.pop(seq.request_id, None)
-        if endpoint is not None:
-            rid = seq.request_id
+    def _open(self, seq: Sequence) -> bool:
+        """Offer `seq`'s transfer if it is still pending (its computation has started). False when it has no
+        transfer: opening failed (the request got an error output; the caller lets go of the sequence)."""
+        rid = seq.request_id
+        endpoint = self.pending.pop(rid, None)
+        if endpoint is None:
+            return rid in self.sender.transfers
+        try:
             self.sender.open(rid, endpoint, seq.request.prompt_token_ids, seq.request.cache_salt,
                              on_release=lambda: self._release(rid))
+        except Exception as exc:  # must not escape into the engine step or the other sequences' outputs
+            logger.exception("%s: opening the KV transfer of %s failed", self.spec.actor_name, rid)
+            self.emit(RequestOutput(rid, finish_reason=FinishReason.ERROR,
+                                    error=f"could not start the KV transfer: {type(exc).__name__}: {exc}"))
+            return False
+        return True
 
     def _on_abort(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
@@ -78,7 +85,10 @@ class PrefillWorker(Worker):
             self.engine.abort(request_id)
 
     def _handoff(self, seq: Sequence) -> None:
-        self._open(seq)
+        if not self._open(seq):  # no transfer will ever release the blocks: the engine has let go, so do it here
+            self.engine.pool.free(seq.block_table)
+            seq.block_table = []
+            return
         self.handed_off[seq.request_id] = seq
         self.sender.blocks_ready(seq.request_id, seq.block_table, seq.num_computed_tokens)
         self.sender.finish(seq.request_id, seq.token_ids[-1])
@@ -103,10 +113,13 @@ class PrefillWorker(Worker):
                                         error=f"KV transfer to the decode worker failed ({res.kind}): {res.reason}"))
 
     def _after_step(self, outputs: list[RequestOutput]) -> None:
+        failed = []
         for seq in self.engine.sequences.values():  # progress, also of sequences preempted this step (0)
-            if seq.num_computed_tokens > 0:
-                self._open(seq)
+            if seq.num_computed_tokens > 0 and seq.request_id in self.pending and not self._open(seq):
+                failed.append(seq.request_id)
             self.sender.blocks_ready(seq.request_id, seq.block_table, seq.num_computed_tokens)
+        for rid in failed:
+            self.engine.abort(rid)
         for out in outputs:
             self.emit(out)
             if out.finished:  # ended here (first token was the last, or an error): no transfer needed

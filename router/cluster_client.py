@@ -80,8 +80,9 @@ class ClusterEngineClient:
         self.keys = keys
         self.ctx = zmq.asyncio.Context()
         self.workers = [WorkerState(spec) for spec in topology.workers]
-        self.max_sequences = sum(w.engine.max_num_seqs + w.engine.max_waiting for w in topology.workers
-                                 if w.role == "decode")
+        capacity = {role: sum(w.engine.max_num_seqs + w.engine.max_waiting for w in topology.workers
+                              if w.role == role) for role in ("prefill", "decode")}
+        self.max_sequences = min(c for c in capacity.values() if c) if any(capacity.values()) else None
         self.streams: dict[str, _Stream] = {}
         self._tasks: list[asyncio.Task] = []
         self._seq = itertools.count()
@@ -400,6 +401,7 @@ class ClusterEngineClient:
                                       if done else sp)
         logger.warning("migrating %s to %s after %d tokens", request.request_id, target.spec.name, done)
         stream.decode.inflight.discard(request.request_id)
+        self._post(stream.decode, AbortRequest(request_id=request.request_id))  # it may only have been silent
         if stream.prefill is not None:  # its KV was bound for the dead worker
             stream.prefill.inflight.discard(request.request_id)
             self._post(stream.prefill, AbortRequest(request_id=request.request_id))

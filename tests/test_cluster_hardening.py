@@ -3,6 +3,7 @@ serving with nothing leaked; with CurveZMQ keys configured, every cluster socket
 
 from __future__ import annotations
 
+import json
 import random
 import time
 
@@ -161,7 +162,8 @@ def test_generate_with_fields_of_the_wrong_type_is_answered_400_and_leaves_nothi
 
 def test_prefilled_request_whose_kv_never_comes_fails_at_its_deadline():
     """A decode worker told to expect KV that no prefill worker ever sends holds the request (no blocks)
-    until `queue_timeout_s + [transfer] timeout_s`, then answers an error: nothing waits forever."""
+    until a transfer could no longer start (`TransferConfig.kv_start_deadline_s`: here 1 s in the prefill
+    queue + 2 s of "busy" retries + 2 s for the offer), then answers an error: nothing waits forever."""
     from cluster.protocol import Output
 
     with running_cluster(1, 1, engine="queue_timeout_s = 1", transfer="timeout_s = 2") as (base, client, workers):
@@ -180,5 +182,70 @@ def test_prefilled_request_whose_kv_never_comes_fails_at_its_deadline():
             ctx.destroy(linger=0)
         assert len(got) == 1 and isinstance(got[0], Output), got
         assert got[0].output["finish_reason"] == "error" and "never started" in got[0].output["error"]
-        assert 1.5 < waited < 10, waited
+        assert 3.5 < waited < 12, waited
         assert not decode.routes and wait_until(lambda: decode.stats()["awaiting_kv"] == 0, 5)  # stats lag a step
+
+
+def test_a_transfer_that_cannot_start_fails_its_request_and_frees_its_blocks():
+    """If opening a KV transfer fails on the prefill worker (here: the sender raises), that request ends with an
+    error, no other request is affected, and its blocks are freed, for a one-chunk prompt (handed off in the
+    step that opens the transfer) and a multi-chunk one. A decode endpoint that is not an endpoint is a 400
+    before anything runs."""
+    from cluster.protocol import Rejected
+    from tests.test_cluster import long_text
+
+    with running_cluster(1, 1, engine="prefill_chunk_size = 64", routing="local_prefill_max_tokens = 0") as (
+            base, client, workers):
+        prefill = workers["prefill-0"]
+        real_open = prefill.sender.open
+
+        def broken_open(*args, **kwargs):
+            raise RuntimeError("simulated failure")
+
+        prefill.sender.open = broken_open
+        try:
+            for prompt in ("Once upon a time", long_text(300)):
+                r = httpx.post(base + "/v1/completions", timeout=120,
+                               json={"model": MODEL, "prompt": prompt, "max_tokens": 4})
+                assert r.status_code >= 500 and "could not start the KV transfer" in r.text, r.text
+        finally:
+            prefill.sender.open = real_open
+        assert wait_until(lambda: at_baseline(workers), 10), [w.stats() for w in workers.values()]
+        assert not prefill.pending and not prefill.handed_off and not prefill.routes
+        assert "Paris" in chat(base, QUESTIONS[0])["choices"][0]["message"]["content"]
+
+        ctx = zmq.Context()
+        try:
+            sock = client_socket(ctx, zmq.DEALER, prefill.endpoints["control"])
+            request = {"request_id": "bad-endpoint", "prompt_token_ids": [1, 2, 3], "sampling": {}}
+            sock.send(pack(Generate(request=request, decode_endpoint="not an endpoint")))
+            got = _answers(sock, 1, 10)
+            sock.close(linger=0)
+        finally:
+            ctx.destroy(linger=0)
+        assert len(got) == 1 and isinstance(got[0], Rejected) and got[0].status == 400, got
+
+
+def test_a_decode_worker_declared_dead_but_alive_stops_the_migrated_request():
+    """The router declares a decode worker dead (its heartbeat deadline; here forced) while it streams: the
+    request moves to the other decode worker and completes in full, and the first worker, which was only
+    silent, is told to stop it instead of generating to max_tokens for nobody."""
+    with running_cluster(0, 2) as (base, client, workers):
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0, "stream": True,
+                "ignore_eos": True, "stream_options": {"include_usage": True}}
+        usage, moved_from = None, None
+        with httpx.stream("POST", base + "/v1/completions", timeout=300, json=body) as r:
+            for n, line in enumerate(r.iter_lines()):
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                usage = event.get("usage") or usage
+                if moved_from is None and n >= 10:
+                    stream = next(iter(client.streams.values()))
+                    moved_from = stream.decode
+                    loop = client._tasks[0].get_loop()
+                    loop.call_soon_threadsafe(client._mark_dead, moved_from)
+                    old = workers[moved_from.spec.name]
+                    assert wait_until(lambda: old.stats()["num_running"] == 0 and not old.routes, 5), old.stats()
+        assert moved_from is not None and usage["completion_tokens"] == 300

@@ -317,3 +317,21 @@ def test_lost_done_message_times_out_both_sides_t2(links):
     assert got.kind == "timeout" or "timed out" in got.reason
     assert time.monotonic() - t0 < 2.0
     assert a.pool.num_free_blocks == a.baseline and b.pool.num_free_blocks == b.baseline
+
+
+def test_messages_are_split_to_fit_the_receivers_frame_limit(links):
+    """The receiver's ZeroMQ socket drops a connection that sends a frame over `max_frame_bytes` (every
+    transfer on it would stall): the sender splits messages by layers, then blocks, so each frame fits.
+    Here one block of one layer is 2,048 bytes per array and the limit is 4,096."""
+    config = TransferConfig(max_blocks_per_message=8, max_frame_bytes=4096)
+    a, b = Side().randomize(3), Side()
+    link = links(a, b, config)
+    assert (link.tx.blocks_per_message, link.tx.layers_per_message) == (2, 1)
+    tokens = list(range(1, 31))
+    table = a.pool.allocate(8)
+    sent, got = link.ship("split", tokens, table)
+    assert sent.ok and isinstance(got, ReceivedSequence)
+    for x, y in zip(a.store.read_blocks(table, range(3)), b.store.read_blocks(got.block_table, range(3))):
+        assert same_bits(x, y)
+    with pytest.raises(ValueError, match="max_frame_bytes"):
+        KVSender(a.fmt, a.store, config=TransferConfig(max_frame_bytes=1024))
