@@ -88,10 +88,24 @@ def _plot_levels(result: dict, args) -> None:
                          for n in names}, Path(args.plots) / f"{args.plot_name}-throughput.png")
 
 
+def _report_levels(result: dict, args) -> int:
+    """Print a comparison-shaped result, write its JSON/Markdown/plots as asked; exit code 1 if any request
+    failed, else 0."""
+    from benchmarks.report import markdown_compare, print_compare, write_json
+
+    print_compare(result)
+    write_json(result, args.out)
+    if args.markdown:
+        Path(args.markdown).write_text(markdown_compare(result), encoding="utf-8")
+    if args.plots:
+        _plot_levels(result, args)
+    return 1 if any(s["errors"] for lv in result["levels"] for s in lv["servers"].values()) else 0
+
+
 def run_url(args) -> int:
     """One or several --url endpoints (see the module doc)."""
     from benchmarks.loadgen import WorkloadConfig, run_benchmark
-    from benchmarks.report import markdown_compare, markdown_runs, print_compare, print_single, write_json
+    from benchmarks.report import markdown_runs, print_single, write_json
 
     spec, make = _maker(args)
     slos = _slos(args)
@@ -113,13 +127,7 @@ def run_url(args) -> int:
         result["levels"] = run_levels(dict(zip(labels, args.url)), levels, counts, max_tokens=args.max_tokens,
                                       rounds=args.rounds, seed=args.seed, progress=not args.no_progress,
                                       suppress=args.suppress_tokens, make=make, slos=slos, rate=args.rate, log=log)
-        print_compare(result)
-        write_json(result, args.out)
-        if args.markdown:
-            Path(args.markdown).write_text(markdown_compare(result), encoding="utf-8")
-        if args.plots:
-            _plot_levels(result, args)
-        return 1 if any(s["errors"] for lv in result["levels"] for s in lv["servers"].values()) else 0
+        return _report_levels(result, args)
     cfg = WorkloadConfig(url=args.url[0], model=args.model, max_tokens=args.max_tokens, api_key=args.api_key,
                          ignore_eos=not args.no_ignore_eos, suppress_token_ids=args.suppress_tokens)
     results = []
@@ -149,7 +157,6 @@ def run_url(args) -> int:
 def run_compare(args) -> int:
     """`--compare`: start the targets, run the levels, report."""
     from benchmarks.compare import run_compare as compare
-    from benchmarks.report import markdown_compare, print_compare, write_json
 
     if args.rate is not None:
         print("mlx-pd bench: error: --compare runs fixed concurrency levels; drop --rate", file=sys.stderr)
@@ -162,11 +169,4 @@ def run_compare(args) -> int:
                      targets=[t.strip() for t in args.targets.split(",") if t.strip()], make=make, slos=_slos(args),
                      workload=spec.name)
     result["command"] = "mlx-pd bench " + shlex.join(args.argv)
-    print_compare(result)
-    write_json(result, args.out)
-    if args.markdown:
-        Path(args.markdown).write_text(markdown_compare(result), encoding="utf-8")
-    if args.plots:
-        _plot_levels(result, args)
-    errors = sum(s["errors"] for level in result["levels"] for s in level["servers"].values())
-    return 1 if errors else 0
+    return _report_levels(result, args)

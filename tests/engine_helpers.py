@@ -38,6 +38,13 @@ class Result:
     logprobs: list = field(default_factory=list)
     outputs: list[RequestOutput] = field(default_factory=list)
 
+    def add(self, out: RequestOutput) -> None:
+        """Join one output delta."""
+        self.outputs.append(out)
+        self.token_ids += out.token_ids
+        self.text += out.text
+        self.logprobs += list(out.logprobs or ())
+
     @property
     def final(self) -> RequestOutput:
         return self.outputs[-1]
@@ -54,11 +61,7 @@ def run(engine, requests: list[GenerateRequest], max_steps: int = 100_000) -> di
         if not engine.has_work():
             break
         for out in engine.step():
-            res = results[out.request_id]
-            res.outputs.append(out)
-            res.token_ids += out.token_ids
-            res.text += out.text
-            res.logprobs += list(out.logprobs or ())
+            results[out.request_id].add(out)
     assert not engine.has_work(), "engine did not finish"
     return results
 

@@ -82,10 +82,7 @@ def run_checked(engine, requests: list[GenerateRequest]) -> dict[str, SpecResult
                   for rid, res in results.items() if res.seq is not None and res.seq.spec is not None}
         for out in engine.step():
             res = results[out.request_id]
-            res.outputs.append(out)
-            res.token_ids += out.token_ids
-            res.text += out.text
-            res.logprobs += list(out.logprobs or ())
+            res.add(out)
             accepted = res.seq.spec.accepted_total - before[out.request_id][1] if out.request_id in before else 0
             res.steps.append((len(out.token_ids), accepted))
         for rid, (proposed, accepted) in before.items():

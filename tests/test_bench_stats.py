@@ -8,8 +8,6 @@ import asyncio
 import json
 import math
 import random
-import threading
-import time
 
 import pytest
 
@@ -17,8 +15,9 @@ from benchmarks import compare, doc_blocks, plots, roofline
 from benchmarks.loadgen import WorkloadConfig, prompt_key, run_benchmark
 from benchmarks.report import markdown_compare, markdown_runs
 from benchmarks.scenarios import WorkloadSpec, build_workload
-from benchmarks.servers import free_port, one_p_one_d_topology
+from benchmarks.servers import one_p_one_d_topology
 from benchmarks.stats import RequestRecord, goodput, parse_slos, percentile, prefix_hit_rate, summarize
+from tests.test_bench import fake_server  # noqa: F401  (a fixture this module uses)
 
 
 def rec(i, ttft, e2e, n=11, prompt=100, cached=0, error=None):
@@ -144,24 +143,11 @@ def test_mixed_draws_every_kind():
         WorkloadSpec("rag")
 
 
+
 @pytest.fixture(scope="module")
-def fake_url():
-    import uvicorn
-
-    from tests.test_bench import make_fake_app
-
-    received: list = []
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(make_fake_app(received), host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", received
-    server.should_exit = True
-    thread.join(timeout=10)
+def fake_url(fake_server):
+    """test_bench's fake OpenAI server (base URL, received bodies)."""
+    return fake_server
 
 
 def test_requests_sent_are_unique_and_shared_prefix_repeats_only_the_system(fake_url):
