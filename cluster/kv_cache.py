@@ -204,7 +204,9 @@ class BatchLayout:
     write_slots: int32 [B * T], the slot of each new token (padding -> null-block slots).
     gather_slots: int32 [B, L], each sequence's context slots, padded with slot 0.
     offset: the position of the first new token: an int when B == 1, else int32 [B] (rope accepts both).
-    mask: None (B == 1, T == 1), "causal" (B == 1), or bool [B, 1, T, L].
+    mask: None (B == 1, T == 1), "causal" (B == 1), or bool [B, 1, T, L]; with `mask_rank` 5, bool
+    [B, 1, 1, T, L], for attention that splits queries into [B, kv_heads, repeats, T, head_dim] (a [B, 1, T, L]
+    mask would broadcast sequence b's row onto KV head b there).
     mirror: set for decode steps served from the DecodeMirror (then gather_slots is None).
     """
 
@@ -216,19 +218,20 @@ class BatchLayout:
 
     @classmethod
     def build_decode(cls, store: "KVStore", rows: Sequence[str], block_tables: Sequence[Sequence[int]],
-                     starts: Sequence[int]) -> "BatchLayout":
+                     starts: Sequence[int], mask_rank: int = 4) -> "BatchLayout":
         """Layout for a decode step (one new token per row): from the mirror when it fits, else gathered."""
         bs = store.block_size
         step = store.mirror.plan(rows, block_tables, starts, bs) if store.mirror is not None else None
         if step is None:
-            return cls.build(block_tables, starts, [1] * len(starts), bs)
+            return cls.build(block_tables, starts, [1] * len(starts), bs, mask_rank)
         write = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, starts)]
-        return cls(mx.array(write, dtype=mx.int32), None, step.offset, step.mask, step)
+        return cls(mx.array(write, dtype=mx.int32), None, step.offset, _at_rank(step.mask, mask_rank), step)
 
     @classmethod
     def build(cls, block_tables: Sequence[Sequence[int]], starts: Sequence[int], num_new: Sequence[int],
-              block_size: int) -> "BatchLayout":
-        """Layout for B sequences; sequence b writes positions [starts[b], starts[b] + num_new[b])."""
+              block_size: int, mask_rank: int = 4) -> "BatchLayout":
+        """Layout for B sequences; sequence b writes positions [starts[b], starts[b] + num_new[b]).
+        `mask_rank` (4 or 5) is the rank of a batched mask (see the class docstring)."""
         B, T = len(starts), max(num_new)
         L = max(s + n for s, n in zip(starts, num_new))
         write = np.zeros((B, T), dtype=np.int32)  # padding lands in the null block (block 0)
@@ -248,7 +251,7 @@ class BatchLayout:
             q = mx.arange(T)[None, None, :, None]
             k = mx.arange(L)[None, None, None, :]
             ctx_arr = mx.array([s + n for s, n in zip(starts, num_new)], dtype=mx.int32)[:, None, None, None]
-            mask = (k <= start_arr + q) & (k < ctx_arr)
+            mask = _at_rank((k <= start_arr + q) & (k < ctx_arr), mask_rank)
         return cls(mx.array(write.ravel()), mx.array(gather), offset, mask)
 
 
@@ -377,6 +380,13 @@ def _placed_empty(shape: tuple, dtype, bad: Callable[[int], bool]) -> np.ndarray
     base = _address(raw)
     shift = next((s for s in range(0, _PAGE, _ALIAS_WINDOW) if not bad(base + s)), 0)
     return raw[shift:shift + nbytes].view(dtype).reshape(shape)
+
+
+def _at_rank(mask: Union[None, mx.array], rank: int) -> Union[None, mx.array]:
+    """A [B, 1, T, L] mask as [B, 1, 1, T, L] for rank 5 (one more broadcast axis after the batch); else as is."""
+    if rank == 4 or mask is None:
+        return mask
+    return mx.expand_dims(mask, 1)
 
 
 def _flatten_new(x: mx.array) -> mx.array:
