@@ -29,6 +29,7 @@ from cluster.detokenizer import OutputText
 from cluster.hashing import block_extra_key, kv_format_name
 from cluster.kv_cache import KVStore, kv_bytes_per_block
 from cluster.model import ModelSpec
+from cluster.model_families import verify_model
 from cluster.request import FinishReason, GenerateRequest, RequestOutput
 from cluster.runner import BatchItem, ModelRunner
 from cluster.sampling import make_key, prompt_logprobs, sample
@@ -43,9 +44,10 @@ logger = logging.getLogger(__name__)
 class EngineCore(SpeculativeSteps):
     """Continuous batching over a paged KV pool for one model.
 
-    Raises `ValueError` from `add_request` when a request can never run here (prompt at or over the
-    context limit, or larger than the whole KV pool, or a speculative method this engine has no drafter
-    for); the message says what to change.
+    Raises `ValueError` at construction for a model outside the verified families
+    (`cluster.model_families.verify_model`), and from `add_request` when a request can never run here
+    (prompt at or over the context limit, or larger than the whole KV pool, or a speculative method this
+    engine has no drafter for); the message says what to change.
 
     `drafters` maps a speculative method ("prompt_lookup", "draft_model") to its drafter
     (decode_node/speculative.py; cluster/ imports no sibling, so whoever builds the engine injects them, here
@@ -55,6 +57,7 @@ class EngineCore(SpeculativeSteps):
     def __init__(self, model, tokenizer, spec: ModelSpec, config: EngineConfig,
                  drafters: Optional[dict[str, Drafter]] = None):
         self.model, self.tokenizer, self.spec, self.config = model, tokenizer, spec, config
+        verified = verify_model(model)  # before the pool is allocated: a refused model fails fast
         self.block_size = config.block_size
         self.max_model_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
         per_block = kv_bytes_per_block(spec, config.block_size, config.dtype, config.kv_bits, config.kv_group_size)
@@ -63,8 +66,9 @@ class EngineCore(SpeculativeSteps):
             raise ValueError(f"kv_cache_gb={config.kv_cache_gb} holds no block of {per_block} bytes")
         self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
         self.store = KVStore(spec, num_blocks, config.block_size, config.dtype, config.kv_bits, config.kv_group_size,
-                             mirror_budget_bytes=self._mirror_budget(config, num_blocks * per_block))
-        self.runner = ModelRunner(model, self.store)
+                             mirror_budget_bytes=self._mirror_budget(config, num_blocks * per_block),
+                             dequantize_for_attention=None if verified.reads_quantized_kv else True)
+        self.runner = ModelRunner(model, self.store, verified)
         self.kv_format = kv_format_name(config.dtype, config.kv_bits, config.kv_group_size, config.block_size)
         self.scheduler = Scheduler(config, self.pool, self._extra_key, lookahead=self._lookahead)
         self.drafters: dict[str, Drafter] = dict(drafters or {})

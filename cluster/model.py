@@ -82,10 +82,15 @@ def served_model(source: Optional[str], served_name: Optional[str], dtype: str) 
 
 
 def read_model_spec(path: Path, model_id: Optional[str] = None) -> ModelSpec:
-    """Read `ModelSpec` from `path/config.json`. Raises ValueError for configs without attention heads."""
+    """Read `ModelSpec` from `path/config.json`. Raises ValueError for a `model_type` outside the verified
+    families (`cluster.model_families`, message naming it and listing the served ones) and for configs
+    without attention heads."""
     import hashlib
 
+    from cluster.model_families import check_config
+
     config: dict[str, Any] = json.loads((path / "config.json").read_text())
+    check_config(config)
     text = config.get("text_config", config)
     heads = text.get("num_attention_heads")
     if not heads:
@@ -114,12 +119,17 @@ def load_model(path: Path, dtype: str = "float32"):
     """Load (model, tokenizer) from an mlx-lm folder and cast floating weights to `dtype`.
 
     Returns the mlx-lm `nn.Module` (called as `model(tokens[B, T], cache=[per-layer caches])` ->
-    logits[B, T, vocab]) and mlx-lm's `TokenizerWrapper`.
+    logits[B, T, vocab]) and mlx-lm's `TokenizerWrapper`. Raises ValueError, before any weights load, for
+    a `model_type` outside the verified families (`cluster.model_families`); the engine checks the loaded
+    model's layers and head (`verify_model`) when it is built.
     """
     import mlx.core as mx
     from mlx.utils import tree_map
     from mlx_lm import load
 
+    from cluster.model_families import check_config
+
+    check_config(json.loads((Path(path) / "config.json").read_text()))
     model, tokenizer = load(str(path))
     target = getattr(mx, dtype)
     model.update(tree_map(lambda w: w.astype(target) if mx.issubdtype(w.dtype, mx.floating) else w,

@@ -11,11 +11,12 @@ the KV writes (the trick mlx-lm's own prefill uses: evaluate the cache, never th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import mlx.core as mx
 
 from cluster.kv_cache import BatchLayout, KVStore
+from cluster.model_families import VerifiedModel, verify_model
 
 
 @dataclass(frozen=True)
@@ -33,28 +34,20 @@ class BatchItem:
     seq_key: Optional[str] = None  # identifies the sequence across decode steps (for the decode mirror)
 
 
-def split_head(model) -> Optional[tuple[Callable, Callable]]:
-    """(body, head) for mlx-lm models shaped `Model.model` + `lm_head` or tied embeddings, else None.
-
-    body(tokens[B, T], cache) -> hidden[B, T, hidden_size]; head(hidden[..., hidden_size]) -> logits.
-    """
-    inner = getattr(model, "model", None)
-    args = getattr(model, "args", None)
-    if inner is None or args is None or not callable(inner):
-        return None
-    if getattr(args, "tie_word_embeddings", False) and hasattr(getattr(inner, "embed_tokens", None), "as_linear"):
-        return inner, inner.embed_tokens.as_linear
-    if hasattr(model, "lm_head") and not getattr(args, "tie_word_embeddings", False):
-        return inner, model.lm_head
-    return None
-
-
 class ModelRunner:
-    """Runs `model` over `store`. Not thread-safe: one engine thread owns it (MLX runs on that thread)."""
+    """Runs `model` over `store`. Not thread-safe: one engine thread owns it (MLX runs on that thread).
 
-    def __init__(self, model, store: KVStore):
+    `verified` is `verify_model(model)`'s result (computed here when None). Raises ValueError for a model
+    that `verify_model` refuses, or whose attention cannot read the store's quantized KV as stored.
+    """
+
+    def __init__(self, model, store: KVStore, verified: Optional[VerifiedModel] = None):
         self.model, self.store = model, store
-        self._split = split_head(model)
+        self.verified = verified or verify_model(model)
+        if store.kv_bits is not None and not store.dequantize_for_attention and not self.verified.reads_quantized_kv:
+            raise ValueError(f"{self.verified.model_type} attention reads float KV only: a KV store with "
+                             f"kv_bits={store.kv_bits} must dequantize for attention")
+        self._body, self._head, self._mask_rank = self.verified.body, self.verified.head, self.verified.mask_rank
 
     def forward(self, items: Sequence[BatchItem]) -> list[Optional[mx.array]]:
         """Run one step; returns per item float32 logits: [vocab] for "last", [T_b, vocab] for "all", None
@@ -64,15 +57,11 @@ class ModelRunner:
         tokens = mx.array([list(it.token_ids) + [0] * (T - len(it.token_ids)) for it in items], dtype=mx.int32)
         tables, starts = [it.block_table for it in items], [it.start for it in items]
         if T == 1 and all(it.seq_key is not None for it in items):
-            layout = BatchLayout.build_decode(self.store, [it.seq_key for it in items], tables, starts)
+            layout = BatchLayout.build_decode(self.store, [it.seq_key for it in items], tables, starts,
+                                              self._mask_rank)
         else:
-            layout = BatchLayout.build(tables, starts, num_new, self.store.block_size)
-        views = self.store.views(layout)
-        if self._split is None:
-            hidden, head = self.model(tokens, cache=views), (lambda x: x)
-        else:
-            body, head = self._split
-            hidden = body(tokens, cache=views)
+            layout = BatchLayout.build(tables, starts, num_new, self.store.block_size, self._mask_rank)
+        hidden = self._body(tokens, cache=self.store.views(layout))
         out: list[Optional[mx.array]] = [None] * len(items)
         # one [rows, hidden] x [hidden, vocab] product: the head's weights are read once per step
         batch_rows, positions, spans = [], [], []
@@ -84,7 +73,7 @@ class ModelRunner:
             batch_rows += [b] * (num_new[b] - first)
             positions += range(first, num_new[b])
         if positions:
-            logits = head(hidden[mx.array(batch_rows), mx.array(positions)]).astype(mx.float32)
+            logits = self._head(hidden[mx.array(batch_rows), mx.array(positions)]).astype(mx.float32)
             for b, at, n in spans:
                 out[b] = logits[at] if items[b].logits == "last" else logits[at:at + n]
         else:
