@@ -1,0 +1,183 @@
+"""The model families the engine reproduces exactly, and the gate that refuses every other one at load.
+
+The engine runs mlx-lm's own model classes over its paged KV cache (cluster/kv_cache.py) and applies the
+output head itself, on the rows that need logits only (cluster/runner.py). That reproduces mlx-lm's
+generation only when three things hold, so a model is served only when all three are checked:
+
+- the family (`model_type`) is in `FAMILIES`: its mlx-lm `Model.__call__` was read and its output head is
+  written down here (`Family.head`), and its attention's score layout is known (`Family.mask_rank`);
+- every layer is full attention over a plain KV cache (`make_cache` gives `KVCache` only: no sliding
+  window, no recurrent state) with a position-only rotary embedding (batched steps give rope one offset per
+  row);
+- the model object is the verified mlx-lm class, and the head's weights are where that class reads them.
+
+Anything else raises ValueError at load (config.json: `check_config`; the model object: `verify_model`,
+called when an engine or a runner is built), naming the model type, layer or head and listing what is
+served, so that a server never answers /health for a model it would fail on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import mlx.core as mx
+
+
+def linear_head(model) -> Callable[[mx.array], mx.array]:
+    """The plain head of `Model.__call__`: the tied embedding's `as_linear` when `args.tie_word_embeddings`,
+    else `lm_head`. Raises ValueError when the weights are not there."""
+    if getattr(model.args, "tie_word_embeddings", False):
+        embed = getattr(model.model, "embed_tokens", None)
+        if not hasattr(embed, "as_linear"):
+            raise ValueError("the output head is tied to embed_tokens, which has no as_linear")
+        return embed.as_linear
+    if not hasattr(model, "lm_head"):
+        raise ValueError("the output head is untied but the model has no lm_head")
+    return model.lm_head
+
+
+def granite_head(model) -> Callable[[mx.array], mx.array]:
+    """granite: the plain head divided by `logits_scaling`."""
+    base, scale = linear_head(model), model.logits_scaling
+
+    def head(hidden: mx.array) -> mx.array:
+        return base(hidden) / scale
+
+    return head
+
+
+def gemma2_head(model) -> Callable[[mx.array], mx.array]:
+    """gemma2: tied embeddings, then tanh soft-capping at `final_logit_softcapping` (always tied in mlx-lm)."""
+    embed = getattr(model.model, "embed_tokens", None)
+    if not hasattr(embed, "as_linear"):
+        raise ValueError("gemma2's output head is tied to embed_tokens, which has no as_linear")
+    base, cap = embed.as_linear, model.final_logit_softcapping
+
+    def head(hidden: mx.array) -> mx.array:
+        return mx.tanh(base(hidden) / cap) * cap
+
+    return head
+
+
+def _four_d(model) -> int:
+    return 4
+
+
+def _split_heads_when_grouped(model) -> int:
+    """5 when the attention reshapes queries to [B, kv_heads, repeats, T, head_dim] (repeats > 1), else 4."""
+    return 5 if any(layer.self_attn.repeats > 1 for layer in model.layers) else 4
+
+
+@dataclass(frozen=True)
+class Family:
+    """One verified family.
+
+    `module`: the mlx-lm module whose `Model` class is verified (`mlx_lm.models.<module>`).
+    `head(model)`: builds the output head, hidden [..., hidden_size] -> logits [..., vocab] in the model's
+    dtype, exactly what `Model.__call__` does after the body `model.model`.
+    `mask_rank(model)`: the rank of the batched attention mask the attention's scores broadcast against: 4
+    for [B, 1, T, L] over scores [B, heads, T, L]; 5 for [B, 1, 1, T, L] over [B, kv_heads, repeats, T, L].
+    `reads_quantized_kv`: the attention goes through mlx-lm's `scaled_dot_product_attention`, which reads
+    quantized caches (`bits`/`group_size`); when False, quantized KV is dequantized for attention.
+    """
+
+    module: str
+    head: Callable[[Any], Callable[[mx.array], mx.array]] = linear_head
+    mask_rank: Callable[[Any], int] = _four_d
+    reads_quantized_kv: bool = True
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("llama"),
+    "mistral": Family("llama"),  # mlx-lm runs mistral checkpoints with its llama classes
+    "qwen2": Family("qwen2"),
+    "qwen3": Family("qwen3"),
+    "qwen3_moe": Family("qwen3_moe"),
+    "mixtral": Family("mixtral"),
+    "olmo2": Family("olmo2"),
+    "phi3": Family("phi3"),
+    # gemma2 computes attention itself: scores [B, kv_heads, repeats, T, L] when repeats > 1, float K/V only
+    "gemma2": Family("gemma2", head=gemma2_head, mask_rank=_split_heads_when_grouped, reads_quantized_kv=False),
+    "granite": Family("granite", head=granite_head),
+}
+
+# rotary embeddings that depend on the position only (mx.fast.rope with per-row offsets)
+_POSITIONAL_ROPES = {("mlx.nn.layers.positional_encoding", "RoPE"), ("mlx_lm.models.rope_utils", "Llama3RoPE"),
+                     ("mlx_lm.models.rope_utils", "SuScaledRoPE"), ("mlx_lm.models.rope_utils", "YarnRoPE")}
+
+
+def supported() -> str:
+    """The verified model types, comma-separated, for error messages."""
+    return ", ".join(FAMILIES)
+
+
+def family_of(model_type: Optional[str]) -> Family:
+    """The verified `Family` of `model_type`. Raises ValueError naming it and listing the served types."""
+    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        raise ValueError(f"model_type {model_type!r} is not a family this engine serves exactly "
+                         f"(served: {supported()})")
+    return family
+
+
+def check_config(config: dict) -> Family:
+    """Gate on a config.json dict (before any weights load): its top-level `model_type` must be verified.
+    Returns the Family; raises ValueError as `family_of`."""
+    return family_of(config.get("model_type"))
+
+
+@dataclass(frozen=True)
+class VerifiedModel:
+    """What the runner needs of a model that passed `verify_model`.
+
+    `body(tokens int32 [B, T], cache=[per-layer caches]) -> hidden [B, T, hidden_size]`;
+    `head(hidden [..., hidden_size]) -> logits [..., vocab]` (the family's exact head);
+    `mask_rank`: 4 or 5 (see `Family.mask_rank`); `reads_quantized_kv` as in `Family`.
+    """
+
+    model_type: str
+    body: Callable
+    head: Callable[[mx.array], mx.array]
+    mask_rank: int
+    reads_quantized_kv: bool
+
+
+def verify_model(model) -> VerifiedModel:
+    """Gate on a loaded mlx-lm model: verified family, its own mlx-lm class, every layer full attention of
+    the family's class over a plain `KVCache` with a position-only rope, and the family's head buildable.
+    Returns the `VerifiedModel`; raises ValueError naming the model type, layer or head at fault and
+    listing what is served."""
+    args = getattr(model, "args", None)
+    model_type = getattr(model, "model_type", None) or getattr(args, "model_type", None)
+    family = family_of(model_type)
+    cls = type(model)
+    module = f"mlx_lm.models.{family.module}"
+    if (cls.__module__, cls.__name__) != (module, "Model") or not callable(getattr(model, "model", None)):
+        raise ValueError(f"model_type {model_type!r} is served only as {module}.Model, "
+                         f"not {cls.__module__}.{cls.__name__}")
+
+    def refuse(what: str) -> ValueError:
+        return ValueError(f"{model_type} model: {what}; this engine serves full attention over a plain KV "
+                          f"cache with a position-only rotary embedding, for the families {supported()}")
+
+    from mlx_lm.models.cache import KVCache
+
+    layers = list(model.layers)
+    caches = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in layers]
+    if len(caches) != len(layers):
+        raise refuse(f"make_cache gives {len(caches)} caches for {len(layers)} layers")
+    for i, (layer, cache) in enumerate(zip(layers, caches)):
+        if type(cache) is not KVCache:
+            raise refuse(f"layer {i} uses {type(cache).__name__} (sliding-window or recurrent state)")
+        attn = getattr(layer, "self_attn", None)
+        if attn is None or type(attn).__module__ != module:
+            raise refuse(f"layer {i} has attention {type(attn).__name__} not from {module}")
+        rope = getattr(attn, "rope", None)
+        if rope is None or (type(rope).__module__, type(rope).__name__) not in _POSITIONAL_ROPES:
+            raise refuse(f"layer {i} uses rotary embedding {type(rope).__name__}, which is not position-only")
+    try:
+        head = family.head(model)
+    except (AttributeError, ValueError) as exc:
+        raise refuse(f"output head: {exc}") from None
+    return VerifiedModel(model_type, model.model, head, family.mask_rank(model), family.reads_quantized_kv)
