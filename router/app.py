@@ -6,27 +6,27 @@
     GET  /metrics               Prometheus text (registry per app)
     POST /reset_prefix_cache    engine.clear_prefix_cache() (vLLM's name)
 
-Each completion request: read JSON -> validate (400 naming the field) -> check the model name (404) ->
-tokenize -> check the prompt length -> clamp max_tokens -> n GenerateRequests -> run them concurrently
--> answer whole or stream. With `api_key` set, every endpoint but /health and /metrics needs
+Each completion request: read the body (413 past `max_body_bytes`, router/body.py) -> parse JSON and check
+that all its text is Unicode (400 naming the field) -> validate (400 naming the field) -> check the model
+name (404) -> tokenize, refusing a prompt over the context after bounded work -> clamp max_tokens -> n
+GenerateRequests -> run them concurrently -> answer whole or stream. Every endpoint with a JSON body reads
+it through `router.body.read_request`. With `api_key` set, every endpoint but /health and /metrics needs
 `Authorization: Bearer <api_key>` (401 otherwise).
 """
 
 from __future__ import annotations
 
 import hmac
-import json
 import time
 import uuid
-from typing import Any, Optional, Type, TypeVar
+from typing import Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
 
 from cluster.engine_client import EngineClient, EngineError
-from router.errors import (APIError, bad_request, engine_unavailable, from_validation_error,
-                           install_error_handlers)
+from router.body import default_max_body_bytes, read_request
+from router.errors import APIError, engine_unavailable, install_error_handlers
 from router.metrics import MetricsMiddleware, RouterMetrics
 from router.openapi import install_openapi
 from router.openai_schema import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -35,9 +35,6 @@ from router.responses import ChatFormatter, CompletionFormatter
 from router.serving import serve_prepared
 from router.tokenizer import RouterTokenizer
 
-M = TypeVar("M", bound=BaseModel)
-
-MAX_BODY_BYTES = 32 * 1024 * 1024
 AUTH_EXEMPT = ("/health", "/metrics")
 
 
@@ -67,53 +64,24 @@ class BearerAuthMiddleware:
         await err.response()(scope, receive, send)
 
 
-async def read_json(request: Request) -> Any:
-    """The request body parsed as JSON (any content type); 400 for bad JSON, 413 for a huge body."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise APIError(413, f"the body is larger than {MAX_BODY_BYTES} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise APIError(413, f"the body is larger than {MAX_BODY_BYTES} bytes")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw.strip():
-        raise bad_request("the body is empty: send a JSON object")
-
-    def no_constants(name: str) -> Any:
-        raise ValueError(f"{name} is not valid JSON")
-
-    try:
-        return json.loads(raw, parse_constant=no_constants)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise bad_request(f"the body is not valid JSON: {exc}") from None
-
-
-def parse_body(model: Type[M], body: Any) -> M:
-    """Validate a JSON body against `model`; 400 naming the bad fields."""
-    if not isinstance(body, dict):
-        raise bad_request(f"the body must be a JSON object, not {type(body).__name__}")
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from None
-
-
 def create_app(engine: EngineClient, tokenizer: RouterTokenizer, *, served_model_names: list[str],
                api_key: Optional[str] = None, request_timeout_s: float = 600.0,
-               metrics: Optional[RouterMetrics] = None) -> FastAPI:
+               metrics: Optional[RouterMetrics] = None, max_body_bytes: Optional[int] = None) -> FastAPI:
     """The router's FastAPI app serving `engine` under the names `served_model_names` (first = default).
 
     `api_key`: require this bearer key (None = open). `request_timeout_s`: a request whose engine
     produces nothing for this long ends with an error and is aborted. `metrics`: share a RouterMetrics
-    (default: a new one with its own registry).
+    (default: a new one with its own registry). `max_body_bytes`: a larger request body is refused with 413
+    before it is read whole (None = sized to the context: max(4 MiB, 256 bytes * engine.max_model_len),
+    `router.body.default_max_body_bytes`).
     """
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     if request_timeout_s <= 0:
         raise ValueError(f"request_timeout_s={request_timeout_s!r} must be > 0")
+    if max_body_bytes is not None and (isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int)
+                                       or max_body_bytes <= 0):
+        raise ValueError(f"max_body_bytes={max_body_bytes!r} must be an integer > 0 (None = sized to the context)")
     names = list(served_model_names)
     created = int(time.time())
     metrics = metrics or RouterMetrics(engine)
@@ -133,14 +101,17 @@ def create_app(engine: EngineClient, tokenizer: RouterTokenizer, *, served_model
                                 f"{', '.join(repr(n) for n in names)}", param="model", code="model_not_found")
         return requested
 
+    def body_limit() -> int:
+        return max_body_bytes or default_max_body_bytes(engine.max_model_len)
+
     async def run(request: Request, kind: str) -> Response:
         arrival, arrival_wall = time.monotonic(), time.time()
-        body = await read_json(request)
+        context = {"max_model_len": engine.max_model_len}
         if kind == "chat":
-            req: Any = parse_body(ChatCompletionRequest, body)
+            req: Any = await read_request(request, ChatCompletionRequest, body_limit(), context)
             prepare, formatter_cls, prefix = prepare_chat, ChatFormatter, "chatcmpl-"
         else:
-            req = parse_body(CompletionRequest, body)
+            req = await read_request(request, CompletionRequest, body_limit(), context)
             prepare, formatter_cls, prefix = prepare_completion, CompletionFormatter, "cmpl-"
         model = resolve_model(req.model)
         prepared = await prepare(req, tokenizer, request_id=prefix + uuid.uuid4().hex, model=model,

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router.openai_schema import ErrorInfo, ErrorResponse
+from router.openai_schema import CONTEXT_LENGTH_EXCEEDED, ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 
@@ -111,9 +111,11 @@ def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, Optio
 
 
 def from_validation_error(exc: Union[ValidationError, RequestValidationError]) -> APIError:
-    """A 400 whose message names each invalid field."""
-    message, param = describe_validation_errors(list(exc.errors()))
-    return bad_request(message, param)
+    """A 400 whose message names each invalid field (code context_length_exceeded for a prompt too long)."""
+    errors = list(exc.errors())
+    message, param = describe_validation_errors(errors)
+    code = CONTEXT_LENGTH_EXCEEDED if any(e.get("type") == CONTEXT_LENGTH_EXCEEDED for e in errors) else None
+    return APIError(400, message, param=param, code=code)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -18,13 +18,21 @@ from __future__ import annotations
 import math
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from cluster.request import MAX_DRAFT_TOKENS
 
 MAX_N = 128  # most choices per request (OpenAI's own limit)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 ROLES = ("system", "developer", "user", "assistant", "tool")
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # the error code (and pydantic error type) of a prompt too long
+
+
+def context_length_message(num_tokens: str, max_model_len: int) -> str:
+    """What a prompt of `num_tokens` ("123", "at least 9000") tokens that leaves no room is told."""
+    return (f"the prompt has {num_tokens} tokens but this model's context is {max_model_len} tokens, which "
+            f"leaves no room for the completion: shorten the prompt to at most {max_model_len - 1} tokens")
 
 
 def _count(value: Any) -> Optional[int]:
@@ -102,7 +110,10 @@ class _SamplingFields(_Request):
 
 
 class CompletionRequest(_SamplingFields):
-    """POST /v1/completions. `prompt` is normalised to a string or a list of token ids."""
+    """POST /v1/completions. `prompt` is normalised to a string or a list of token ids.
+
+    Validated with `context={"max_model_len": N}`, a token-id prompt of N or more ids is refused by its
+    length before its ids are looked at (error type CONTEXT_LENGTH_EXCEEDED)."""
 
     prompt: Union[str, list[int]]
     max_tokens: Optional[int] = 16
@@ -111,13 +122,16 @@ class CompletionRequest(_SamplingFields):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _prompt(cls, value: Any) -> Union[str, list[int]]:
+    def _prompt(cls, value: Any, info: ValidationInfo) -> Union[str, list[int]]:
         if isinstance(value, list) and len(value) >= 1 and isinstance(value[0], (str, list)):
             if len(value) != 1:
                 raise ValueError("batched prompts are not supported: send one prompt per request "
                                  "(use n for several completions of it)")
             value = value[0]
         if isinstance(value, list):
+            limit = (info.context or {}).get("max_model_len")
+            if limit is not None and len(value) >= limit:
+                raise PydanticCustomError(CONTEXT_LENGTH_EXCEEDED, context_length_message(str(len(value)), limit))
             if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
                 raise ValueError("must be a string or a list of token ids (integers >= 0)")
         elif not isinstance(value, str):
@@ -163,12 +177,25 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    """POST /v1/chat/completions. Without max_tokens/max_completion_tokens the context left is the limit."""
+    """POST /v1/chat/completions. Without max_tokens/max_completion_tokens the context left is the limit.
+
+    Validated with `context={"max_model_len": N}`, more than N messages are refused by their number before
+    any is validated or rendered: a chat template renders every message to at least one token (its role
+    marker; at most a first system message may be merged into the next), so they cannot fit."""
 
     messages: list[ChatMessage]
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _message_count(cls, value: Any, info: ValidationInfo) -> Any:
+        limit = (info.context or {}).get("max_model_len")
+        if limit is not None and isinstance(value, list) and len(value) > limit:
+            raise PydanticCustomError(CONTEXT_LENGTH_EXCEEDED, context_length_message(
+                f"{len(value)} messages, so at least {len(value) - 1}", limit))
+        return value
 
     @field_validator("messages")
     @classmethod

@@ -2,7 +2,8 @@
 
 The steps every request takes, in order:
 
-    tokenize (chat template or completion prompt)
+    tokenize (chat template or completion prompt); a text far over the context is refused after about the
+       context's worth of it is tokenized (router/tokenizer.py), a token-id prompt by its length first
     -> reject a prompt that leaves no room: prompt_tokens >= max_model_len  (400, naming both numbers)
     -> max_tokens = min(requested or the context left, max_model_len - prompt_tokens)
     -> SamplingParams (its ValueError becomes a 400 naming the field)
@@ -18,8 +19,9 @@ from typing import Optional, Union
 
 from cluster.request import GenerateRequest, SamplingParams
 from router.errors import APIError, bad_request
-from router.openai_schema import INT64_MAX, ChatCompletionRequest, CompletionRequest
-from router.tokenizer import ChatTemplateError, RouterTokenizer
+from router.openai_schema import (CONTEXT_LENGTH_EXCEEDED, INT64_MAX, ChatCompletionRequest, CompletionRequest,
+                                  context_length_message)
+from router.tokenizer import ChatTemplateError, PromptTooLong, RouterTokenizer
 
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (as in vLLM): dividing by ~0 overflows
 
@@ -57,8 +59,16 @@ def check_token_ids(ids: list[int], vocab_size: int, field: str) -> None:
                           field)
 
 
-async def tokenize_chat(req: ChatCompletionRequest, tok: RouterTokenizer) -> tuple[str, list[int]]:
-    """(prompt text, token ids) of the chat messages; 400 when the template rejects them."""
+def too_long(exc: PromptTooLong, param: str) -> APIError:
+    """The 400 for a prompt whose counting stopped once it had more tokens than the context holds."""
+    return APIError(400, context_length_message(f"at least {exc.at_least}", exc.limit) + " (counting stopped "
+                    "once the prompt could not fit)", param=param, code=CONTEXT_LENGTH_EXCEEDED)
+
+
+async def tokenize_chat(req: ChatCompletionRequest, tok: RouterTokenizer,
+                        max_model_len: Optional[int] = None) -> tuple[str, list[int]]:
+    """(prompt text, token ids) of the chat messages; 400 when the template rejects them, or when the
+    rendered prompt has at least `max_model_len` tokens and is far longer (found after bounded work)."""
     messages = []
     for m in req.messages:
         role = "system" if m.role == "developer" else m.role
@@ -67,18 +77,27 @@ async def tokenize_chat(req: ChatCompletionRequest, tok: RouterTokenizer) -> tup
             message["name"] = m.name
         messages.append(message)
     try:
-        return await tok.arender_chat(messages)
+        return await tok.arender_chat(messages, max_model_len)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from exc
+    except PromptTooLong as exc:
+        raise too_long(exc, "messages") from None
 
 
-async def tokenize_completion(req: CompletionRequest, tok: RouterTokenizer) -> tuple[str, list[int]]:
-    """(prompt text, token ids) of a completion prompt given as text or as token ids."""
+async def tokenize_completion(req: CompletionRequest, tok: RouterTokenizer,
+                              max_model_len: Optional[int] = None) -> tuple[str, list[int]]:
+    """(prompt text, token ids) of a completion prompt given as text or as token ids; with `max_model_len`,
+    a prompt that leaves no room is refused first (token ids by their count, text after bounded work)."""
     if isinstance(req.prompt, str):
-        ids = await tok.aencode(req.prompt)
+        try:
+            ids = await tok.aencode(req.prompt, max_model_len)
+        except PromptTooLong as exc:
+            raise too_long(exc, "prompt") from None
         if not ids:
             raise bad_request("prompt: it encodes to no tokens; send a non-empty prompt", "prompt")
         return req.prompt, ids
+    if max_model_len is not None:
+        clamp_max_tokens(None, len(req.prompt), max_model_len)  # 400 before the ids are read or decoded
     check_token_ids(req.prompt, tok.vocab_size, "prompt")
     text = await tok.adecode(req.prompt) if req.echo else ""
     return text, list(req.prompt)
@@ -89,10 +108,8 @@ def clamp_max_tokens(requested: Optional[int], num_prompt_tokens: int, max_model
     """The tokens to generate: `requested` (None = all) clamped to the context left; 400 if none is left."""
     left = max_model_len - num_prompt_tokens
     if left <= 0:
-        raise APIError(400, f"the prompt has {num_prompt_tokens} tokens but this model's context is "
-                            f"{max_model_len} tokens, which leaves no room for the completion: "
-                            f"shorten the prompt to at most {max_model_len - 1} tokens",
-                       param=param, code="context_length_exceeded")
+        raise APIError(400, context_length_message(str(num_prompt_tokens), max_model_len), param=param,
+                       code=CONTEXT_LENGTH_EXCEEDED)
     return left if requested is None else min(requested, left)
 
 
@@ -164,7 +181,7 @@ async def prepare_chat(req: ChatCompletionRequest, tok: RouterTokenizer, *, requ
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs: set logprobs to true to use top_logprobs", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    text, ids = await tokenize_chat(req, tok)
+    text, ids = await tokenize_chat(req, tok, max_model_len)
     max_tokens = clamp_max_tokens(req.requested_max_tokens, len(ids), max_model_len, "messages")
     sampling = build_sampling(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=None, tok=tok)
     return PreparedRequest(
@@ -176,7 +193,7 @@ async def prepare_chat(req: ChatCompletionRequest, tok: RouterTokenizer, *, requ
 async def prepare_completion(req: CompletionRequest, tok: RouterTokenizer, *, request_id: str,
                              model: str, max_model_len: int, arrival_time: float) -> PreparedRequest:
     """Validate and tokenize a completion request into its GenerateRequests."""
-    text, ids = await tokenize_completion(req, tok)
+    text, ids = await tokenize_completion(req, tok, max_model_len)
     requested = 16 if req.max_tokens is None else req.max_tokens
     max_tokens = clamp_max_tokens(requested, len(ids), max_model_len)
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None

@@ -14,6 +14,20 @@ UTF-8 character, so its display string escapes the bytes the way OpenAI does:
 Speed (SmolLM2, this machine's CPU): encoding 10k characters takes ~3.5 ms, 100k ~30 ms, 1M ~0.5 s; the
 chat template renders in well under 1 ms. Prompts longer than `offload_chars` are therefore tokenized
 in a one-thread executor so the event loop keeps streaming other requests; shorter ones run inline.
+
+Bounded work for prompts far over the context (`encode`/`render_chat` with `limit`): a text of at most
+`DIRECT_CHARS_PER_TOKEN` (8) characters per token of `limit` is tokenized whole, as always (real text has
+fewer characters per token, so a valid prompt is tokenized once). A longer text is first counted in pieces:
+the first piece has `limit` (at least 1024) characters, each next one twice the one before, each cut before a
+whitespace run where one is near, and counting stops as soon as the pieces hold at least `limit` tokens
+plus a slack per cut; `PromptTooLong` then says so, having tokenized about the context's worth of text (at
+most about twice the characters needed to reach the count). Why this never refuses a prompt that fits:
+tokenizing two pieces separately changes only the tokens around the cut (the pre-tokenizer splits at
+whitespace anyway; a cut inside a word changes a few tokens, measured at most 3 on SmolLM2; a cut inside
+a special token such as "<|im_start|>" spells it in at most one token per byte), so the whole text has at
+least the pieces' count minus the slack per cut, `CUT_SLACK_TOKENS` plus the longest added token's bytes.
+The pieces double, so there are few cuts. A text that the pieces do not prove too long is then tokenized
+whole, exactly, as a shorter one is (its token count is near or under the context).
 """
 
 from __future__ import annotations
@@ -21,14 +35,40 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import re
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
 T = TypeVar("T")
 
 
+DIRECT_CHARS_PER_TOKEN = 8  # a text of at most this many characters per token of the limit is tokenized whole
+CUT_SLACK_TOKENS = 32  # with the longest added token's bytes: the most one cut may add to a piecewise count
+CUT_SEARCH_FRACTION = 4  # a cut looks for whitespace in the last 1/4 of its piece
+_SPACE_AFTER_WORD_REVERSED = re.compile(r"\s\S")  # in the reversed text: a whitespace run's first character
+
+
 class ChatTemplateError(ValueError):
     """The messages cannot be rendered by the model's chat template (the client's fault: a 400)."""
+
+
+class PromptTooLong(ValueError):
+    """The text has at least `at_least` tokens, which is >= the `limit` asked for; counting stopped there."""
+
+    def __init__(self, at_least: int, limit: int):
+        super().__init__(f"the text has at least {at_least} tokens (limit {limit}); counting stopped there")
+        self.at_least = at_least
+        self.limit = limit
+
+
+def _cut(text: str, start: int, end: int) -> int:
+    """Where the piece text[start:end] ends: just before the last whitespace run in its last quarter that
+    follows a non-space character, else at `end` (the text's end stays the text's end)."""
+    if end >= len(text):
+        return len(text)
+    floor = end - max(1, (end - start) // CUT_SEARCH_FRACTION)
+    found = _SPACE_AFTER_WORD_REVERSED.search(text[floor:end + 1][::-1])  # rev[k] = text[end - k]
+    return end - found.start() if found else end
 
 
 @functools.lru_cache(maxsize=1)
@@ -57,6 +97,7 @@ class RouterTokenizer:
         self._scheme = self._detect_scheme()
         added = getattr(wrapper, "added_tokens_decoder", None) or {}
         self._added = {int(i): str(getattr(t, "content", t)) for i, t in added.items()}
+        self._cut_slack = CUT_SLACK_TOKENS + max((len(t.encode("utf-8")) for t in self._added.values()), default=0)
         self.vocab_size: int = len(wrapper)
         self.eos_token_ids: tuple[int, ...] = tuple(sorted(getattr(wrapper, "eos_token_ids", ()) or ()))
 
@@ -88,11 +129,13 @@ class RouterTokenizer:
 
     # ------------------------------------------------------------------------------ encoding
 
-    def render_chat(self, messages: Sequence[dict[str, Any]]) -> tuple[str, list[int]]:
+    def render_chat(self, messages: Sequence[dict[str, Any]], limit: Optional[int] = None
+                    ) -> tuple[str, list[int]]:
         """(prompt text, token ids) of `messages` rendered with the chat template plus the generation prompt.
 
         Raises ChatTemplateError when there is no template or the template rejects the messages
-        (e.g. roles that do not alternate).
+        (e.g. roles that do not alternate), and PromptTooLong when the rendered text has at least `limit`
+        tokens and is far longer than that (bounded work; see the module docstring).
         """
         if not self.has_chat_template:
             raise ChatTemplateError("this model has no chat template: use /v1/completions")
@@ -103,24 +146,45 @@ class RouterTokenizer:
             raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from exc
         if not isinstance(text, str):
             raise ChatTemplateError("the chat template did not render to text")
-        return text, list(self._tok.encode(text, add_special_tokens=False))
+        return text, self._encode(text, False, limit)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a completion prompt (with the tokenizer's BOS when it adds one)."""
-        return list(self._tok.encode(text, add_special_tokens=True))
+    def encode(self, text: str, limit: Optional[int] = None) -> list[int]:
+        """Token ids of a completion prompt (with the tokenizer's BOS when it adds one).
+
+        With `limit`, raises PromptTooLong instead when the text is far longer than `limit` tokens and
+        has at least that many (bounded work; see the module docstring)."""
+        return self._encode(text, True, limit)
+
+    def _encode(self, text: str, add_special_tokens: bool, limit: Optional[int]) -> list[int]:
+        if limit is not None and len(text) > DIRECT_CHARS_PER_TOKEN * max(limit, 1):
+            self._refuse_if_over(text, limit)
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def _refuse_if_over(self, text: str, limit: int) -> None:
+        """Count `text`'s tokens in growing pieces; PromptTooLong as soon as the count proves >= limit."""
+        start, size, count, cuts = 0, max(limit, 1024), 0, 0
+        while start < len(text):
+            end = _cut(text, start, start + size)
+            count += len(self._tok.encode(text[start:end], add_special_tokens=False))
+            start, size = end, 2 * size
+            at_least = count - self._cut_slack * cuts
+            if at_least >= limit:
+                raise PromptTooLong(at_least, limit)
+            cuts += 1
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of `token_ids` (special tokens kept, as in the prompt)."""
         return self._tok.decode(list(token_ids))
 
-    async def arender_chat(self, messages: Sequence[dict[str, Any]]) -> tuple[str, list[int]]:
+    async def arender_chat(self, messages: Sequence[dict[str, Any]], limit: Optional[int] = None
+                           ) -> tuple[str, list[int]]:
         """`render_chat`, off the event loop when the messages are long."""
         size = sum(len(m.get("content") or "") for m in messages)
-        return await self._maybe_offload(size, self.render_chat, messages)
+        return await self._maybe_offload(size, self.render_chat, messages, limit)
 
-    async def aencode(self, text: str) -> list[int]:
+    async def aencode(self, text: str, limit: Optional[int] = None) -> list[int]:
         """`encode`, off the event loop when the text is long."""
-        return await self._maybe_offload(len(text), self.encode, text)
+        return await self._maybe_offload(len(text), self.encode, text, limit)
 
     async def adecode(self, token_ids: Sequence[int]) -> str:
         """`decode`, off the event loop when there are many ids."""
