@@ -29,6 +29,7 @@ from cluster.detokenizer import OutputText
 from cluster.hashing import block_extra_key, kv_format_name
 from cluster.kv_cache import KVStore, kv_bytes_per_block
 from cluster.model import ModelSpec
+from cluster.ownership import ThreadOwner
 from cluster.model_families import verify_model
 from cluster.request import FinishReason, GenerateRequest, RequestOutput
 from cluster.runner import BatchItem, ModelRunner
@@ -65,9 +66,11 @@ class EngineCore(SpeculativeSteps):
         if num_blocks < 2:
             raise ValueError(f"kv_cache_gb={config.kv_cache_gb} holds no block of {per_block} bytes")
         self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
+        # one owner thread for the model calls, the KV arrays and the pool (cluster/ownership.py)
+        self.owner = ThreadOwner("this engine")
         self.store = KVStore(spec, num_blocks, config.block_size, config.dtype, config.kv_bits, config.kv_group_size,
                              mirror_budget_bytes=self._mirror_budget(config, num_blocks * per_block),
-                             dequantize_for_attention=None if verified.reads_quantized_kv else True)
+                             dequantize_for_attention=None if verified.reads_quantized_kv else True, owner=self.owner)
         self.runner = ModelRunner(model, self.store, verified)
         self.kv_format = kv_format_name(config.dtype, config.kv_bits, config.kv_group_size, config.block_size)
         self.scheduler = Scheduler(config, self.pool, self._extra_key, lookahead=self._lookahead)
@@ -114,6 +117,7 @@ class EngineCore(SpeculativeSteps):
     def add_request(self, request: GenerateRequest) -> Optional[RequestOutput]:
         """Queue a request (validated by `check_request`). Returns a final output at once if it
         asks for no tokens, else None."""
+        self.owner.check("EngineCore.add_request")
         if request.request_id in self.sequences:
             raise ValueError(f"request_id {request.request_id!r} is already running")
         max_tokens = self.check_request(request)
@@ -134,6 +138,7 @@ class EngineCore(SpeculativeSteps):
         whose first token was sampled, checked for stops and streamed there. The engine owns the blocks from
         now on and frees them on every path, including when this raises ValueError (as `add_request`).
         Returns a final output at once if no token is left to generate, else None."""
+        self.owner.check("EngineCore.add_prefilled")
         try:
             if request.request_id in self.sequences:
                 raise ValueError(f"request_id {request.request_id!r} is already running")
@@ -161,6 +166,7 @@ class EngineCore(SpeculativeSteps):
 
     def abort(self, request_id: str) -> Optional[RequestOutput]:
         """Stop a request and free its blocks; returns its final `abort` output (None if unknown)."""
+        self.owner.check("EngineCore.abort")
         seq = self.sequences.pop(request_id, None)
         if seq is None:
             return None
@@ -173,7 +179,9 @@ class EngineCore(SpeculativeSteps):
     # -- the loop ------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; returns the output deltas it produced."""
+        """Run one scheduled batch; returns the output deltas it produced. Raises `WrongThreadError` off the
+        owner thread (cluster/ownership.py); never for a request's sake."""
+        self.owner.check("EngineCore.step")
         expired = [self._expire(seq) for seq in self.scheduler.expired(time.monotonic() - self.config.queue_timeout_s)]
         batch = self.scheduler.schedule()
         if batch is None:

@@ -28,6 +28,7 @@ import numpy as np
 
 from cluster.decode_mirror import DecodeMirror, MirrorStep, context_slots
 from cluster.model import ModelSpec
+from cluster.ownership import ThreadOwner
 
 
 def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: str, kv_bits: Optional[int],
@@ -45,14 +46,19 @@ def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: str, kv_bits: Op
 
 
 class KVStore:
-    """Per-layer K/V arrays indexed by slot (see the module docstring for the layout)."""
+    """Per-layer K/V arrays indexed by slot (see the module docstring for the layout).
+
+    The arrays belong to `owner` (cluster/ownership.py: the engine's thread); `read_blocks`, `write_blocks` and
+    `views` raise `WrongThreadError` on any other thread.
+    """
 
     def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: str = "float32",
                  kv_bits: Optional[int] = None, kv_group_size: int = 64, mirror_budget_bytes: int = 0,
-                 dequantize_for_attention: Optional[bool] = None):
+                 dequantize_for_attention: Optional[bool] = None, owner: Optional[ThreadOwner] = None):
         if kv_bits is not None and spec.head_dim % kv_group_size:
             raise ValueError(f"kv_group_size={kv_group_size} does not divide head_dim={spec.head_dim}")
         self.spec, self.num_blocks, self.block_size = spec, num_blocks, block_size
+        self.owner = owner or ThreadOwner("the KV store")
         self.dtype, self.kv_bits, self.kv_group_size = getattr(mx, dtype), kv_bits, kv_group_size
         slots, heads, dim = num_blocks * block_size, spec.num_kv_heads, spec.head_dim
 
@@ -143,6 +149,7 @@ class KVStore:
         """Copies of the blocks' K/V, one array per `array_names` entry, shaped as in `block_array_specs`
         (bfloat16 as uint16 words). One `np.take` per array and layer: a memcpy per block (blocks are
         contiguous slot ranges). Slots beyond a partial block's tokens hold whatever was there (never read)."""
+        self.owner.check("KVStore.read_blocks")
         ids = self._block_ids(block_ids)
         self._evaluate(layers)
         per_layer = [self._block_views(layer) for layer in layers]
@@ -171,6 +178,7 @@ class KVStore:
         array and layer. A layer whose block copies would 4K-alias (see `_alias_shifts`) goes through a bounce
         buffer placed so that neither copy does: one more copy of that layer, in cache, instead of block
         copies ~10x slower."""
+        self.owner.check("KVStore.write_blocks")
         ids = self._block_ids(block_ids)
         self._evaluate(layers)
         shifts = {}
@@ -190,6 +198,7 @@ class KVStore:
 
     def views(self, batch: "BatchLayout") -> list["LayerCacheView"]:
         """One mlx-lm cache object per layer for this step's batch."""
+        self.owner.check("KVStore.views")
         if self.kv_bits is None:
             cls = LayerCacheView
         else:

@@ -65,6 +65,7 @@ class EngineThread:
         return self._stats
 
     def _loop(self) -> None:
+        self.core.owner.take()  # from here on only this thread touches the engine (cluster/ownership.py)
         try:
             while not self._stop.is_set():
                 self._drain(block=not self.core.has_work())

@@ -134,7 +134,10 @@ def load_model(path: Path, dtype: str = "float32"):
     target = getattr(mx, dtype)
     model.update(tree_map(lambda w: w.astype(target) if mx.issubdtype(w.dtype, mx.floating) else w,
                           model.parameters()))
-    mx.eval(model.parameters())
+    # Every array of the model, not only its parameters: private ones such as a rope's `_freqs` would
+    # otherwise stay lazy graphs that the first forward of each engine thread sharing the model evaluates
+    # at the same time (cluster/ownership.py).
+    mx.eval(model.state)
     return model, tokenizer
 
 
@@ -175,5 +178,5 @@ def load_draft_model(source: Optional[str], dtype: str = "float32", quantize_bit
                     m.weight = mx.dequantize(*q, group_size=group_size, bits=quantize_bits).astype(m.weight.dtype)
         else:
             nn.quantize(model, group_size=group_size, bits=quantize_bits, class_predicate=quantizable)
-        mx.eval(model.parameters())
+        mx.eval(model.state)
     return model, tokenizer, read_model_spec(path, model_id=model_id)

@@ -302,13 +302,15 @@ def client_socket(ctx: zmq.Context, kind: int, endpoint: str, keys: Optional[Cur
 
 
 def close_context(ctx: zmq.Context) -> None:
-    """Stop ``ctx``'s authenticator thread (if one was started) and terminate ``ctx``. Idempotent.
+    """Stop ``ctx``'s authenticator thread (if one was started), then close whatever sockets are left and
+    terminate ``ctx`` without lingering. Idempotent.
 
-    Close the context's sockets first: ``ctx.term()`` waits for every open socket.
+    Call it only once every thread that used the context's sockets has stopped: closing a ZeroMQ socket while
+    another thread uses it corrupts memory (the authenticator's socket is why it is stopped first).
     """
     with _AUTH_LOCK:
         entry = _AUTH.pop(id(ctx), None)
     if entry is not None:
         entry[1].auth.stop()
     if not ctx.closed:
-        ctx.term()
+        ctx.destroy(linger=0)

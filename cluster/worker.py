@@ -15,11 +15,13 @@ Roles implement `_on_generate`, `_on_abort`, `_poll_transfers`, `_after_step` an
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import queue
 import threading
 import time
 import uuid
-from typing import Optional
+from typing import Callable, Optional
 
 import zmq
 from prometheus_client import CollectorRegistry, start_http_server
@@ -31,7 +33,7 @@ from cluster.protocol import (PROTOCOL_VERSION, TO_ROUTER, TO_WORKER, AbortReque
                               SnapshotRequest, output_to_wire, pack, request_from_wire, unpack)
 from cluster.request import GenerateRequest, RequestOutput
 from cluster.topology import TopologySpec, WorkerSpec
-from cluster.transport import CurveKeys, server_socket
+from cluster.transport import CurveKeys, close_context, server_socket
 
 logger = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.02
@@ -84,6 +86,7 @@ class Worker:
         self.routes: dict[str, bytes] = {}  # request_id -> the router identity that sent it
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
+        self._calls: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()  # see call()
         self._stats: dict = {}
         self._stats_at = 0.0
         self.endpoints: dict = {}
@@ -121,11 +124,21 @@ class Worker:
         return self.endpoints
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop the loop (aborting transfers) and close every socket."""
+        """Stop the loop (aborting transfers) and close every socket.
+
+        The loop thread closes its own sockets as it ends (a ZeroMQ socket must not be closed by one thread
+        while another uses it); then this stops the context's authenticator thread and terminates the
+        context. A loop still running after `timeout_s` keeps its sockets, and this logs an error instead."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
-        self.ctx.destroy(linger=0)
+            if self._thread.is_alive():
+                logger.error("%s: the loop did not stop within %.0f s; its sockets stay open",
+                             self.spec.actor_name, timeout_s)
+                return
+        else:
+            self._close_sockets()  # start() failed before the loop: this thread made the sockets
+        close_context(self.ctx)
         server = getattr(self, "_metrics_server", None)
         if server is not None:
             server.shutdown()
@@ -134,6 +147,14 @@ class Worker:
     def healthy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def call(self, fn: Callable[["Worker"], object], timeout_s: float = 30.0) -> object:
+        """Run `fn(self)` on the loop thread between steps and return its result (or raise its exception);
+        the way for another thread (a test, an actor method) to touch the engine. Raises TimeoutError when
+        the loop has not run it within `timeout_s`."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((fn, fut))
+        return fut.result(timeout=timeout_s)
+
     def stats(self) -> dict:
         """The latest snapshot (refreshed by the loop every 0.5 s): JSON-able counters and gauges."""
         return dict(self._stats, healthy=self.healthy)
@@ -141,6 +162,7 @@ class Worker:
     # -- the loop --------------------------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        self.engine.owner.take()  # from here on only this thread touches the engine (cluster/ownership.py)
         try:
             while not self._stop.is_set():
                 busy = self.engine.has_work() or self._transfers_busy()
@@ -149,11 +171,31 @@ class Worker:
                 if self.engine.has_work():
                     outputs = self.engine.step()
                     self._guard(self._after_step, outputs)
+                self._run_calls()
                 self._guard(self._publish_events)
                 if time.monotonic() - self._stats_at > _STATS_EVERY_S:
                     self._refresh_stats()
         finally:
             self._guard(self._teardown)
+            self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        """Close the control and events sockets (role sockets close in `_teardown`)."""
+        for sock in (getattr(self, "control", None), getattr(self, "events_pub", None)):
+            if sock is not None:
+                sock.close(linger=0)
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, fut = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self))
+                except Exception as exc:
+                    fut.set_exception(exc)
 
     def _guard(self, fn, *args) -> None:
         try:

@@ -166,10 +166,16 @@ def test_router_index_follows_clears_and_restarts_r1():
         # Restart (a new boot): after the router resyncs, the worker's old entries are gone.
         assert httpx.post(base + "/v1/chat/completions", json=body, timeout=120).status_code == 200
         assert wait_until(lambda: "prefill-0" in predicted(), 10)
-        workers["prefill-0"].engine.pool.reset_prefix_cache()  # what a fresh process has: nothing...
-        workers["prefill-0"].engine.pool.drain_events()  # ...and no event saying so (a restart sends none)
-        workers["prefill-0"].boot_id = "restarted"
-        workers["prefill-0"].engine.pool.cache_block(1, 12345, list(range(32)))  # its first new block
+
+        def restart(worker):  # on the worker's own thread: the engine belongs to it
+            worker.engine.pool.reset_prefix_cache()  # what a fresh process has: nothing...
+            worker.engine.pool.drain_events()  # ...and no event saying so (a restart sends none)
+            worker.boot_id = "restarted"
+            block = worker.engine.pool.allocate(1)[0]
+            worker.engine.pool.cache_block(block, 12345, list(range(32)))  # its first new block
+            worker.engine.pool.free([block])
+
+        workers["prefill-0"].call(restart)
         assert wait_until(lambda: "prefill-0" not in predicted(), 10), predicted()
         assert client.index.num_blocks("prefill-0") == 1
         assert all(not w.inflight for w in client.workers)  # in-flight counters back to zero
