@@ -96,15 +96,17 @@ def _start(args: argparse.Namespace):
     return client, path
 
 
-def build_router_app(client, tokenizer_path, api_key: Optional[str] = None, request_timeout_s: float = 600.0):
+def build_router_app(client, tokenizer_path, api_key: Optional[str] = None, request_timeout_s: float = 600.0,
+                     max_body_bytes: Optional[int] = None):
     """The router's FastAPI app over any `EngineClient` (single-node `serve` and the cluster's router actor).
 
-    `tokenizer_path` is the model folder (chat template, tokenizer); `api_key` None or "" leaves it open."""
+    `tokenizer_path` is the model folder (chat template, tokenizer); `api_key` None or "" leaves it open;
+    `max_body_bytes` None sizes the body limit to the context (router/body.py)."""
     from router.app import create_app  # lazy: cluster imports no sibling at module level
     from router.tokenizer import RouterTokenizer
 
     return create_app(client, RouterTokenizer.from_path(tokenizer_path), served_model_names=[client.model_name],
-                      api_key=api_key or None, request_timeout_s=request_timeout_s)
+                      api_key=api_key or None, request_timeout_s=request_timeout_s, max_body_bytes=max_body_bytes)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -114,7 +116,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host = args.host or topology.router.host
     port = args.port or topology.router.port
     client, path = _start(args)
-    app = build_router_app(client, path, args.api_key)
+    app = build_router_app(client, path, args.api_key, max_body_bytes=args.max_body_bytes or topology.router.max_body_bytes)
     print(f"mlx-pd: serving {client.model_name} at http://{host}:{port}/v1 "
           f"(context {client.max_model_len} tokens)", file=sys.stderr, flush=True)
     try:
@@ -260,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=None, help="default: the topology's, 8000")
     serve.add_argument("--api-key", default=os.environ.get("MLX_PD_API_KEY"),
                        help="require `Authorization: Bearer KEY` (default: $MLX_PD_API_KEY, else open)")
+    serve.add_argument("--max-body-bytes", type=int, default=None,
+                       help="refuse larger request bodies with 413 (default: the topology's, else sized to the context)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     gen = sub.add_parser("generate", help="generate from one prompt, streaming to the terminal")
     _add_engine_args(gen)

@@ -198,7 +198,7 @@ class RouterActor:
                 raise RuntimeError(f"no answer within {wait_s:.0f} s from {', '.join(silent)} (check the "
                                    "workers' host addresses, firewalls and CurveZMQ keys)")
             self._ready = True
-            app = build_router_app(self._client, path, api_key, request_timeout_s)
+            app = build_router_app(self._client, path, api_key, request_timeout_s, topology.router.max_body_bytes)
             config = uvicorn.Config(app, host=self.host, port=self.port, log_level="warning",
                                     timeout_graceful_shutdown=5)
             self._server = uvicorn.Server(config)

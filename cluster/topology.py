@@ -61,14 +61,21 @@ class ModelSection:
 
 @dataclass(frozen=True)
 class RouterSection:
-    """`[router]`: where the OpenAI API listens (127.0.0.1 unless the file says otherwise)."""
+    """`[router]`: where the OpenAI API listens (127.0.0.1 unless the file says otherwise), and
+    `max_body_bytes`, the largest request body it reads (a larger one is a 413; unset: sized to the model's
+    context, see router/body.py)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
+    max_body_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 < self.port < 65536:
             raise ValueError(f"router.port={self.port!r} is invalid: must be an integer in 1..65535")
+        if self.max_body_bytes is not None and (isinstance(self.max_body_bytes, bool)
+                                                or not isinstance(self.max_body_bytes, int) or self.max_body_bytes <= 0):
+            raise ValueError(f"router.max_body_bytes={self.max_body_bytes!r} is invalid: must be an integer > 0 "
+                             "(leave it unset to size it to the context)")
 
 
 ROLES = ("prefill", "decode")

@@ -15,6 +15,26 @@ def test_single_node_default_parses():
     assert topo.router.host == "127.0.0.1" and topo.router.port == 8000
     assert topo.engine.block_size == 32 and topo.engine.prefill_chunk_size == 2048
     assert topo.model.served_name == "SmolLM2-135M-Instruct"
+    assert topo.router.max_body_bytes is None  # sized to the context by the router
+
+
+def test_router_body_limit_from_the_topology_reaches_the_app(tmp_path):
+    """`[router] max_body_bytes` is the limit the served app applies: a body one byte over it is a 413."""
+    import httpx
+
+    from cluster.cli import build_router_app
+    from cluster.gguf_import import ensure_default_model
+    from tests.live_server import serve_app
+    from tests.router_fakes import FakeEngine, load_tokenizer
+
+    path = tmp_path / "t.toml"
+    path.write_text("[router]\nmax_body_bytes = 2000\n")
+    limit = load_topology(str(path)).router.max_body_bytes
+    app = build_router_app(FakeEngine(load_tokenizer()), ensure_default_model(progress=False), max_body_bytes=limit)
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": "x", "max_tokens": 1, "pad": "y" * 2000}
+    with serve_app(app) as base:
+        r = httpx.post(base + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 413 and "2000" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("text,message", [
@@ -22,6 +42,7 @@ def test_single_node_default_parses():
     ("[engine]\nkv_bits = 3\n", "kv_bits=3 is invalid"),
     ("[engin]\n", "unknown table(s) engin"),
     ("[router]\nport = 0\n", "router.port=0"),
+    ("[router]\nmax_body_bytes = 0\n", "router.max_body_bytes=0 is invalid"),
     ("[engine\n", "not valid TOML"),
 ])
 def test_bad_files_name_the_problem(tmp_path, text, message):
