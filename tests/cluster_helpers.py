@@ -19,7 +19,7 @@ def topology_text(prefill: int = 1, decode: int = 1, engine: str = "", routing: 
     lines = ['[model]', 'source = "SmolLM2-135M-Instruct"', 'served_name = "SmolLM2-135M-Instruct"',
              '[engine]', 'dtype = "float32"', 'kv_cache_gb = 0.25', engine,
              '[routing]', 'heartbeat_s = 0.5', 'dead_after_s = 30.0', routing,
-             '[transfer]', '' if re.search(r'(?m)^timeout_s', transfer) else 'timeout_s = 20', transfer,
+             '[transfer]', '' if re.search(r'(?m)^timeout_s', transfer) else 'timeout_s = 120', transfer,
              '[security]', security]
     for i in range(prefill):
         lines += ['[[workers]]', f'name = "prefill-{i}"', 'role = "prefill"', f'control_port = {free_port()}',

@@ -53,7 +53,7 @@ def test_garbage_on_every_cluster_socket_is_rejected_and_the_workers_keep_servin
         assert sent > 300  # about 100 per socket (control x2, KV)
         assert all(w.healthy for w in workers.values())
         assert "Paris" in chat(base, QUESTIONS[0])["choices"][0]["message"]["content"]
-        assert wait_until(lambda: at_baseline(workers), 10)
+        assert wait_until(lambda: at_baseline(workers))
 
 
 def test_curve_keys_are_required_on_every_cluster_socket(tmp_path):
@@ -102,7 +102,7 @@ def test_overload_beyond_the_queue_bound_gets_503_with_retry_after():
             t.join(120)
         assert sorted(set(codes)) == [200, 503] and len(codes) == 8
         assert all(r is not None and float(r) > 0 for r in retry)
-        assert wait_until(lambda: at_baseline(workers), 10)
+        assert wait_until(lambda: at_baseline(workers))
         # one request asking for more choices than the cluster could ever hold (1 running + 1 queued): 400, not
         # a 503 that no retry could cure
         r = httpx.post(base + "/v1/completions", timeout=120, json={"model": MODEL, "prompt": "Hi", "n": 3,
@@ -173,7 +173,7 @@ def test_prefilled_request_whose_kv_never_comes_fails_at_its_deadline():
             sock = client_socket(ctx, zmq.DEALER, decode.endpoints["control"])
             request = {"request_id": "orphaned", "prompt_token_ids": list(range(1, 40)), "sampling": {}}
             sock.send(pack(Generate(request=request, prefilled=True)))
-            assert wait_until(lambda: decode.stats()["awaiting_kv"] == 1, 5)
+            assert wait_until(lambda: decode.stats()["awaiting_kv"] == 1)
             start = time.monotonic()
             got = _answers(sock, 1, 15)
             waited = time.monotonic() - start
@@ -183,7 +183,7 @@ def test_prefilled_request_whose_kv_never_comes_fails_at_its_deadline():
         assert len(got) == 1 and isinstance(got[0], Output), got
         assert got[0].output["finish_reason"] == "error" and "never started" in got[0].output["error"]
         assert 3.5 < waited < 12, waited
-        assert not decode.routes and wait_until(lambda: decode.stats()["awaiting_kv"] == 0, 5)  # stats lag a step
+        assert not decode.routes and wait_until(lambda: decode.stats()["awaiting_kv"] == 0)  # stats lag a step
 
 
 def test_a_transfer_that_cannot_start_fails_its_request_and_frees_its_blocks():
@@ -210,7 +210,7 @@ def test_a_transfer_that_cannot_start_fails_its_request_and_frees_its_blocks():
                 assert r.status_code >= 500 and "could not start the KV transfer" in r.text, r.text
         finally:
             prefill.sender.open = real_open
-        assert wait_until(lambda: at_baseline(workers), 10), [w.stats() for w in workers.values()]
+        assert wait_until(lambda: at_baseline(workers)), [w.stats() for w in workers.values()]
         assert not prefill.pending and not prefill.handed_off and not prefill.routes
         assert "Paris" in chat(base, QUESTIONS[0])["choices"][0]["message"]["content"]
 
@@ -247,5 +247,5 @@ def test_a_decode_worker_declared_dead_but_alive_stops_the_migrated_request():
                     loop = client._tasks[0].get_loop()
                     loop.call_soon_threadsafe(client._mark_dead, moved_from)
                     old = workers[moved_from.spec.name]
-                    assert wait_until(lambda: old.stats()["num_running"] == 0 and not old.routes, 5), old.stats()
+                    assert wait_until(lambda: old.stats()["num_running"] == 0 and not old.routes), old.stats()
         assert moved_from is not None and usage["completion_tokens"] == 300

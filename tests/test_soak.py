@@ -84,5 +84,5 @@ def test_short_soak_on_1p2d_equals_single_node_and_leaks_nothing():
         assert errors == {} and len(results) == len(jobs)
         mismatches = {i: (results[i], refs[i]) for i in refs if results[i] != refs[i]}
         assert mismatches == {}
-        assert wait_until(lambda: at_baseline(workers), 20)
+        assert wait_until(lambda: at_baseline(workers))
         assert not client.streams and all(not w.inflight for w in client.workers)
