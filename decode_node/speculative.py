@@ -32,6 +32,7 @@ import mlx.core as mx
 
 from cluster.kv_cache import KVStore, kv_bytes_per_block
 from cluster.model import ModelSpec, load_draft_model
+from cluster.model_families import verify_model
 from cluster.runner import BatchItem, ModelRunner
 from cluster.sampling import adjusted, probabilities
 from cluster.sequence import Sequence
@@ -145,9 +146,12 @@ class DraftModelDrafter:
         cfg = engine.config
         per_block = kv_bytes_per_block(spec, cfg.block_size, cfg.dtype, cfg.kv_bits, cfg.kv_group_size)
         mirror = engine._mirror_budget(cfg, engine.pool.num_blocks * per_block)
+        verified = verify_model(model)
+        # the draft's KV belongs to the target engine's thread, like the target's (cluster/ownership.py)
         self.store = KVStore(spec, engine.pool.num_blocks, cfg.block_size, cfg.dtype, cfg.kv_bits,
-                             cfg.kv_group_size, mirror_budget_bytes=mirror)
-        self.runner = ModelRunner(model, self.store)
+                             cfg.kv_group_size, mirror_budget_bytes=mirror,
+                             dequantize_for_attention=None if verified.reads_quantized_kv else True, owner=engine.owner)
+        self.runner = ModelRunner(model, self.store, verified)
         self.block_size, self.chunk, self.vocab_size = cfg.block_size, cfg.prefill_chunk_size, engine.spec.vocab_size
         self.valid: dict[int, int] = {}  # block id -> the block hash its draft KV was computed for
         self.cost_per_token = measured_cost(self.runner, engine.runner) if cost_per_token is None else cost_per_token

@@ -16,7 +16,9 @@ it through `router.body.read_request`. With `api_key` set, every endpoint but /h
 
 from __future__ import annotations
 
+import contextlib
 import hmac
+import inspect
 import time
 import uuid
 from typing import Any, Optional
@@ -85,7 +87,15 @@ def create_app(engine: EngineClient, tokenizer: RouterTokenizer, *, served_model
     names = list(served_model_names)
     created = int(time.time())
     metrics = metrics or RouterMetrics(engine)
-    app = FastAPI(title="mlx-pd", summary="OpenAI-compatible API of mlx-pd", docs_url=None, redoc_url=None)
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        yield
+        close = getattr(engine, "close", None)  # an engine client's sockets close on the loop that used them
+        if inspect.iscoroutinefunction(close):
+            await close()
+
+    app = FastAPI(title="mlx-pd", summary="OpenAI-compatible API of mlx-pd", docs_url=None, redoc_url=None,
+                  lifespan=lifespan)
     app.state.engine, app.state.tokenizer, app.state.metrics = engine, tokenizer, metrics
     install_error_handlers(app)
     install_openapi(app)

@@ -116,6 +116,11 @@ class ClusterEngineClient(ClusterLiveness):
         return False
 
     async def close(self) -> None:
+        """Stop the reader and monitor tasks and close every socket, on the event loop that used them (the
+        app's shutdown does this; a socket left to the garbage collector would close on whatever thread
+        collects it). Idempotent."""
+        if self.ctx.closed:
+            return
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)  # monitors close their sockets first
