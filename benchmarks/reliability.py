@@ -2,6 +2,7 @@
 
     mlx-pd bench reliability --json reliability.json --markdown docs/RELIABILITY.md
     mlx-pd bench reliability --requests 200 --concurrency 8 --skip faults,overload    # a shorter run
+    mlx-pd bench reliability --soak-only --fast-model --requests 10000 --rss-plot soak.png   # the leak question
 
 Starts `mlx-pd worker` x3 (prefill-0, decode-0, decode-1) and `mlx-pd router` on free loopback ports with
 CurveZMQ keys (`mlx-pd keys`) and an API key, plus a single-node `mlx-pd serve` with the same engine settings
@@ -14,6 +15,9 @@ as the reference, then runs the phases in order:
     5 faults    kill -9 a decode worker mid-stream and restart it; SIGSTOP the prefill worker (--stall-s)
     6 overload  --burst requests at once: each completes or gets 503 with Retry-After
     7 baseline  every worker's KV blocks free and nothing running; RSS at the end vs after warm-up
+
+`--soak-only` runs the soak and the baseline alone, with RSS sampled over time and fitted per process
+(benchmarks/reliability_long.py; `--fast-model`: a random-weight 2-layer llama, about 3 requests/s on 2 cores).
 
 Exit code 0 when every rule held, 1 when one broke (the report names it), 2 when the cluster did not start.
 """
@@ -55,6 +59,16 @@ def add_reliability_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default=None, help="keep topology, keys and process logs here (default: a temp dir)")
     p.add_argument("--json", dest="out", default=None, help="write the full result as JSON here")
+    p.add_argument("--soak-only", action="store_true",
+                   help="only the soak and the baseline, RSS of every process sampled every --rss-every s and "
+                        "fitted against answers (benchmarks/reliability_long.py); its own generated section")
+    p.add_argument("--fast-model", action="store_true",
+                   help="with --soak-only: serve a random-weight 2-layer llama built in the mlx-pd cache (garbage "
+                        "text, but deterministic; 10,000 requests in about an hour on a 2-core CPU machine)")
+    p.add_argument("--rss-every", type=float, default=2.0, help="with --soak-only: seconds between RSS samples")
+    p.add_argument("--rss-warmup", type=float, default=0.1,
+                   help="with --soak-only: fraction of the answers left out of the RSS fit (default 0.1)")
+    p.add_argument("--rss-plot", default=None, help="with --soak-only: write the RSS plot (PNG) here")
     p.add_argument("--markdown", default=None,
                    help="write the tables into this Markdown file between its generated-section markers "
                         "(docs/RELIABILITY.md)")
@@ -94,7 +108,7 @@ def warm_up(c, items) -> None:
                 if it.kind not in seen:
                     seen.add(it.kind)
                     picked.append(it)
-            await asyncio.gather(*(send(client, c.router_url, it.path, {**it.body, "model": "SmolLM2-135M-Instruct"},
+            await asyncio.gather(*(send(client, c.router_url, it.path, {**it.body, "model": c.served_name},
                                         c.headers(), disconnect_after=it.disconnect_after) for it in picked))
 
     asyncio.run(go())
@@ -201,6 +215,16 @@ def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     if args.requests < 0 or args.concurrency < 1 or args.burst < 1:
         print("mlx-pd bench reliability: error: --requests >= 0, --concurrency >= 1, --burst >= 1", file=sys.stderr)
+        return 2
+    if args.soak_only:
+        from benchmarks.reliability_long import main as long_main
+
+        if args.rss_every <= 0 or not 0 <= args.rss_warmup < 1:
+            print("mlx-pd bench reliability: error: --rss-every > 0, 0 <= --rss-warmup < 1", file=sys.stderr)
+            return 2
+        return long_main(args, list(argv))
+    if args.fast_model or args.rss_plot:
+        print("mlx-pd bench reliability: error: --fast-model and --rss-plot go with --soak-only", file=sys.stderr)
         return 2
     try:
         result = run_reliability(args)

@@ -27,8 +27,8 @@ MODEL = "SmolLM2-135M-Instruct"
 class References:
     """The reference server's greedy answers, one request at a time, cached by `reference_key`."""
 
-    def __init__(self, url: str):
-        self.url = url
+    def __init__(self, url: str, model: str = MODEL):
+        self.url, self.model = url, model
         self.replies: dict[str, Reply] = {}
         self._tasks: dict[str, asyncio.Task] = {}
         self._lock = asyncio.Lock()
@@ -42,7 +42,7 @@ class References:
     async def _get(self, client, key, path, body) -> None:
         ref = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "speculative")}
         async with self._lock:
-            self.replies[key] = await send(client, self.url, path, {**ref, "model": MODEL, "stream": False},
+            self.replies[key] = await send(client, self.url, path, {**ref, "model": self.model, "stream": False},
                                            timeout_s=900)
 
     async def wait(self) -> None:
@@ -56,7 +56,7 @@ def same(reply: Reply, ref: Optional[Reply]) -> bool:
 
 
 async def _run(c: ReliabilityCluster, client, item: SoakItem, **kw) -> Reply:
-    return await send(client, c.router_url, item.path, {**item.body, "model": MODEL}, c.headers(),
+    return await send(client, c.router_url, item.path, {**item.body, "model": c.served_name}, c.headers(),
                       disconnect_after=item.disconnect_after, **kw)
 
 
@@ -92,7 +92,7 @@ def speculative_available(c: ReliabilityCluster) -> str:
     if "speculative" not in ChatCompletionRequest.model_fields:
         return "not available: the request schema has no `speculative` field"
     r = httpx.post(c.router_url + "/v1/chat/completions", headers=c.headers(), timeout=300, json={
-        "model": MODEL, "messages": [{"role": "user", "content": "Count from 1 to 10."}], "max_tokens": 8,
+        "model": c.served_name, "messages": [{"role": "user", "content": "Count from 1 to 10."}], "max_tokens": 8,
         "temperature": 0, "speculative": SPECULATIVE})
     return "yes" if r.status_code == 200 else f"not available: HTTP {r.status_code} {r.text[:200]}"
 
@@ -103,17 +103,20 @@ def _percentiles(values: list[float]) -> dict:
 
 
 async def soak(c: ReliabilityCluster, items: list[SoakItem], concurrency: int, log: Callable[[str], None],
-               speculative: str) -> dict:
+               speculative: str, progress: Optional[dict] = None) -> dict:
     """Send `items` with `concurrency` in flight; every greedy, non-disconnected reply must equal the
-    reference; no error, nothing lost."""
+    reference; no error, nothing lost. `progress["n"]` counts the answers so far (for a caller's sampler).
+    RSS is recorded every 50 answers (every 5 % of them beyond 1,000)."""
     tally = Outcomes()
     done: list = []
     sem = asyncio.Semaphore(concurrency)
     t0 = time.monotonic()
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0),
                                  limits=httpx.Limits(max_connections=concurrency + 8)) as client:
-        refs = References(c.reference_url)
-        progress = {"n": 0}
+        refs = References(c.reference_url, c.served_name)
+        progress = progress if progress is not None else {}
+        progress["n"] = 0
+        every = max(50, len(items) // 20)
         elapsed: dict[str, list[float]] = {}
         rss_series: list = []
 
@@ -122,7 +125,7 @@ async def soak(c: ReliabilityCluster, items: list[SoakItem], concurrency: int, l
                 reply = await _run(c, client, item)
             progress["n"] += 1
             elapsed.setdefault(item.kind, []).append(reply.elapsed_s)
-            if progress["n"] % 50 == 0 or progress["n"] == len(items):
+            if progress["n"] % every == 0 or progress["n"] == len(items):
                 rss_series.append([progress["n"], {k: round(v) for k, v in c.rss().items()}])
                 log(f"  soak: {progress['n']}/{len(items)} after {time.monotonic() - t0:.0f} s; RSS MiB "
                     f"{rss_series[-1][1]}")
@@ -171,7 +174,7 @@ async def _fault_run(c: ReliabilityCluster, items: list[SoakItem], inject) -> tu
     tally, info = Outcomes(), {}
     t0 = time.monotonic()
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=30.0)) as client:
-        refs = References(c.reference_url)
+        refs = References(c.reference_url, c.served_name)
         tasks = [asyncio.ensure_future(_run(c, client, it, timeout_s=900)) for it in items]
         info.update(await inject(tasks) or {})
         replies = await asyncio.gather(*tasks)
@@ -302,8 +305,8 @@ async def overload(c: ReliabilityCluster, burst: int, log) -> dict:
     sampler = asyncio.ensure_future(sample())
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=60.0),
                                  limits=httpx.Limits(max_connections=burst + 8)) as client:
-        bodies = [{"model": MODEL, "prompt": f"Overload {i}: write one sentence about the sea.", "max_tokens": 16,
-                   "ignore_eos": True, "temperature": 0} for i in range(burst)]
+        bodies = [{"model": c.served_name, "prompt": f"Overload {i}: write one sentence about the sea.",
+                   "max_tokens": 16, "ignore_eos": True, "temperature": 0} for i in range(burst)]
         replies = await asyncio.gather(*(send(client, c.router_url, "/v1/completions", b, c.headers(),
                                               timeout_s=900) for b in bodies))
     stop.set()

@@ -230,3 +230,47 @@ def test_api_fuzz_cases_are_capped_and_repaired():
     _repair(other)
     _cap_case(other)
     assert other.body == ["not", "a", "dict"]
+
+
+def test_topology_and_reference_serve_a_model_folder_under_its_name(tmp_path):
+    from benchmarks.reliability_cluster import reference_argv
+    from cluster.topology import parse_topology
+
+    workers = [{"name": "decode-0", "role": "decode", "control_port": 5003, "kv_port": 5004, "events_port": 5005}]
+    topo = parse_topology(topology_text(workers, 8123, model=str(tmp_path), served_name="fast"), name="t")
+    assert topo.model.source == str(tmp_path) and topo.model.served_name == "fast"
+    argv = reference_argv(8124, model=str(tmp_path), served_name="fast")
+    assert argv[argv.index("--model") + 1] == str(tmp_path) and argv[argv.index("--served-model-name") + 1] == "fast"
+    assert "--model" not in reference_argv(8124)  # the default model, as before
+
+
+def test_long_soak_fit_failures_and_markers():
+    from benchmarks.reliability_cluster import ENGINE
+    from benchmarks.reliability_long import (BEGIN as LB, END as LE, FAST_CONFIG, fit_slopes, render_markdown as lr,
+                                             replace_generated as lrep)
+    from benchmarks.reliability_long import failures as long_failures
+    from cluster.model_families import check_config
+
+    check_config(FAST_CONFIG)  # the fast model passes the verified-families gate
+    # warm-up ramp to answer 100, then flat router and a decode worker growing 5 MiB per 1,000 requests
+    samples = [{"t": i, "n": n, "rss": {"router": 100.0 + min(n, 100) / 10 + (n % 7) * 0.01,
+                                        "decode-0": 300.0 + min(n, 100) + max(0, n - 100) * 0.005,
+                                        "reference": 200.0 + n * 0.01}}
+               for i, n in enumerate(range(0, 10001, 25))]
+    slopes = fit_slopes(samples, 1000)
+    assert abs(slopes["router"]["slope_mib_per_1000"]) < 0.05
+    assert abs(slopes["decode-0"]["slope_mib_per_1000"] - 5.0) < 1e-6
+    assert slopes["decode-0"]["warm_mib"] == 404.5 and slopes["decode-0"]["start_mib"] == 300.0
+    result = {"phases": {"soak": {"totals": {"completed": 9, "disconnected": 1, "lost": 0}, "sent": 10,
+                                  "by_kind": {"chat": {"completed": 9}, "disconnect": {"disconnected": 1}},
+                                  "concurrency": 8, "duration_s": 10.0},
+                         "baseline": {"workers": {}, "not_at_baseline": []}},
+              "config": {"engine": ENGINE, "rss_every_s": 2.0}, "rss_samples": samples,
+              "rss_fit": {"from_answers": 1000, "slopes": slopes}}
+    fails = long_failures(result)
+    assert len(fails) == 1 and fails[0].startswith("RSS of decode-0 grew 45 MiB")  # the reference is not judged
+    block = lr(result, "img/rss.png")
+    assert "FAILED: RSS of decode-0" in block and "![RSS" in block and "| decode-0 |" in block
+    doc = replace_generated(lrep("# Reliability\n", block), "the full run")
+    assert doc.count(LB) == doc.count(LE) == doc.count(BEGIN) == 1 and "the full run" in doc
+    assert lrep(doc, "again").count("again") == 1 and "the full run" in lrep(doc, "again")
