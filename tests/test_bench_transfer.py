@@ -106,7 +106,7 @@ def test_cli_parses_the_transfer_subcommand():
 def test_cli_runs_end_to_end_on_a_tiny_config(tmp_path, monkeypatch, capsys):
     model = tmp_path / "tiny"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({"num_attention_heads": 2, "num_key_value_heads": 1,
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "num_attention_heads": 2, "num_key_value_heads": 1,
                                                    "hidden_size": 128, "num_hidden_layers": 1, "vocab_size": 100}))
     monkeypatch.setattr(transfer_bench, "FORMATS", transfer_bench.FORMATS[:1] + transfer_bench.FORMATS[3:4])
     out = tmp_path / "t.json"
