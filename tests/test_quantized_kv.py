@@ -34,11 +34,16 @@ PROMPTS = {
     "c": "Describe a small harbour town at dawn, the boats, the gulls and the fish market. " * 4,
 }
 TOP = 5
-# Bound on how far a logprob (the chosen token's, or an alternative listed by both runs) of a batched or
-# prefix-reusing run may be from the run computed alone, in nats. Measured worst case over 8 prompts, batches of
-# 2 and 8 and prefix reuse, 10 tokens, on OpenBLAS kernels Haswell/Zen, SkylakeX, Sandybridge, Nehalem and
-# without OpenBLAS (README, "What a request's output may depend on"); the bounds keep a margin over it.
+# Bound on how far a logprob (the chosen token's, or an alternative both runs list) of a batched or
+# prefix-reusing run may be from the same request run alone, in nats. Measured worst cases (8 prompts, batches of
+# 2 and 8, prefix reuse, 10 tokens; OpenBLAS kernels Haswell (also what Zen CPUs get), SkylakeX, Sandybridge,
+# Nehalem, and without OpenBLAS): 0.31 with 8-bit and 1.47 with 4-bit KV, both on Haswell; the others stay
+# under 0.11 and 0.41. The bounds are about three times that. A planted bug (scales of two blocks swapped for one
+# row of a batch, or in a cached prefix) moves a logprob by several nats and puts a token outside the top 5.
 TOLERANCE = {8: 1.0, 4: 5.0}
+# Bound on |quantized - float| for the first token's logprob of the sky prompt below, in nats (measured worst on
+# SkylakeX, Sandybridge, Nehalem and without OpenBLAS: 0.02 with 8-bit, 0.38 with 4-bit KV).
+QUANTIZATION_ERROR = {8: 0.25, 4: 1.5}
 
 
 def assert_close_to_cold(cold, other, tol: float) -> int:
@@ -67,14 +72,18 @@ def requests(names, max_tokens=10):
 
 @pytest.mark.parametrize("kv_bits", [8, 4])
 def test_quantized_first_token_and_finite_logprobs(kv_bits):
-    """8- and 4-bit KV (group size 64) pick the float run's first token for a short prompt, and every
-    logprob they report is finite."""
+    """8- and 4-bit KV (group size 64) rank the float run's first token for a short prompt among their top 3,
+    with a logprob within the quantization bound of the float run's, and every logprob they report is finite.
+    (Not the same token: which token wins a near-tie under 4-bit KV depends on the CPU's BLAS kernel.)"""
     prompt = chat_prompt("Explain why the sky is blue in two sentences.")
-    plain = run(make_engine(), [greedy("p", prompt, 12, logprobs=3)])["p"]
-    quant = run(make_engine(kv_bits=kv_bits, kv_group_size=64), [greedy("q", prompt, 12, logprobs=3)])["q"]
-    assert quant.token_ids[0] == plain.token_ids[0]
-    assert quant.logprobs and all(math.isfinite(lp.logprob) and all(math.isfinite(v) for _, v in lp.top)
-                                  for lp in quant.logprobs)
+    req = greedy("r", prompt, 12, logprobs=3, ignore_eos=True)
+    plain = run(make_engine(), [req])["r"]
+    quant = run(make_engine(kv_bits=kv_bits, kv_group_size=64), [req])["r"]
+    first = dict(quant.logprobs[0].top)
+    assert plain.token_ids[0] in first
+    assert abs(first[plain.token_ids[0]] - plain.logprobs[0].logprob) <= QUANTIZATION_ERROR[kv_bits]
+    assert len(quant.logprobs) == 12 and all(math.isfinite(lp.logprob) and all(math.isfinite(v) for _, v in lp.top)
+                                             for lp in quant.logprobs)
 
 
 @pytest.mark.slow
