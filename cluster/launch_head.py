@@ -224,7 +224,8 @@ def _tail(text: str, lines: int = 15) -> str:
 def stop_process_group(pid: int, grace_s: float = 30.0) -> bool:
     """SIGTERM `pid` (our `ray start --block`, which then stops the Ray processes it started) and wait up to
     `grace_s` for every process of its process group (its session, started by us) to end; SIGKILL the group
-    if some remain. Returns True once none is left (zombies aside: they are already dead)."""
+    if some remain, and wait up to 10 s more for those to exit. Returns True once none is left (zombies aside:
+    they are already dead)."""
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
@@ -239,9 +240,14 @@ def stop_process_group(pid: int, grace_s: float = 30.0) -> bool:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    time.sleep(0.5)
-    _reaped(pid)
-    return not group_members(pid)
+    deadline = time.monotonic() + 10.0  # a killed process still takes a moment to exit on a loaded machine
+    while True:
+        _reaped(pid)
+        if not group_members(pid):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
 
 
 def group_members(pgid: int) -> list[int]:
