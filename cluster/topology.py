@@ -98,7 +98,8 @@ class RoutingSection:
     - `heartbeat_s` / `dead_after_s`: the router pings every worker this often and marks one dead after this
       long without an answer (its requests fail or migrate; it is used again once it answers). A worker
       answers between engine steps, so `dead_after_s` must exceed the longest step (a prefill chunk); a
-      worker whose connection drops (process or machine gone) is marked dead at once.
+      worker whose connection drops (its process gone) is marked dead at once, and one whose connection goes
+      silent at the transport level (ZeroMQ heartbeats unanswered) after `dead_after_s` too.
     """
 
     policy: str = "prefix_aware"

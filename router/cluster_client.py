@@ -94,9 +94,12 @@ class ClusterEngineClient(ClusterLiveness):
         if self._tasks:
             return
         for w in self.workers:
+            # ZeroMQ's own heartbeat notices a connection that went silent (a cable pulled, a host frozen); it
+            # waits as long as the router's silence rule, so a worker on a saturated machine, whose I/O thread
+            # may not run for seconds, is not dropped sooner than `dead_after_s` says
             w.sock = client_socket(self.ctx, zmq.DEALER, w.spec.endpoint(w.spec.control_port), self.keys, options={
                 zmq.HEARTBEAT_IVL: int(self.routing.heartbeat_s * 1000),
-                zmq.HEARTBEAT_TIMEOUT: int(self.routing.heartbeat_s * 5000)})
+                zmq.HEARTBEAT_TIMEOUT: int(self.routing.dead_after_s * 1000)})
             self._tasks.append(asyncio.ensure_future(self._reader(w)))
             self._tasks.append(asyncio.ensure_future(self._monitor(w)))
             if w.spec.events_port is not None:
