@@ -118,7 +118,7 @@ def test_prompt_longer_than_the_context_is_400_before_any_transfer():
 
 
 @pytest.mark.parametrize("when", ["during_prefill", "after_first_token"])
-def test_client_disconnect_frees_blocks_on_both_workers_t1(when):
+def test_client_disconnect_frees_blocks_on_both_workers(when):
     """cases.md T1: leaving during prefill (mid-transfer) or right after the first token: both workers'
     free blocks return to baseline within seconds, and the abort reaches both."""
     with running_cluster(1, 1, engine="prefill_chunk_size = 128", routing=ALL_REMOTE) as (base, client, workers):
@@ -136,7 +136,7 @@ def test_client_disconnect_frees_blocks_on_both_workers_t1(when):
         assert "Paris" in chat(base, QUESTIONS[0])["choices"][0]["message"]["content"]  # still serving
 
 
-def test_decode_worker_death_mid_stream_migrates_the_request_t2():
+def test_decode_worker_death_mid_stream_migrates_the_request():
     """cases.md T2 / issue 5: the decode worker serving a stream dies; the router notices within its
     heartbeat deadline and re-runs the request on the other decode worker from the prompt plus the tokens
     already streamed: the client sees one uninterrupted stream of the full length."""
@@ -166,7 +166,7 @@ def test_decode_worker_death_mid_stream_migrates_the_request_t2():
         assert "Paris" in chat(base, QUESTIONS[0])["choices"][0]["message"]["content"]  # new requests succeed
 
 
-def test_prefill_worker_death_gives_an_error_not_a_hang_t2():
+def test_prefill_worker_death_gives_an_error_not_a_hang():
     with running_cluster(1, 1, engine="prefill_chunk_size = 64", routing=ALL_REMOTE) as (base, client, workers):
         body = {"model": MODEL, "prompt": long_text(1200), "max_tokens": 20}
         result = {}
@@ -185,7 +185,7 @@ def test_prefill_worker_death_gives_an_error_not_a_hang_t2():
         assert "Paris" in chat(base, QUESTIONS[0])["choices"][0]["message"]["content"]  # decode prefills alone
 
 
-def test_more_requests_than_the_decode_pool_holds_all_finish_t4():
+def test_more_requests_than_the_decode_pool_holds_all_finish():
     """cases.md T4 on a live pair: the decode pool holds ~4 of these prompts; 10 arrive at once. Blocks are
     reserved before transfers are accepted, the rest wait (busy) and retry; all finish; nothing leaks."""
     engine = "num_blocks = 60\nmax_num_seqs = 16"
@@ -234,7 +234,7 @@ def test_requests_queued_at_the_prefill_worker_outlive_the_transfer_deadline():
         assert wait_until(lambda: at_baseline(workers))
 
 
-def test_decode_worker_death_before_any_token_reruns_the_request_elsewhere_t2():
+def test_decode_worker_death_before_any_token_reruns_the_request_elsewhere():
     """A decode worker dies while the prefill worker is still computing the prompt bound for it (nothing
     streamed yet): the router stops that prefill and re-runs the request on the other decode worker from
     the start; the client gets the whole answer, equal to single-node output."""

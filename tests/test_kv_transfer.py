@@ -292,7 +292,7 @@ def test_curve_keys_are_required_when_configured(links, tmp_path):
     assert results[0].kind == "timeout" and "x" not in secure.rx.live
 
 
-def test_lost_done_message_times_out_both_sides_t2(links):
+def test_lost_done_message_times_out_both_sides(links):
     """cases.md T2: the 'transfer done' message is lost. The sender's wait for the ack and the receiver's wait
     for the next message both end at their deadline; both free their blocks; nothing hangs."""
     a, b = Side().randomize(), Side()

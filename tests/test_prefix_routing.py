@@ -135,7 +135,7 @@ def test_no_live_decode_worker_is_a_503():
 
 # -- live: cases.md R1 ------------------------------------------------------------------------------------------
 
-def test_router_index_follows_clears_and_restarts_r1():
+def test_router_index_follows_clears_and_restarts():
     from tests.cluster_helpers import running_cluster
     from tests.test_cluster import MODEL, wait_until
 

@@ -66,7 +66,7 @@ def test_chat_stream_with_usage_and_logprobs_matches_non_streamed(client):  # A2
     assert len({c["id"] for c in events}) == 1
 
 
-def test_n3_seeded_stream_equals_non_streamed(client):  # A3
+def test_three_seeded_choices_stream_equal_non_streamed(client):  # A3
     body = chat_body(max_tokens=7, n=3, seed=11, temperature=0.8)
     chunks = stream(client, "/v1/chat/completions", body)
     texts, finishes, roles = {}, {}, {}
