@@ -1,4 +1,5 @@
-"""API cases A1–A5 of shared/cases.md against a real single-node server (real SmolLM2, float32)."""
+"""API cases against a real single-node server (real SmolLM2, float32): stop strings spanning tokens, usage
+with logprobs, n choices, invalid and edge-case inputs, client disconnects."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ def test_greedy_matches_mlx_lm_generate(text):
 
 
 def test_mixed_length_batch_equals_solo_runs():
-    """cases.md D3: 5-, 1500- and 40-token prompts at once, greedy, 32 tokens: each equals its solo run."""
+    """5-, 1500- and 40-token prompts at once, greedy, 32 tokens: each equals its solo run."""
     _, tokenizer, _ = real_model()
     base = tokenizer.encode("The history of the printing press begins in the fifteenth century, when ")
     prompts = [base[:5], (base * 200)[:1500], (base * 3)[:40]]
@@ -52,7 +52,7 @@ CHUNK = 64
 
 @pytest.mark.parametrize("length", [1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK - 1, 2 * CHUNK, 2 * CHUNK + 1, 3 * CHUNK])
 def test_chunked_prefill_at_chunk_boundaries_equals_one_chunk(length):
-    """cases.md P8 scaled to a 64-token chunk: first tokens and logprobs equal one unlimited chunk."""
+    """Prompts of lengths around 64-token chunk boundaries: first tokens and logprobs equal one unlimited chunk."""
     _, tokenizer, _ = real_model()
     ids = (tokenizer.encode("Lorem ipsum dolor sit amet, consectetur adipiscing elit. ") * 40)[:length]
     chunked = run(make_engine(prefill_chunk_size=CHUNK), [greedy("c", ids, 8, logprobs=0)])["c"]

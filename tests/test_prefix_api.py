@@ -1,4 +1,5 @@
-"""Prefix-cache cases that go through the HTTP API (P1 streaming, P6, P7) on the real model."""
+"""Prefix-cache cases that go through the HTTP API on the real model: the same prompt twice streamed, a
+multi-turn chat, echoed prompt logprobs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Prefix-cache cases of shared/cases.md (P1, P2, P4, P5) on the real model, float32, greedy."""
+"""Prefix-cache cases on the real model, float32, greedy: the same prompt twice, a strict prefix of a longer
+prompt, shared prefixes, eviction, a stop string, random prompts, a cached prefix extended across chunks."""
 
 from __future__ import annotations
 
@@ -116,7 +117,7 @@ def test_random_prompts_two_rounds_equal_cold():
 
 
 def test_cached_prefix_extended_across_chunk_boundaries():
-    """cases.md P8, second part, scaled to a 64-token chunk: a cached 59-token prefix extended by 3, 5
+    """With a 64-token chunk: a cached 59-token prefix extended by 3, 5
     (total exactly one chunk) and 64 tokens equals a run with one unlimited chunk."""
     base = tokens(59)
     for extra in (3, 5, 64):

@@ -1,5 +1,5 @@
-"""Speculative decoding on the real model (cases.md D1, D2): greedy output equals plain decoding token for token
-with both drafters, at batch 1 and 4, on a second chat turn from the prefix cache, with quantized KV, after
+"""Speculative decoding on the real model: greedy output equals plain decoding token for token with both
+drafters, at batch 1 and 4, on a second chat turn from the prefix cache, with quantized KV, after
 preemption and after a KV hand-over; stops inside an accepted draft block end the sequence exactly there."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Speculative decoding through the HTTP API (real SmolLM2, float32): cases.md D2 streamed and not, with both
-drafters chosen per request; the server default; /metrics; refusals of bad options."""
+"""Speculative decoding through the HTTP API (real SmolLM2, float32): stops inside an accepted draft block,
+streamed and not, with both drafters chosen per request; the server default; /metrics; refusals of bad options."""
 
 from __future__ import annotations
 
