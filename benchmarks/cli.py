@@ -13,7 +13,7 @@
     mlx-pd bench cluster --out cluster.json                 # 1P1D on pinned cores vs single-node, mixed load
     mlx-pd bench routing --out routing.json                 # 1P2D: prefix_aware vs round_robin vs least_loaded
     mlx-pd bench routing-sim                                # placement latency at 64 workers / 1M blocks
-    mlx-pd bench reliability --json r.json --markdown docs/RELIABILITY.md   # issue 9: fuzz, soak, faults
+    mlx-pd bench reliability --json r.json --markdown docs/RELIABILITY.md   # fuzz, soak, faults, overload
     mlx-pd bench spec --concurrency 1,4 --out spec.json     # speculative decoding: plain vs prompt lookup vs draft
 
 Every run warms up first (not measured), sends unique prompts (unless --shared-prefix), and reports
@@ -119,7 +119,7 @@ SUBCOMMANDS = {
                "(benchmarks/routing_bench.py)",
     "routing-sim": "placement latency, index memory and event throughput at 64 workers / 1M blocks, no model "
                    "(benchmarks/routing_sim.py)",
-    "reliability": "issue 9 on a live 1P2D cluster of processes: API and wire fuzzing, access, a mixed soak "
+    "reliability": "a live 1P2D cluster of processes under API and wire fuzzing, access checks, a mixed soak "
                    "checked against single-node, faults, overload (benchmarks/reliability.py, docs/RELIABILITY.md)",
     "spec": "speculative decoding on a rewrite/summarize workload: plain vs prompt lookup vs draft model, "
             "output tokens/s and acceptance rates (benchmarks/spec_bench.py)",

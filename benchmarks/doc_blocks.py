@@ -8,7 +8,7 @@ A generated block sits between two HTML comments, and only its inside is ever re
 
     python -m benchmarks.doc_blocks docs/BENCHMARKS.md --profile profile.json --compare compare.json
 
-Everything outside the markers (hand-written sections, other issues' numbers) stays byte for byte.
+Everything outside the markers (hand-written sections, numbers from other runs) stays byte for byte.
 A missing block is an error naming it, never an append in some guessed place.
 """
 

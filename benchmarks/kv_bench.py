@@ -7,7 +7,7 @@
 float32 scales as on the CPU backend's default dtype and float16 scales as on a Mac's half dtypes) a
 `cluster.kv_cache.KVStore` of `--probe-blocks` blocks is allocated and its `nbytes` divided by blocks x
 block_size: the bytes per token the pool really holds, next to the formula (`kv_bytes_per_block`) and
-SEEDS item 3's layers x 2 x kv_heads x head_dim x bytes. Then the engine's pool for `--kv-cache-gb`
+the textbook layers x 2 x kv_heads x head_dim x bytes. Then the engine's pool for `--kv-cache-gb`
 (EngineCore: 1 + budget // bytes per block blocks, the first one the null block) and how many
 `--seq-len`-token sequences fit in it at once.
 

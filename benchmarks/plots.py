@@ -1,6 +1,6 @@
 """PNG plots of profiles and benchmark runs (matplotlib, Agg backend; small files for docs/img/).
 
-- :func:`plot_profile` / :func:`plot_profiles`: prefill time vs prompt length (every sample, the medians,
+- :func:`plot_profiles`: prefill time vs prompt length (every sample, the medians,
   the fitted a*T + b*T^2 curve, held-out points marked) beside decode tokens/s vs batch size; several
   profiles (endpoints or configurations) side by side on the same axes.
 - :func:`plot_latency_cdfs`: empirical CDFs of TTFT, TPOT and E2E latency, one line per run (endpoint,
@@ -48,14 +48,9 @@ def ecdf(values: Sequence[float]) -> tuple[list[float], list[float]]:
     return xs, [(i + 1) / n for i in range(n)]
 
 
-def plot_profile(profile: dict, path) -> Path:
-    """Prefill curve with its fit (left) and decode tokens/s per batch (right) of an analyzed profile."""
-    return plot_profiles({"": profile}, path)
-
-
 def plot_profiles(profiles: Mapping[str, dict], path) -> Path:
-    """Like :func:`plot_profile` for several analyzed profiles (endpoints, machines or configurations) on the
-    same axes, one color per label."""
+    """Prefill curve with its fit (left) and decode tokens/s per batch (right) of one or more analyzed profiles
+    (endpoints, machines or configurations) on the same axes, one color per label (label "": a single one)."""
     plt = _pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8.0, 3.2))
     for k, (label, profile) in enumerate(profiles.items()):

@@ -1,4 +1,5 @@
-"""`mlx-pd bench reliability`: issue 9's checks on a live 1P2D cluster of processes (see docs/RELIABILITY.md).
+"""`mlx-pd bench reliability`: fuzzing, a soak, faults and overload on a live 1P2D cluster of processes (see
+docs/RELIABILITY.md).
 
     mlx-pd bench reliability --json reliability.json --markdown docs/RELIABILITY.md
     mlx-pd bench reliability --requests 200 --concurrency 8 --skip faults,overload    # a shorter run
@@ -42,7 +43,7 @@ PHASES = ("api", "access", "wire", "soak", "faults", "overload", "baseline")
 
 def add_reliability_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=1000,
-                   help="soak requests (default 1000, as issue 9 asks: the whole run took 17.5 minutes on a 2-core "
+                   help="soak requests (default 1000: the whole run took 17.5 minutes on a 2-core "
                         "CPU machine)")
     p.add_argument("--concurrency", type=int, default=8, help="soak requests in flight (default 8)")
     p.add_argument("--fuzz-examples", type=int, default=25,

@@ -60,7 +60,7 @@ def _get(d: dict, *path, default=0):
 
 
 def failures(result: dict) -> list[str]:
-    """Every acceptance rule of issue 9 that `result` breaks, in words (empty: all held). Phases that did
+    """Every acceptance rule of the reliability run that `result` breaks, in words (empty: all held). Phases that did
     not run are not failures (the report says they were skipped)."""
     out: list[str] = []
     p = result.get("phases", {})

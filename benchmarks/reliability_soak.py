@@ -280,7 +280,7 @@ async def fault_stall(c: ReliabilityCluster, log, stall_s: float, n_long: int = 
 def lost_messages_note() -> dict:
     return {"inputs": "-", "injected": "not injected on the live cluster (see the reading)", "load": "-",
             "lost": None, "outcome": "covered by library tests: tests/test_kv_transfer.py::"
-            "test_lost_done_message_times_out_both_sides_t2, test_receiver_dying_after_reservation_times_out_the_"
+            "test_lost_done_message_times_out_both_sides, test_receiver_dying_after_reservation_times_out_the_"
             "sender, test_sender_vanishing_mid_transfer_frees_the_receivers_blocks"}
 
 

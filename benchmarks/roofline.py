@@ -4,7 +4,7 @@ Formulas (no model, no MLX; `mlx-pd profile` feeds them measurements):
 
 - **Prefill time** of a T-token prompt, fitted by least squares as ``t(T) = a*T + b*T^2`` (seconds): the
   linear term is the weight matmuls (2 x params FLOPs per token), the quadratic term causal attention
-  (QK^T and PV over T/2 keys on average per query). No intercept, as the issue states the model; the fixed
+  (QK^T and PV over T/2 keys on average per query). No intercept, by the model's definition; the fixed
   per-request cost ends up in the residuals (and in `a` at short lengths).
 - **MFU** (model FLOP/s utilization, PaLM: Chowdhery et al. 2022, appendix B): achieved FLOP/s over peak,
   with the forward pass counted as 2 x N FLOPs per token (Kaplan et al. 2020, "C_forward ~ 2N"):

@@ -1,4 +1,4 @@
-"""Speculative decoding (issue 7): plain decoding vs prompt lookup vs a draft model, on a workload whose answers
+"""Speculative decoding: plain decoding vs prompt lookup vs a draft model, on a workload whose answers
 repeat their prompts (repeat, reformat, correct, summarize a paragraph), at several concurrency levels.
 
     mlx-pd bench spec --concurrency 1,4 --num-requests 16 --out spec.json --markdown spec.md

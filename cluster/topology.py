@@ -35,7 +35,7 @@ Cluster form (`mlx-pd up FILE`; see topologies/local-1p1d.toml and lab-example.t
 
 Every unknown table or key is an error that names it and the file, so a typo never silently falls back to
 a default. The KV format (dtype, kv_bits, kv_group_size, block_size) must be the same on every worker: a
-mismatch is an error at load time (cases.md T3), before anything starts.
+mismatch is an error at load time, before anything starts.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""API fuzzing (issue 9): schemathesis generates requests from the router's own OpenAPI schema, valid and
+"""API fuzzing: schemathesis generates requests from the router's own OpenAPI schema, valid and
 invalid, for every endpoint; the router must never answer 5xx, must answer in the schema it publishes, and
 must stay healthy. The engine is the deterministic FakeEngine (tests/router_fakes.py): what is fuzzed here is
 the HTTP layer (validation, errors, streaming), quickly enough for CI. `scripts/reliability` runs the same

@@ -1,4 +1,5 @@
-"""API cases A1–A5 of shared/cases.md against a real single-node server (real SmolLM2, float32)."""
+"""API cases against a real single-node server (real SmolLM2, float32): stop strings spanning tokens, usage
+with logprobs, n choices, invalid and edge-case inputs, client disconnects."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def test_chat_answers_paris(server):
     # a stop inside a phrase the model repeats: generation ends at its first occurrence
     ("alpha beta gamma alpha beta gamma alpha beta gamma alpha", lambda text: "beta beta"),
 ])
-def test_stop_string_spanning_tokens_a1(server, prompt, pick):
+def test_stop_string_spanning_tokens_is_never_streamed(server, prompt, pick):
     base, _ = server
     cold = completion(base, prompt, max_tokens=24)["choices"][0]["text"]
     stop = pick(cold)
@@ -71,7 +72,7 @@ def test_stop_string_spanning_tokens_a1(server, prompt, pick):
     assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "stop"
 
 
-def test_include_usage_with_logprobs_a2(server):
+def test_streamed_usage_and_logprobs_match_the_non_streamed_answer(server):
     base, _ = server
     body = {"model": MODEL, "temperature": 0, "max_tokens": 12, "logprobs": True, "top_logprobs": 3,
             "messages": [{"role": "user", "content": "Name three colors."}]}
@@ -93,7 +94,7 @@ def test_include_usage_with_logprobs_a2(server):
     assert streamed == plain["choices"][0]["message"]["content"]
 
 
-def test_n_choices_a3(server):
+def test_n_choices_streamed_equal_non_streamed(server):
     base, _ = server
     body = {"model": MODEL, "temperature": 0.8, "seed": 11, "n": 3, "max_tokens": 10,
             "messages": [{"role": "user", "content": "Tell me a fun fact."}]}
@@ -124,7 +125,7 @@ def healthy_after(base: str) -> None:
 
 
 @pytest.mark.parametrize("patch", BAD_INPUTS)
-def test_invalid_inputs_get_4xx_with_error_object_a4(server, patch):
+def test_invalid_inputs_get_4xx_with_error_object(server, patch):
     base, _ = server
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, **patch}
     body = {k: v for k, v in body.items() if v is not None}
@@ -134,7 +135,7 @@ def test_invalid_inputs_get_4xx_with_error_object_a4(server, patch):
     healthy_after(base)
 
 
-def test_malformed_json_and_empty_prompt_a4(server):
+def test_malformed_json_and_empty_prompt_get_4xx(server):
     base, _ = server
     r = httpx.post(base + "/v1/chat/completions", content=b'{"model": "x", "messages": [', timeout=30,
                    headers={"content-type": "application/json"})
@@ -148,7 +149,7 @@ def test_malformed_json_and_empty_prompt_a4(server):
 
 
 @pytest.mark.parametrize("max_tokens", [100000000, 2147483647, 1e18])
-def test_huge_max_tokens_is_clamped_to_the_context_a4(server, max_tokens):
+def test_huge_max_tokens_is_clamped_to_the_context(server, max_tokens):
     base, _ = server
     r = post(base, "/v1/completions", {"model": MODEL, "prompt": "Once upon a time", "temperature": 0,
                                        "max_tokens": max_tokens, "ignore_eos": True})
@@ -159,7 +160,7 @@ def test_huge_max_tokens_is_clamped_to_the_context_a4(server, max_tokens):
     healthy_after(base)
 
 
-def test_max_tokens_zero_and_one_a4(server):
+def test_max_tokens_zero_and_one(server):
     base, _ = server
     zero = completion(base, "Hello there", max_tokens=0)
     assert zero["choices"][0]["text"] == "" and zero["usage"]["completion_tokens"] == 0
@@ -189,7 +190,7 @@ def test_openai_client_against_real_server(server):
         client.chat.completions.create(model=MODEL, temperature=-1, messages=[{"role": "user", "content": "x"}])
 
 
-def test_client_disconnects_free_everything_a5():
+def test_client_disconnects_free_everything():
     with live_server(max_num_seqs=2, kv_cache_gb=0.5, max_model_len=8192) as (base, client):
         deadline = time.monotonic() + 30
         while client.stats().num_kv_blocks_total == 0 and time.monotonic() < deadline:

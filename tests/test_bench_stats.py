@@ -79,7 +79,7 @@ def test_fit_recovers_known_coefficients_and_predicts_held_out():
     assert abs(h["rel_error"]) < 1e-9
 
 
-def test_fit_with_noise_reports_residuals_and_r2():
+def test_fit_with_noise_reports_residuals_and_r_squared():
     rng = random.Random(7)
     a, b = 1e-2, 1e-5
     lengths = [100 * k for k in range(1, 21)]

@@ -1,6 +1,6 @@
 """Cluster mode end to end on the real model, workers in-process (tests/cluster_helpers.py): disaggregated
-output equals single-node output token for token; disconnects, dead workers and migration (cases.md T1, T2);
-no leaked blocks. The same worker classes run as Ray actors under `mlx-pd up` (tests/test_launch.py)."""
+output equals single-node output token for token; disconnects, dead workers and migration; no leaked
+blocks. The same worker classes run as Ray actors under `mlx-pd up` (tests/test_launch.py)."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def at_baseline(workers) -> bool:
 
 @pytest.mark.parametrize("decode,kv_bits", [(1, None), (2, None), (1, 8)])
 def test_disaggregated_greedy_output_equals_single_node(decode, kv_bits):
-    """Issue 5 acceptance: 1P1D and 1P2D (and 8-bit KV) answer token for token like single-node, including a
+    """1P1D and 1P2D (and 8-bit KV) answer token for token like single-node, including a
     prompt prefilled in several chunks whose blocks were shipped while the next chunk computed."""
     engine = "prefill_chunk_size = 256" + (f"\nkv_bits = {kv_bits}\nkv_group_size = 32" if kv_bits else "")
     prompts = QUESTIONS + ["Summarize this in one sentence: " + long_text()]
@@ -91,7 +91,7 @@ def test_streamed_disaggregated_answer_arrives_in_order():
                     delta = json.loads(line[6:])["choices"][0]["delta"]
                     parts.append(delta.get("content") or "")
         assert "".join(parts) == full and wait_until(lambda: workers["decode-0"].stats()["tokens_out"] > 0)
-        # Each worker serves its KV-transfer metrics for Prometheus (issue 4).
+        # Each worker serves its KV-transfer metrics for Prometheus.
         received = httpx.get(workers["decode-0"].endpoints["metrics"], timeout=10).text
         sent = httpx.get(workers["prefill-0"].endpoints["metrics"], timeout=10).text
         assert 'mlxpd_kv_transfer_bytes_total{direction="receive"}' in received
@@ -118,8 +118,8 @@ def test_prompt_longer_than_the_context_is_400_before_any_transfer():
 
 
 @pytest.mark.parametrize("when", ["during_prefill", "after_first_token"])
-def test_client_disconnect_frees_blocks_on_both_workers_t1(when):
-    """cases.md T1: leaving during prefill (mid-transfer) or right after the first token: both workers'
+def test_client_disconnect_frees_blocks_on_both_workers(when):
+    """A client leaving during prefill (mid-transfer) or right after the first token: both workers'
     free blocks return to baseline within seconds, and the abort reaches both."""
     with running_cluster(1, 1, engine="prefill_chunk_size = 128", routing=ALL_REMOTE) as (base, client, workers):
         body = {"model": MODEL, "prompt": long_text(900), "max_tokens": 200, "stream": True}
@@ -136,8 +136,8 @@ def test_client_disconnect_frees_blocks_on_both_workers_t1(when):
         assert "Paris" in chat(base, QUESTIONS[0])["choices"][0]["message"]["content"]  # still serving
 
 
-def test_decode_worker_death_mid_stream_migrates_the_request_t2():
-    """cases.md T2 / issue 5: the decode worker serving a stream dies; the router notices within its
+def test_decode_worker_death_mid_stream_migrates_the_request():
+    """The decode worker serving a stream dies; the router notices within its
     heartbeat deadline and re-runs the request on the other decode worker from the prompt plus the tokens
     already streamed: the client sees one uninterrupted stream of the full length."""
     with running_cluster(1, 2, routing=ALL_REMOTE) as (base, client, workers):
@@ -166,7 +166,7 @@ def test_decode_worker_death_mid_stream_migrates_the_request_t2():
         assert "Paris" in chat(base, QUESTIONS[0])["choices"][0]["message"]["content"]  # new requests succeed
 
 
-def test_prefill_worker_death_gives_an_error_not_a_hang_t2():
+def test_prefill_worker_death_gives_an_error_not_a_hang():
     with running_cluster(1, 1, engine="prefill_chunk_size = 64", routing=ALL_REMOTE) as (base, client, workers):
         body = {"model": MODEL, "prompt": long_text(1200), "max_tokens": 20}
         result = {}
@@ -185,8 +185,8 @@ def test_prefill_worker_death_gives_an_error_not_a_hang_t2():
         assert "Paris" in chat(base, QUESTIONS[0])["choices"][0]["message"]["content"]  # decode prefills alone
 
 
-def test_more_requests_than_the_decode_pool_holds_all_finish_t4():
-    """cases.md T4 on a live pair: the decode pool holds ~4 of these prompts; 10 arrive at once. Blocks are
+def test_more_requests_than_the_decode_pool_holds_all_finish():
+    """On a live pair: the decode pool holds ~4 of these prompts; 10 arrive at once. Blocks are
     reserved before transfers are accepted, the rest wait (busy) and retry; all finish; nothing leaks."""
     engine = "num_blocks = 60\nmax_num_seqs = 16"
     with running_cluster(1, 1, engine=engine, routing=ALL_REMOTE) as (base, client, workers):
@@ -234,7 +234,7 @@ def test_requests_queued_at_the_prefill_worker_outlive_the_transfer_deadline():
         assert wait_until(lambda: at_baseline(workers))
 
 
-def test_decode_worker_death_before_any_token_reruns_the_request_elsewhere_t2():
+def test_decode_worker_death_before_any_token_reruns_the_request_elsewhere():
     """A decode worker dies while the prefill worker is still computing the prompt bound for it (nothing
     streamed yet): the router stops that prefill and re-runs the request on the other decode worker from
     the start; the client gets the whole answer, equal to single-node output."""

@@ -1,4 +1,4 @@
-"""Issue 9 on a live in-process cluster: garbage on every cluster socket is rejected and the workers keep
+"""Hardening on a live in-process cluster: garbage on every cluster socket is rejected and the workers keep
 serving with nothing leaked; with CurveZMQ keys configured, every cluster socket refuses a peer without them."""
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def test_curve_keys_are_required_on_every_cluster_socket(tmp_path):
 
 
 def test_overload_beyond_the_queue_bound_gets_503_with_retry_after():
-    """Issue 9 overload on a cluster: beyond max_num_seqs running + max_waiting queued, requests get 503 with
+    """Overload on a cluster: beyond max_num_seqs running + max_waiting queued, requests get 503 with
     Retry-After at once (nothing lost: each either completes or is refused before it runs)."""
     import threading
 
@@ -133,7 +133,7 @@ BAD_FIELD_TYPES = [  # well-formed messages whose request has a field of the wro
 
 
 def test_generate_with_fields_of_the_wrong_type_is_answered_400_and_leaves_nothing():
-    """Issue 9 wire fuzz, the kind the reliability run found (a string prompt reached the engine and raised a
+    """Wire fuzz of the kind the reliability run found (a string prompt reached the engine and raised a
     TypeError nobody answered): every worker answers each such request 400 `rejected`, keeps no route for it,
     and serves afterwards."""
     from cluster.protocol import Rejected

@@ -265,7 +265,7 @@ def run_output(tokenizer, prompt, text, stop):
     return deltas, False, out
 
 
-def test_a1_stop_across_tokens(smollm_tokenizer):
+def test_stop_across_smollm_tokens(smollm_tokenizer):
     tok = smollm_tokenizer
     assert tok.convert_ids_to_tokens(encode(tok, "DEFGHIJK")) == ["DEF", "GH", "I", "J", "K"]
     deltas, stopped, out = run_output(tok, "ABC", "DEFGHIJK", ["DEFGHIJ"])

@@ -34,8 +34,8 @@ def test_greedy_matches_mlx_lm_generate(text):
         assert "Paris" in res.text
 
 
-def test_batched_equals_solo_d3():
-    """cases.md D3: 5-, 1500- and 40-token prompts at once, greedy, 32 tokens: each equals its solo run."""
+def test_mixed_length_batch_equals_solo_runs():
+    """5-, 1500- and 40-token prompts at once, greedy, 32 tokens: each equals its solo run."""
     _, tokenizer, _ = real_model()
     base = tokenizer.encode("The history of the printing press begins in the fifteenth century, when ")
     prompts = [base[:5], (base * 200)[:1500], (base * 3)[:40]]
@@ -51,8 +51,8 @@ CHUNK = 64
 
 
 @pytest.mark.parametrize("length", [1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK - 1, 2 * CHUNK, 2 * CHUNK + 1, 3 * CHUNK])
-def test_chunk_boundaries_p8(length):
-    """cases.md P8 scaled to a 64-token chunk: first tokens and logprobs equal one unlimited chunk."""
+def test_chunked_prefill_at_chunk_boundaries_equals_one_chunk(length):
+    """Prompts of lengths around 64-token chunk boundaries: first tokens and logprobs equal one unlimited chunk."""
     _, tokenizer, _ = real_model()
     ids = (tokenizer.encode("Lorem ipsum dolor sit amet, consectetur adipiscing elit. ") * 40)[:length]
     chunked = run(make_engine(prefill_chunk_size=CHUNK), [greedy("c", ids, 8, logprobs=0)])["c"]

@@ -1,5 +1,5 @@
 """KV transfer between a sender and a receiver on loopback: round trips, the handshake, backpressure, aborts,
-deadlines and CurveZMQ (shared/cases.md T1, T3, T4 at library level)."""
+deadlines and CurveZMQ, at library level."""
 
 from __future__ import annotations
 
@@ -124,7 +124,8 @@ def test_round_trip_is_bit_exact_and_reuses_the_receivers_prefix_cache(links, dt
                                          ("num_layers", 4), ("num_kv_heads", 1), ("head_dim", 32),
                                          ("speculative_kv", True)])
 def test_mismatched_formats_are_refused_naming_the_field(links, field, value):
-    """cases.md T3: refused at the handshake with a message naming the mismatch; nothing reserved."""
+    """Sides with different KV formats: refused at the handshake with a message naming the mismatch; nothing
+    reserved."""
     a, b = Side(**{field: value}), Side()
     link = links(a, b)
     link.tx.open("r", link.rx.endpoint, list(range(10)))
@@ -164,7 +165,7 @@ def test_blocks_stream_while_the_prompt_is_still_computing(links):
 
 @pytest.mark.parametrize("when", ["before_reservation", "mid_transfer"])
 def test_sender_abort_frees_blocks_on_both_sides(links, when):
-    """cases.md T1: a client leaving mid-transfer; the decode side learns by an abort message."""
+    """A client leaving mid-transfer: the decode side learns by an abort message."""
     a, b = Side().randomize(), Side()
     link = links(a, b)
     table = a.pool.allocate(10)
@@ -194,7 +195,7 @@ def test_receiver_abort_reaches_the_sender_which_releases(links):
 
 
 def test_full_receiver_applies_backpressure_and_every_transfer_finishes(links):
-    """cases.md T4 at library level: room for 8 prompts of 64 tokens, 24 concurrent offers. Blocks are
+    """A full receiver, at library level: room for 8 prompts of 64 tokens, 24 concurrent offers. Blocks are
     reserved before a transfer is accepted, the rest wait ("busy") and retry; all 24 finish; the receiver's
     blocks in use never exceed its pool; every queue drains to 0."""
     a, b = Side(num_blocks=24 * 16 + 1).randomize(), Side(num_blocks=8 * 16 + 1)
@@ -292,8 +293,8 @@ def test_curve_keys_are_required_when_configured(links, tmp_path):
     assert results[0].kind == "timeout" and "x" not in secure.rx.live
 
 
-def test_lost_done_message_times_out_both_sides_t2(links):
-    """cases.md T2: the 'transfer done' message is lost. The sender's wait for the ack and the receiver's wait
+def test_lost_done_message_times_out_both_sides(links):
+    """The 'transfer done' message is lost. The sender's wait for the ack and the receiver's wait
     for the next message both end at their deadline; both free their blocks; nothing hangs."""
     a, b = Side().randomize(), Side()
     link = links(a, b, TransferConfig(timeout_s=0.5))

@@ -1,5 +1,5 @@
 """A sequence whose KV was computed on one worker and transferred to another decodes token for token like
-one computed locally (the default SmolLM2 model, greedy; issue 4 acceptance, cases.md T3's last line)."""
+one computed locally (the default SmolLM2 model, greedy)."""
 
 from __future__ import annotations
 

@@ -221,7 +221,7 @@ def test_status_cli_prints_the_table(cluster):
     assert re.search(r"prefill-0@127\.0\.0\.1\s+prefill\s+127\.0\.0\.1\s+alive", r.stdout), r.stdout
     assert re.search(r"decode-0@127\.0\.0\.1\s+decode\s+127\.0\.0\.1\s+alive", r.stdout), r.stdout
     assert info["endpoint"] in r.stdout
-    # issue 9: the Ray token that guards this cluster never shows in `mlx-pd status` or in what `up` returned
+    # the Ray token that guards this cluster never shows in `mlx-pd status` or in what `up` returned
     token = os.environ.get("RAY_AUTH_TOKEN") or Path(os.environ.get(
         "RAY_AUTH_TOKEN_PATH", Path.home() / ".ray" / "auth_token")).read_text().strip()
     assert len(token) >= 16

@@ -1,4 +1,5 @@
-"""Prefix-cache cases that go through the HTTP API (P1 streaming, P6, P7) on the real model."""
+"""Prefix-cache cases that go through the HTTP API on the real model: the same prompt twice streamed, a
+multi-turn chat, echoed prompt logprobs."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def servers():
         yield warm[0], cold[0]
 
 
-def test_multi_turn_chat_reuses_turn_one_p6(servers):
+def test_multi_turn_chat_reuses_turn_one(servers):
     warm, cold = servers
     turn1 = [{"role": "user", "content": "Give me three tips for learning to play the guitar."}]
     r1 = post(warm, "/v1/chat/completions", {"model": MODEL, "messages": turn1, "temperature": 0, "max_tokens": 40}).json()
@@ -30,7 +31,7 @@ def test_multi_turn_chat_reuses_turn_one_p6(servers):
     assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] >= (r1["usage"]["prompt_tokens"] // B) * B
 
 
-def test_same_prompt_twice_streaming_p1(servers):
+def test_same_prompt_twice_streaming_gives_the_same_answer(servers):
     warm, _ = servers
     body = {"model": MODEL, "prompt": "In a quiet village by the sea, an old fisherman " * 3, "temperature": 0,
             "max_tokens": 12, "stream_options": {"include_usage": True}}
@@ -43,7 +44,7 @@ def test_same_prompt_twice_streaming_p1(servers):
     assert 0 < usage["prompt_tokens_details"]["cached_tokens"] <= usage["prompt_tokens"] - 1
 
 
-def test_echo_logprobs_equal_cold_p7(servers):
+def test_echo_prompt_logprobs_equal_cold(servers):
     warm, cold = servers
     _, tokenizer = None, None
     prompt = "The library opened at nine, and the first visitor asked for a book about " * 2

@@ -1,4 +1,5 @@
-"""Prefix-cache cases of shared/cases.md (P1, P2, P4, P5) on the real model, float32, greedy."""
+"""Prefix-cache cases on the real model, float32, greedy: the same prompt twice, a strict prefix of a longer
+prompt, shared prefixes, eviction, a stop string, random prompts, a cached prefix extended across chunks."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def cold(prompt: list[int], n: int = 12) -> list[int]:
 
 
 @pytest.mark.parametrize("length", [3 * B, 3 * B + 7])
-def test_same_prompt_twice_p1(length):
+def test_same_prompt_twice(length):
     prompt = tokens(length)
     engine = make_engine()
     first = run(engine, [greedy("1", prompt, 12, ignore_eos=True)])["1"]
@@ -32,7 +33,7 @@ def test_same_prompt_twice_p1(length):
 
 
 @pytest.mark.parametrize("short", [2 * B, 2 * B + 5])
-def test_strict_prefix_of_longer_prompt_p2(short):
+def test_strict_prefix_of_longer_prompt_equals_cold(short):
     longer = tokens(4 * B + 3)
     prompt = longer[:short]
     engine = make_engine()
@@ -44,7 +45,7 @@ def test_strict_prefix_of_longer_prompt_p2(short):
 
 
 @pytest.mark.parametrize("shared", [1, B - 1, B, B + 1])
-def test_shared_prefix_then_different_text_p4(shared):
+def test_shared_prefix_then_different_text(shared):
     base = tokens(shared)
     a = base + tokens(40, "Alpha beta gamma delta epsilon ")
     b = base + tokens(40, "Zebras and giraffes walk across ")
@@ -55,7 +56,7 @@ def test_shared_prefix_then_different_text_p4(shared):
     assert res.final.num_cached_tokens == (shared // B) * B
 
 
-def test_eviction_counts_only_the_run_from_position_zero_p5():
+def test_eviction_counts_only_the_run_from_position_zero():
     engine = make_engine(num_blocks=9)  # 8 usable blocks
     x = tokens(4 * B, "Remember the locker code and the blue door. ")
     run(engine, [greedy("x", x, 1)])
@@ -79,7 +80,7 @@ def test_cache_salt_separates_tenants():
     assert run(engine, [salted])["b"].final.num_cached_tokens == 0
 
 
-def test_stop_string_then_shared_prefix_p3():
+def test_stop_string_then_shared_prefix():
     """A request that ended on a stop string leaves no block holding tokens past the stop; later requests
     sharing its prefix equal cold."""
     _, tokenizer, _ = real_model()
@@ -99,7 +100,7 @@ def test_stop_string_then_shared_prefix_p3():
     assert res.token_ids == cold(follow) and res.final.num_cached_tokens > 0
 
 
-def test_random_prompts_two_rounds_equal_cold_p3():
+def test_random_prompts_two_rounds_equal_cold():
     import random
 
     _, tokenizer, _ = real_model()
@@ -115,8 +116,8 @@ def test_random_prompts_two_rounds_equal_cold_p3():
     assert sum(got[f"b{i}"].final.num_cached_tokens for i in range(16)) > 0
 
 
-def test_cached_prefix_extended_across_chunk_boundaries_p8():
-    """cases.md P8, second part, scaled to a 64-token chunk: a cached 59-token prefix extended by 3, 5
+def test_cached_prefix_extended_across_chunk_boundaries():
+    """With a 64-token chunk: a cached 59-token prefix extended by 3, 5
     (total exactly one chunk) and 64 tokens equals a run with one unlimited chunk."""
     base = tokens(59)
     for extra in (3, 5, 64):

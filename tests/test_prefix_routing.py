@@ -1,5 +1,5 @@
-"""The router's PrefixIndex and placement (issue 6): exact match lengths, event gaps and restarts resync,
-a hot prefix spills, unique prompts spread, no worker idles while another queues; and live (R1): a cleared
+"""The router's PrefixIndex and placement: exact match lengths, event gaps and restarts resync,
+a hot prefix spills, unique prompts spread, no worker idles while another queues; and live: a cleared
 or restarted worker's entries disappear from the router's index."""
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def request(n_tokens=400, rid="r"):
 
 
 def test_unique_prompts_spread_evenly():
-    """Issue 6: requests with no cached prefix spread with max/min per-worker count <= 2 (here exactly even),
+    """Requests with no cached prefix spread with max/min per-worker count <= 2 (here exactly even),
     whether they arrive one after another or pile up."""
     for concurrent in (False, True):
         ws, counts = workers(4), {}
@@ -133,9 +133,9 @@ def test_no_live_decode_worker_is_a_503():
         place(ws, request(), RoutingSection())
 
 
-# -- live: cases.md R1 ------------------------------------------------------------------------------------------
+# -- live: a cleared or restarted worker ------------------------------------------------------------------------
 
-def test_router_index_follows_clears_and_restarts_r1():
+def test_router_index_follows_clears_and_restarts():
     from tests.cluster_helpers import running_cluster
     from tests.test_cluster import MODEL, wait_until
 

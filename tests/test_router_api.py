@@ -1,4 +1,5 @@
-"""The router's HTTP API over a FakeEngine: answers, counts, errors (A4), auth, health, metrics."""
+"""The router's HTTP API over a FakeEngine: answers, counts, errors (invalid and edge-case inputs), auth, health,
+metrics."""
 
 from __future__ import annotations
 
@@ -202,7 +203,7 @@ def test_cached_tokens_reported(tok):
         assert "mlxpd_router_prefix_cache_hit_tokens_total 16.0" in c.get("/metrics").text
 
 
-# ------------------------------------------------------------------------------------------ A4 and errors
+# ------------------------------------------------------------------------------- invalid inputs and errors
 
 
 @pytest.mark.parametrize("path,body,status,param", [

@@ -1,5 +1,5 @@
-"""SSE answers (A2, A3: shapes, counts, equality with the non-streamed answer) and client disconnects
-(A5: the engine sees every abandoned request closed, for streamed and non-streamed answers)."""
+"""SSE answers (usage with logprobs, n seeded choices: shapes, counts, equality with the non-streamed answer)
+and client disconnects (the engine sees every abandoned request closed, for streamed and non-streamed answers)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def stream(client, path: str, body: dict) -> list:
     return events[:-1]
 
 
-def test_chat_stream_with_usage_and_logprobs_matches_non_streamed(client):  # A2
+def test_chat_stream_with_usage_and_logprobs_matches_non_streamed(client):
     body = chat_body(max_tokens=10, logprobs=True, top_logprobs=3, stream_options={"include_usage": True})
     events = stream(client, "/v1/chat/completions", body)
     *chunks, last = events
@@ -66,7 +66,7 @@ def test_chat_stream_with_usage_and_logprobs_matches_non_streamed(client):  # A2
     assert len({c["id"] for c in events}) == 1
 
 
-def test_n3_seeded_stream_equals_non_streamed(client):  # A3
+def test_three_seeded_choices_stream_equal_non_streamed(client):
     body = chat_body(max_tokens=7, n=3, seed=11, temperature=0.8)
     chunks = stream(client, "/v1/chat/completions", body)
     texts, finishes, roles = {}, {}, {}

@@ -1,4 +1,4 @@
-"""The short soak of issue 9 (the long one is `mlx-pd bench reliability`): mixed requests on an in-process
+"""A short soak (the long one is `mlx-pd bench reliability`): mixed requests on an in-process
 1P2D cluster, concurrently — short chats, multi-tenant shared system prompts over two turns, long prompts,
 deliberate disconnects — every greedy answer equal to the single-node engine's answer for the same request,
 no error besides the deliberate disconnects, and every worker back at its KV baseline afterwards."""

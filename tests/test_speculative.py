@@ -1,5 +1,5 @@
-"""Speculative decoding on the real model (cases.md D1, D2): greedy output equals plain decoding token for token
-with both drafters, at batch 1 and 4, on a second chat turn from the prefix cache, with quantized KV, after
+"""Speculative decoding on the real model: greedy output equals plain decoding token for token with both
+drafters, at batch 1 and 4, on a second chat turn from the prefix cache, with quantized KV, after
 preemption and after a KV hand-over; stops inside an accepted draft block end the sequence exactly there."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def drafted(engine) -> None:
 
 @pytest.mark.parametrize("k", [2, 4, 8])
 @pytest.mark.parametrize("method", DRAFTERS)
-def test_d1_greedy_equals_plain_at_batch_1(method, k):
+def test_greedy_equals_plain_at_batch_1(method, k):
     prompt = chat_prompt(REWRITE)
     ref = plain([prompt], 32)[0]
     engine = spec_engine()
@@ -41,7 +41,7 @@ def test_d1_greedy_equals_plain_at_batch_1(method, k):
 
 
 @pytest.mark.parametrize("method", DRAFTERS)
-def test_d1_greedy_equals_plain_at_batch_4_with_per_sequence_lengths(method):
+def test_greedy_equals_plain_at_batch_4_with_per_sequence_lengths(method):
     """Four sequences in one batch, each with its own maximum draft length (2, 4, 8, 4) and acceptance."""
     ps = prompts(4)
     refs = plain(ps, 24)
@@ -55,7 +55,7 @@ def test_d1_greedy_equals_plain_at_batch_4_with_per_sequence_lengths(method):
 
 
 @pytest.mark.parametrize("method", DRAFTERS)
-def test_d1_second_chat_turn_from_the_prefix_cache(method):
+def test_second_chat_turn_from_the_prefix_cache(method):
     """Turn 2 = turn 1 + the reply + a new message: served from the prefix cache (the draft model reuses its
     own KV of the cached blocks too), equal to a cold plain run."""
     _, tokenizer, _ = real_model()
@@ -81,7 +81,7 @@ def test_d1_second_chat_turn_from_the_prefix_cache(method):
 
 
 @pytest.mark.parametrize("method", DRAFTERS)
-def test_d2_stops_inside_accepted_blocks(method):
+def test_stops_inside_accepted_blocks(method):
     """EOS, a stop string and max_tokens 1..8, all in one batch: outputs equal plain decoding (no token after
     the stop), finish reasons match, counts equal the tokens delivered and the logprob entries."""
     repeat, rewrite = chat_prompt(REPEAT), chat_prompt(REWRITE)

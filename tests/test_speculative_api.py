@@ -1,5 +1,5 @@
-"""Speculative decoding through the HTTP API (real SmolLM2, float32): cases.md D2 streamed and not, with both
-drafters chosen per request; the server default; /metrics; refusals of bad options."""
+"""Speculative decoding through the HTTP API (real SmolLM2, float32): stops inside an accepted draft block,
+streamed and not, with both drafters chosen per request; the server default; /metrics; refusals of bad options."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def streamed(base: str, body: dict) -> tuple[str, str, list[str], int]:
 
 
 @pytest.mark.parametrize("method", DRAFTERS)
-def test_d2_stops_through_the_api(server, method):
+def test_stops_inside_accepted_blocks_through_the_api(server, method):
     """EOS, a stop string and max_tokens 1..8 with speculation, streamed and not: equal to the plain answers;
     nothing after the stop; completion_tokens equals the tokens delivered and the logprob entries."""
     base, core = server

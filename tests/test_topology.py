@@ -80,7 +80,7 @@ WORKERS = '[[workers]]\nname = "p"\nrole = "prefill"\ncontrol_port = 7001\n' \
     (WORKERS.replace("kv_port = 7003", "kv_port = 7001"), "port(s) 127.0.0.1:7001 used twice"),
     (WORKERS.replace('role = "decode"', 'role = "prefill"').replace("kv_port = 7003\n", ""),
      "at least one decode worker"),
-    (WORKERS + '[workers.engine]\nkv_bits = 8\n', "kv_bits is part of the KV format"),  # cases.md T3 at start
+    (WORKERS + '[workers.engine]\nkv_bits = 8\n', "kv_bits is part of the KV format"),  # a per-worker KV format
     (WORKERS + '[workers.engine]\nkv_cach_gb = 8\n', "unknown key(s) kv_cach_gb"),
     (WORKERS + 'colour = "red"\n', "unknown key(s) colour"),
     ("[routing]\npolicy = \"fastest\"\n", "routing.policy='fastest' is invalid"),
