@@ -26,6 +26,9 @@ def make_engine(**config):
 
     model, tokenizer, spec = real_model()
     config.setdefault("kv_cache_gb", 0.25)
+    # a request queued behind a long prompt may wait minutes on a saturated machine; tests of that deadline
+    # set their own
+    config.setdefault("queue_timeout_s", 900.0)
     return EngineCore(model, tokenizer, spec, EngineConfig(**config))
 
 
