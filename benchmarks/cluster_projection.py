@@ -198,7 +198,7 @@ def measure_host_peaks(cpus: Sequence[int]) -> Optional[dict]:
 
     from benchmarks.cluster_procs import pinned
     from benchmarks.compare import REPO_ROOT
-    from cluster.platform import preload_env
+    from cluster.launch.platform import preload_env
 
     argv = pinned([sys.executable, "-m", "benchmarks.cluster_projection", "--host-peaks"], cpus)
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
