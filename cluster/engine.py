@@ -27,7 +27,7 @@ from cluster.block_pool import BlockPool
 from cluster.config import EngineConfig
 from cluster.detokenizer import OutputText
 from cluster.hashing import first_block_key
-from cluster.kv_cache import KVStore, kv_bytes_per_block
+from cluster.kv_store import KVStore, kv_bytes_per_block
 from cluster.model import ModelSpec
 from cluster.ownership import ThreadOwner
 from cluster.model_families import verify_model

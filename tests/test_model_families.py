@@ -20,7 +20,7 @@ import pytest
 
 from cluster.config import EngineConfig
 from cluster.engine import EngineCore
-from cluster.kv_cache import KVStore
+from cluster.kv_store import KVStore
 from cluster.model import load_model, read_model_spec
 from cluster.model_families import FAMILIES, verify_model
 from cluster.request import GenerateRequest, SamplingParams
