@@ -17,7 +17,8 @@ Setting the documented environment variable ``MLX_PD_NO_OPENBLAS=1`` turns all o
 On macOS (Metal, Accelerate) and on Linux without the package, every OpenBLAS function here is a no-op.
 
 :func:`pin_cpus` pins a worker process to its topology's ``cpu_affinity`` (Linux only; macOS has no
-affinity API, so it is ignored there).
+affinity API, so it is ignored there). The engine's own tuning for the CPU backend is in
+``cluster/cpu_backend.py``.
 """
 
 from __future__ import annotations
