@@ -65,7 +65,7 @@ def pinned(argv: list[str], cpus: Sequence[int]) -> list[str]:
 
 def probe_worker(endpoint: str, timeout_s: float = 2.0) -> Optional[dict]:
     """A worker's stats from one Ping on its control socket (what the router sees), or None if no answer."""
-    from cluster.worker import probe_worker as ping
+    from cluster.launch.workers import probe_worker as ping
 
     return ping(endpoint, None, timeout_s)
 
@@ -80,7 +80,7 @@ def run_cluster(workers: Sequence[dict], topologies: dict[str, str], *, log_dir:
     """Start every worker of `workers` (pinned to its cpu_affinity) and one router per entry of `topologies`
     (name -> topology file, all listing the same workers); wait until every worker answers a Ping and every
     router's /health is 200. Yields {"workers": {name: ServerProcess}, "routers": {name: ServerProcess}}."""
-    cmd = [sys.executable, "-m", "cluster.cli"]
+    cmd = [sys.executable, "-m", "cluster.launch.cli"]
     first = next(iter(topologies.values()))
     procs = {"workers": {w["name"]: ServerProcess(w["name"], pinned(cmd + ["worker", first, w["name"]],
                                                                      w.get("cpu_affinity") or ()),

@@ -118,7 +118,7 @@ def machine_info() -> dict:
         except md.PackageNotFoundError:
             return None
 
-    from cluster.platform import preload_env
+    from cluster.launch.platform import preload_env
 
     return {"platform": platform.platform(), "machine": platform.machine(), "cpus": os.cpu_count(),
             "python": platform.python_version(), "mlx": version("mlx"), "mlx_lm": version("mlx-lm"),

@@ -1,4 +1,4 @@
-"""The command line of `mlx-pd profile` (cluster/cli.py dispatches here); see benchmarks/profile.py."""
+"""The command line of `mlx-pd profile` (cluster/launch/cli.py dispatches here); see benchmarks/profile.py."""
 
 from __future__ import annotations
 

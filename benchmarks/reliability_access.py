@@ -175,7 +175,7 @@ def access(c: ReliabilityCluster, log: Callable[[str], None], soak_text: Optiona
 def scan_secrets(c: ReliabilityCluster, extra_text: Optional[str] = None) -> dict:
     """Look for the API key and the CurveZMQ secret keys in every log, every command line and the
     `mlx-pd status` table over the live workers' stats."""
-    from cluster.launch import format_status
+    from cluster.launch.ray_up import format_status
 
     secrets = {}
     if c.api_key:

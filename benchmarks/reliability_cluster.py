@@ -63,7 +63,7 @@ def reference_argv(port: int, engine: dict = ENGINE, model: Optional[str] = None
     default model."""
     flags = {"dtype": "--dtype", "block_size": "--block-size", "kv_cache_gb": "--kv-cache-gb",
              "max_num_seqs": "--max-num-seqs", "prefill_chunk_size": "--prefill-chunk-size"}
-    argv = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--log-level", "warning"]
+    argv = [sys.executable, "-m", "cluster.launch.cli", "serve", "--port", str(port), "--log-level", "warning"]
     if model is not None:
         argv += ["--model", str(model), "--served-model-name", served_name or str(model)]
     for key, flag in flags.items():
@@ -103,7 +103,7 @@ class ReliabilityCluster:
         """`mlx-pd keys DIR` (the documented command), then load them for the harness's own peers."""
         from cluster.transport import CurveKeys
 
-        out = subprocess.run([sys.executable, "-m", "cluster.cli", "keys", str(self.keys_dir)], cwd=REPO_ROOT,
+        out = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "keys", str(self.keys_dir)], cwd=REPO_ROOT,
                              env={**os.environ, **self._env()}, capture_output=True, text=True, timeout=120)
         (self.workdir / "keys.log").write_text(out.stdout + out.stderr)
         if out.returncode != 0:
@@ -113,7 +113,7 @@ class ReliabilityCluster:
     def _worker_proc(self, name: str) -> ServerProcess:
         w = next(w for w in self.workers if w["name"] == name)
         tag = f"{name}-r{self.restarts}" if self.restarts else name
-        return ServerProcess(tag, [sys.executable, "-m", "cluster.cli", "worker", str(self.topology_path), name],
+        return ServerProcess(tag, [sys.executable, "-m", "cluster.launch.cli", "worker", str(self.topology_path), name],
                              w["control_port"], env=self._env(), cwd=str(REPO_ROOT), log_dir=str(self.workdir))
 
     def start(self, deadline_s: float = 600.0) -> None:
@@ -135,7 +135,7 @@ class ReliabilityCluster:
             self.wait_worker(w["name"], deadline_s - (time.monotonic() - t0))
             self.log(f"  {w['name']} answers a ping after {time.monotonic() - t0:.0f} s")
         router_env = {"MLX_PD_API_KEY": self.api_key} if self.api_key else {}
-        self.procs["router"] = ServerProcess("router", [sys.executable, "-m", "cluster.cli", "router",
+        self.procs["router"] = ServerProcess("router", [sys.executable, "-m", "cluster.launch.cli", "router",
                                                         str(self.topology_path)], self.router_port,
                                              env=self._env(router_env), cwd=str(REPO_ROOT),
                                              log_dir=str(self.workdir)).start()
@@ -178,7 +178,7 @@ class ReliabilityCluster:
 
     def probe(self, name: str, timeout_s: float = 3.0, keys="default") -> Optional[dict]:
         """The worker's stats from one Ping on its control socket (None: no answer within `timeout_s`)."""
-        from cluster.worker import probe_worker
+        from cluster.launch.workers import probe_worker
 
         return probe_worker(self.endpoint(name, "control"), self.keys if keys == "default" else keys, timeout_s)
 

@@ -11,8 +11,9 @@ emits them, applied in batches of `--batch` (`PrefixIndex.apply_events`, timed p
 
 Then `--placements` placements of `--prompt-tokens`-token prompts, a third each of: a tenant prefix plus a new
 suffix, a known conversation plus a new suffix, and a prompt nobody holds. Each is timed from the prompt's
-token ids to the chosen workers, exactly as the router does it: `ClusterEngineClient.cached_blocks` (the
-first block's key, `block_hashes` of the prompt, `PrefixIndex.match`) and `router.placement.place` over
+token ids to the chosen workers, exactly as the router does it: the first block's key
+(`cluster.hashing.first_block_key`), `PrefixIndex.match_prompt` (the prompt's `block_hashes`, then `match`) and
+`router.placement.place` over
 `WorkerState`s with random requests in flight. Reported: p50/p99/p99.9/max per step, the index's memory
 (the objects it owns, counted with sys.getsizeof, and the process's RSS growth), event throughput with and
 without the wire's msgpack + pydantic decoding, and the time garbage collections took during the placements.
@@ -26,7 +27,6 @@ import os
 import random
 import sys
 import time
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -70,14 +70,18 @@ class Synthetic:
     """The synthetic cluster: tenant prefixes and conversations as (token ids, hashes, holders)."""
 
     def __init__(self, args):
-        from cluster.hashing import block_extra_key, kv_format_name
-
         self.args, self.bs = args, args.block_size
         self.rng = np.random.default_rng(args.seed)
-        self.key = block_extra_key("sim-model", "rev0", kv_format_name("bfloat16", None, 64, self.bs))
+        self.key = self.first_key(None)
         self.names = [f"{'prefill' if i < args.prefill_workers else 'decode'}-{i}" for i in range(args.workers)]
         self.tenants: list[tuple[np.ndarray, list[int], list[int]]] = []
         self.sample: list[np.ndarray] = []  # some conversations' token ids, for placement prompts
+
+    def first_key(self, cache_salt) -> int:
+        """The first block's key of the simulated model and KV format, as every worker and the router key it."""
+        from cluster.hashing import first_block_key
+
+        return first_block_key("sim-model", "rev0", "bfloat16", None, 64, self.bs, cache_salt)
 
     def tokens(self, n: int) -> np.ndarray:
         return self.rng.integers(0, 49152, n, dtype=np.int64)
@@ -171,8 +175,9 @@ def wire_throughput(syn: Synthetic, index, batch: int, blocks: int = 100_000) ->
         assert index.apply_events(msg.worker, msg.boot_id, msg.events)
         apply += time.perf_counter() - t1
         decode += t1 - t0
+    removal = [KVEvent(seq=w.last_seq + 1, kind="removed", block_hashes=hashes)]
     t0 = time.perf_counter()
-    index.apply_events(name, "boot", [SimpleNamespace(seq=w.last_seq + 1, kind="removed", block_hashes=hashes)])
+    index.apply_events(name, "boot", removal)
     removed = time.perf_counter() - t0
     return {"blocks": blocks, "decode_s": decode, "apply_s": apply,
             "blocks_per_s_decode_and_apply": blocks / (decode + apply), "blocks_per_s_apply": blocks / apply,
@@ -181,15 +186,11 @@ def wire_throughput(syn: Synthetic, index, batch: int, blocks: int = 100_000) ->
 
 def place_many(syn: Synthetic, index, n: int) -> dict:
     """Time `n` placements (hashing + match, place) and the garbage collections that ran meanwhile."""
-    from cluster.hashing import kv_format_name
     from cluster.request import GenerateRequest
     from cluster.topology import RoutingSection, WorkerSpec
-    from router.cluster_client import ClusterEngineClient
     from router.placement import WorkerState, place
 
     routing = RoutingSection(policy="prefix_aware")
-    fake = SimpleNamespace(_format=("sim-model", "rev0", kv_format_name("bfloat16", None, 64, syn.bs)),
-                           routing=routing, block_size=syn.bs, index=index)
     rnd = random.Random(syn.args.seed)
     workers = []
     for i, name in enumerate(syn.names):
@@ -216,7 +217,7 @@ def place_many(syn: Synthetic, index, n: int) -> dict:
         for i, (kind, tokens) in enumerate(prompts):
             request = GenerateRequest(f"r{i}", tokens)
             t0 = time.perf_counter()
-            cached = ClusterEngineClient.cached_blocks(fake, request)
+            cached = index.match_prompt(request.prompt_token_ids, syn.bs, syn.first_key(request.cache_salt))
             t1 = time.perf_counter()
             prefill, decode = place(workers, request, routing, cached, syn.bs)
             t2 = time.perf_counter()
@@ -267,7 +268,7 @@ def tables(result: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     a, p = result["args"], result["placement"]
     us = lambda x: f"{x * 1e6:.0f}"  # noqa: E731
     h1 = ["step (us)", "p50", "p99", "p99.9", "max", "mean"]
-    labels = (("hash + match (cached_blocks)", p["match_s"]), ("place", p["place_s"]), ("total", p["total_s"]),
+    labels = (("hash + match (match_prompt)", p["match_s"]), ("place", p["place_s"]), ("total", p["total_s"]),
               *((f"total, {k} prompts", v) for k, v in p["by_kind_total_s"].items()))
     r1 = [[label, us(d["p50"]), us(d["p99"]), us(d["p99.9"]), us(d["max"]), us(d["mean"])] for label, d in labels]
     b, m, w, g = result["build"], result["memory"], result["wire"], p["gc"]

@@ -6,7 +6,7 @@
         srv.memory()   # {"rss_mib": ..., "peak_rss_mib": ...}
 
 Each server runs in its own session (process group), with OpenBLAS preloaded on Linux
-(:func:`cluster.platform.preload_env`), its output going to a log file. Leaving the ``with`` block,
+(:func:`cluster.launch.platform.preload_env`), its output going to a log file. Leaving the ``with`` block,
 normally, on an error or on Ctrl-C, sends SIGTERM to the group, then SIGKILL after a grace period.
 
 :class:`ClusterProcess` does the same for a local 1P1D cluster (``mlx-pd worker`` x 2 + ``mlx-pd router``
@@ -37,7 +37,7 @@ def free_port() -> int:
 
 def mlx_pd_command(port: int, model_dir: str, dtype: str = "float32") -> list[str]:
     """argv for our server (single-node mode) on `port`."""
-    return [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--model", str(model_dir),
+    return [sys.executable, "-m", "cluster.launch.cli", "serve", "--port", str(port), "--model", str(model_dir),
             "--dtype", dtype, "--log-level", "warning"]
 
 
@@ -109,7 +109,7 @@ class ServerProcess:
 
     def start(self) -> "ServerProcess":
         """Start the process (its own session, OpenBLAS preloaded, output to `log_path`)."""
-        from cluster.platform import preload_env
+        from cluster.launch.platform import preload_env
 
         env = {**os.environ, **(self.env or {})}
         env.update(preload_env(env))
@@ -228,7 +228,7 @@ class ClusterProcess:
         self.dir = Path(tempfile.mkdtemp(prefix="mlx-pd-bench-1p1d-"))
         self.topology = self.dir / "1p1d.toml"
         self.topology.write_text(one_p_one_d_topology(model_dir, dtype, port, prefill_chunk_size), encoding="utf-8")
-        cli = [sys.executable, "-m", "cluster.cli"]
+        cli = [sys.executable, "-m", "cluster.launch.cli"]
         kw = {"env": env, "log_dir": log_dir, "cwd": cwd}
         self.workers = [ServerProcess(f"{name}-{w}", cli + ["worker", str(self.topology), w], port, **kw)
                         for w in ("prefill-0", "decode-0")]

@@ -26,8 +26,8 @@ import mlx.core as mx
 from cluster.block_pool import BlockPool
 from cluster.config import EngineConfig
 from cluster.detokenizer import OutputText
-from cluster.hashing import block_extra_key, kv_format_name
-from cluster.kv_cache import KVStore, kv_bytes_per_block
+from cluster.hashing import first_block_key
+from cluster.kv_store import KVStore, kv_bytes_per_block
 from cluster.model import ModelSpec
 from cluster.ownership import ThreadOwner
 from cluster.model_families import verify_model
@@ -72,7 +72,6 @@ class EngineCore(SpeculativeSteps):
                              mirror_budget_bytes=self._mirror_budget(config, num_blocks * per_block),
                              dequantize_for_attention=None if verified.reads_quantized_kv else True, owner=self.owner)
         self.runner = ModelRunner(model, self.store, verified)
-        self.kv_format = kv_format_name(config.dtype, config.kv_bits, config.kv_group_size, config.block_size)
         self.scheduler = Scheduler(config, self.pool, self._extra_key, lookahead=self._lookahead)
         self.drafters: dict[str, Drafter] = dict(drafters or {})
         self.num_draft_tokens = 0  # draft tokens proposed and verified, all sequences
@@ -89,7 +88,9 @@ class EngineCore(SpeculativeSteps):
         return pool_bytes if config.decode_mirror_gb is None else int(config.decode_mirror_gb * 2**30)
 
     def _extra_key(self, cache_salt: Optional[str]) -> int:
-        return block_extra_key(self.spec.model_id, self.spec.revision, self.kv_format, cache_salt)
+        c = self.config
+        return first_block_key(self.spec.model_id, self.spec.revision, c.dtype, c.kv_bits, c.kv_group_size,
+                               c.block_size, cache_salt)
 
     # -- requests ----------------------------------------------------------------------------------
 

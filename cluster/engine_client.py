@@ -1,6 +1,6 @@
 """The interface the router uses to reach an engine, wherever it runs.
 
-Single-node mode implements it over an in-process channel (`cluster.local.LocalEngineClient`); cluster
+Single-node mode implements it over an in-process channel (`cluster.launch.single_node.LocalEngineClient`); cluster
 mode implements it over ZeroMQ. The router depends on this protocol only.
 """
 

@@ -5,7 +5,9 @@
 
 `H` is xxh3-64 with seed 0 over a canonical byte encoding (little-endian int64 parent, uint32 token
 ids); `extra_keys` is a string of the model id, revision, KV format and optional cache salt, so that
-blocks of different models, KV formats or tenants never match. Only full blocks are hashed. A hash hit is
+blocks of different models, KV formats or tenants never match. `first_block_key` is the one place that key is
+assembled: the engine's scheduler, the KV transfer handshake and the router's prefix index all call it, so
+their hashes of one prompt agree. Only full blocks are hashed. A hash hit is
 always confirmed by comparing token ids (see `BlockPool`), so a collision is a miss, never a wrong answer.
 The scheme is vLLM's (vllm/v1/core/kv_cache_utils.py, hash_block_tokens) with a deterministic hash.
 """
@@ -30,6 +32,13 @@ def block_extra_key(model_id: str, revision: str, kv_format: str, cache_salt: Op
     """The 64-bit key mixed into the first block: model, weights revision, KV format and salt."""
     text = f"{model_id}\x00{revision}\x00{kv_format}\x00{cache_salt or ''}"
     return xxhash.xxh3_64_intdigest(text.encode(), seed=_SEED)
+
+
+def first_block_key(model_id: str, revision: str, dtype: str, kv_bits: Optional[int], kv_group_size: int,
+                    block_size: int, cache_salt: Optional[str] = None) -> int:
+    """The key mixed into a prompt's first block hash, for a model (id and weights revision) served with a KV
+    format (`dtype`, `kv_bits`, `kv_group_size`, `block_size`), under the tenant's optional `cache_salt`."""
+    return block_extra_key(model_id, revision, kv_format_name(dtype, kv_bits, kv_group_size, block_size), cache_salt)
 
 
 def hash_block(parent: int, token_ids: Sequence[int]) -> int:

@@ -15,7 +15,8 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-from cluster.kv_cache import BatchLayout, KVStore
+from cluster.kv_layout import BatchLayout
+from cluster.kv_store import KVStore
 from cluster.model_families import VerifiedModel, verify_model
 
 

@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from cluster.engine import EngineCore
 from cluster.engine_client import EngineError
-from cluster.protocol import (PROTOCOL_VERSION, TO_ROUTER, TO_WORKER, AbortRequest, Generate, KVEvent, KVEvents, Output,
+from cluster.protocol import (PROTOCOL_VERSION, TO_WORKER, AbortRequest, Generate, KVEvent, KVEvents, Output,
                               Ping, Pong, ProtocolError, Rejected, ResetDone, ResetPrefixCache, Snapshot,
                               SnapshotRequest, output_to_wire, pack, request_from_wire, unpack)
 from cluster.request import GenerateRequest, RequestOutput
@@ -40,37 +40,6 @@ _IDLE_WAIT_S = 0.02
 _STATS_EVERY_S = 0.5
 CONTROL_MAX_MESSAGE_BYTES = 64 * 2**20  # a peer's larger message closes its connection (ZeroMQ MAXMSGSIZE); a
 # generate for a 1M-token prompt is ~5 MB of msgpack
-
-
-def probe_worker(endpoint: str, keys: Optional[CurveKeys] = None, timeout_s: float = 3.0) -> Optional[dict]:
-    """A worker's stats (what its pongs carry) from one Ping on its control socket at `endpoint`, or None
-    when it does not answer within `timeout_s` (tools and benchmarks; the router pings on its own sockets)."""
-    from cluster.transport import client_socket
-
-    ctx = zmq.Context()
-    sock = client_socket(ctx, zmq.DEALER, endpoint, keys)
-    try:
-        sock.send(pack(Ping(seq=1)))
-        deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0 and sock.poll(int(left * 1000)):
-            msg = unpack(sock.recv_multipart()[0], TO_ROUTER, PROTOCOL_VERSION)
-            if isinstance(msg, Pong):
-                return msg.stats
-        return None
-    finally:
-        sock.close(linger=0)
-        ctx.destroy(linger=0)
-
-
-def make_worker(topology: TopologySpec, name: str, loaded=None) -> "Worker":
-    """The worker `name` of `topology`, of the class its role needs. `loaded` = (model, tokenizer, ModelSpec)
-    shares an already loaded model (tests); otherwise `start()` loads it."""
-    spec = topology.worker(name)
-    if spec.role == "prefill":
-        from prefill_node.worker import PrefillWorker
-        return PrefillWorker(topology, spec, loaded)
-    from decode_node.worker import DecodeWorker
-    return DecodeWorker(topology, spec, loaded)
 
 
 class Worker:

@@ -23,7 +23,7 @@ from typing import Callable, Optional, Sequence, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.block_pool import BlockPool
-from cluster.hashing import block_extra_key, block_hashes, kv_format_name
+from cluster.hashing import block_hashes, first_block_key
 
 # Fields whose mismatch makes transferred KV meaningless, in the order a refusal names them.
 _CHECKED = ("model_id", "revision", "dtype", "kv_bits", "kv_group_size", "block_size", "num_layers",
@@ -64,8 +64,8 @@ class KVFormat(BaseModel):
 
     def extra_key(self, cache_salt: Optional[str] = None) -> int:
         """The first block's hash key, identical to the engine's (cluster.hashing)."""
-        name = kv_format_name(self.dtype, self.kv_bits, self.kv_group_size, self.block_size)
-        return block_extra_key(self.model_id, self.revision, name, cache_salt)
+        return first_block_key(self.model_id, self.revision, self.dtype, self.kv_bits, self.kv_group_size,
+                               self.block_size, cache_salt)
 
     def block_hashes(self, token_ids: Sequence[int], cache_salt: Optional[str] = None) -> list[int]:
         """Chained hashes of the full blocks of `token_ids` in this format."""

@@ -30,7 +30,7 @@ import zmq
 
 from cluster.block_pool import BlockPool
 from cluster.config import TransferConfig
-from cluster.kv_cache import KVStore
+from cluster.kv_store import KVStore
 from cluster.transport import LOOPBACK, CurveKeys, server_socket
 from kv_transfer.handshake import Busy, KVFormat, Refusal, reserve
 from kv_transfer.metrics import TransferMetrics

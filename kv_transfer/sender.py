@@ -29,7 +29,7 @@ from typing import Callable, Optional, Sequence
 import zmq
 
 from cluster.config import TransferConfig
-from cluster.kv_cache import KVStore
+from cluster.kv_store import KVStore
 from cluster.transport import CurveKeys, client_socket
 from kv_transfer.handshake import KVFormat
 from kv_transfer.metrics import TransferMetrics

@@ -10,7 +10,7 @@ per array named in the header, in header order, sent with `copy=False` straight 
                     arrays: [{name: "k", dtype: "float32", shape: [30, 2048, 3, 64]}, {name: "v", ...}]}
             frame 1: k bytes (30 * 2048 * 3 * 64 * 4 = 47,185,920), frame 2: v bytes (same)
 
-Array shapes are [layers, num_blocks * block_size, kv_heads, d] (see cluster.kv_cache.KVStore.read_blocks);
+Array shapes are [layers, num_blocks * block_size, kv_heads, d] (see cluster.kv_store.KVStore.read_blocks);
 quantized KV travels as its (packed uint32, scales, biases) arrays per K and V, never dequantized.
 bfloat16 travels as its raw 16-bit words (NumPy has no bfloat16). Arrays are NumPy views both ways: the
 sender's one copy gathers whole blocks out of the pool, the receiver's one copy scatters them into it.
@@ -49,7 +49,7 @@ class _Message(BaseModel):
 
 
 class ArraySpec(BaseModel):
-    """One payload frame: array `name` (cluster.kv_cache.KVStore.array_names), dtype and shape."""
+    """One payload frame: array `name` (cluster.kv_store.KVStore.array_names), dtype and shape."""
 
     model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
 

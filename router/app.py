@@ -183,3 +183,13 @@ def create_app(engine: EngineClient, tokenizer: RouterTokenizer, *, served_model
         return JSONResponse({"status": "ok", "dropped_blocks": int(dropped)})
 
     return app
+
+
+def create_app_for_model(engine: EngineClient, model_path, api_key: Optional[str] = None,
+                         request_timeout_s: float = 600.0, max_body_bytes: Optional[int] = None) -> FastAPI:
+    """`create_app` for a served model folder: its tokenizer and chat template from `model_path`, the engine's
+    `model_name` as the one served name (single-node `serve`, `mlx-pd router` and the cluster's router actor).
+
+    `api_key` None or "" leaves it open; `max_body_bytes` None sizes the body limit to the context."""
+    return create_app(engine, RouterTokenizer.from_path(model_path), served_model_names=[engine.model_name],
+                      api_key=api_key or None, request_timeout_s=request_timeout_s, max_body_bytes=max_body_bytes)

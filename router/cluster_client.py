@@ -29,7 +29,7 @@ import zmq
 import zmq.asyncio
 
 from cluster.engine_client import EngineError, EngineStats
-from cluster.hashing import block_extra_key, block_hashes, kv_format_name
+from cluster.hashing import first_block_key
 from cluster.protocol import (PROTOCOL_VERSION, TO_ROUTER, AbortRequest, Generate, Pong, ProtocolError, Rejected,
                               ResetDone, ResetPrefixCache, Snapshot, output_from_wire, pack, request_to_wire, unpack)
 from cluster.request import FinishReason, GenerateRequest, RequestOutput
@@ -70,9 +70,7 @@ class ClusterEngineClient(ClusterLiveness):
     def __init__(self, topology: TopologySpec, model_name: str, max_model_len: int,
                  keys: Optional[CurveKeys] = None, revision: Optional[str] = None):
         self.topology, self.model_name, self.max_model_len = topology, model_name, max_model_len
-        e = topology.engine
-        self.block_size = e.block_size
-        self._format = (model_name, revision, kv_format_name(e.dtype, e.kv_bits, e.kv_group_size, e.block_size))
+        self.block_size, self.revision = topology.engine.block_size, revision
         self.index = PrefixIndex([w.name for w in topology.workers])
         self.routing = topology.routing
         if keys is None and topology.security.curve_keys_dir:
@@ -206,11 +204,12 @@ class ClusterEngineClient(ClusterLiveness):
 
     def cached_blocks(self, request: GenerateRequest) -> Optional[dict[str, int]]:
         """Leading blocks of the prompt each worker's prefix cache holds (None: not known here)."""
-        model_id, revision, fmt = self._format
-        if revision is None or self.routing.policy != "prefix_aware":
+        if self.revision is None or self.routing.policy != "prefix_aware":
             return None
-        key = block_extra_key(model_id, revision, fmt, request.cache_salt)
-        return self.index.match(block_hashes(request.prompt_token_ids, self.block_size, key))
+        e = self.topology.engine
+        key = first_block_key(self.model_name, self.revision, e.dtype, e.kv_bits, e.kv_group_size, e.block_size,
+                              request.cache_salt)
+        return self.index.match_prompt(request.prompt_token_ids, self.block_size, key)
 
     def worker_stats(self) -> list[dict]:
         """Each worker's last reported stats plus the router's view (alive, requests in flight)."""

@@ -19,6 +19,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
+from cluster.hashing import block_hashes
+
 
 @dataclass
 class _WorkerEntries:
@@ -104,6 +106,11 @@ class PrefixIndex:
                 return out
         self._credit(out, alive, len(hashes))
         return out
+
+    def match_prompt(self, token_ids: Sequence[int], block_size: int, first_key: int) -> dict[str, int]:
+        """Leading blocks of a prompt each worker holds: its full blocks hashed as the workers hash them
+        (`first_key` from cluster.hashing.first_block_key), then `match`."""
+        return self.match(block_hashes(token_ids, block_size, first_key))
 
     def num_blocks(self, worker: str) -> int:
         return len(self.workers[worker].hashes)

@@ -1,6 +1,6 @@
 # Source me (bash or zsh): exports LD_PRELOAD with Debian's OpenBLAS on Linux when installed,
 # unless MLX_PD_NO_OPENBLAS=1. The mlx-cpu wheel links a slow reference BLAS; preloading
-# OpenBLAS makes MLX's float32 matmul much faster (see cluster/platform.py). Activates nothing else.
+# OpenBLAS makes MLX's float32 matmul much faster (see cluster/launch/platform.py). Activates nothing else.
 _mlx_pd_env() {
     local lib="" cand
     [ "$(uname -s)" = Linux ] || return 0

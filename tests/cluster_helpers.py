@@ -33,7 +33,7 @@ def topology_text(prefill: int = 1, decode: int = 1, engine: str = "", routing: 
 @contextmanager
 def running_cluster(prefill: int = 1, decode: int = 1, **tables):
     """Yield (base_url, client, workers) of a started in-process cluster; everything stops afterwards."""
-    from cluster.worker import make_worker
+    from cluster.launch.workers import make_worker
     from router.app import create_app
     from router.cluster_client import ClusterEngineClient
     from router.tokenizer import RouterTokenizer

@@ -22,7 +22,7 @@ import zmq
 
 from cluster.block_pool import BlockPool
 from cluster.config import TransferConfig
-from cluster.kv_cache import KVStore
+from cluster.kv_store import KVStore
 from cluster.model import ModelSpec
 from cluster.transport import client_socket
 from kv_transfer.handshake import KVFormat

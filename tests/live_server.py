@@ -19,7 +19,7 @@ def free_port() -> int:
 @contextmanager
 def live_server(api_key: str | None = None, **engine_config):
     """Yield (base_url, client) for a server over the shared real model with `engine_config`."""
-    from cluster.local import EngineThread, LocalEngineClient
+    from cluster.launch.single_node import EngineThread, LocalEngineClient
     from cluster.model import DEFAULT_MODEL
     from router.app import create_app
     from router.tokenizer import RouterTokenizer

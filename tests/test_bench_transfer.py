@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks import cli, transfer_bench
 from benchmarks.transfer_bench import Projection, projection_rows, ship_format
-from cluster.kv_cache import kv_bytes_per_block
+from cluster.kv_store import kv_bytes_per_block
 from cluster.model import ModelSpec
 
 TINY = ModelSpec("tiny", "r0", num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64, vocab_size=100,
@@ -150,8 +150,8 @@ def test_block_copies_survive_4k_aliased_frames(dtype, bits, group):
     order; the sender's buffers are placed off that window."""
     import numpy as np
 
-    from cluster import kv_cache
-    from cluster.kv_cache import KVStore
+    from cluster import cpu_backend
+    from cluster.kv_store import KVStore
 
     spec = ModelSpec("t", "r", num_layers=3, num_heads=16, num_kv_heads=16, head_dim=64, vocab_size=100,
                      max_model_len=4096, eos_token_ids=(1,))  # 16 heads: blocks of 32 KiB / 64 KiB, over 2 KiB
@@ -160,8 +160,8 @@ def test_block_copies_survive_4k_aliased_frames(dtype, bits, group):
     arrays = src.read_blocks(ids, range(3))
     views = [src._block_views(layer) for layer in range(3)]
     for i, a in enumerate(arrays):  # the sender's buffer: no block copy in its 4K-aliasing window
-        shifts = kv_cache._alias_shifts(np.asarray(ids), views[0][i][0].nbytes)
-        assert not any(kv_cache._aliases(a[j].ctypes.data - views[j][i].ctypes.data, shifts, -1) for j in range(3))
+        shifts = cpu_backend.alias_shifts(np.asarray(ids), views[0][i][0].nbytes)
+        assert not any(cpu_backend.aliases(a[j].ctypes.data - views[j][i].ctypes.data, shifts, -1) for j in range(3))
         for j in range(3):
             assert np.array_equal(a[j].reshape(len(ids), *views[j][i].shape[1:]), views[j][i][ids])
     dst = KVStore(spec, 12, 32, dtype, bits, group)

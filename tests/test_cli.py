@@ -9,7 +9,7 @@ import sys
 
 def test_generate_streams_the_answer_to_stdout():
     env = {**os.environ, "PYTHONPATH": "."}
-    r = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "What is the capital of France?",
+    r = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "generate", "What is the capital of France?",
                         "--max-tokens", "20", "--kv-cache-gb", "0.1"], capture_output=True, text=True, env=env,
                        timeout=300)
     assert r.returncode == 0, r.stderr
@@ -18,6 +18,22 @@ def test_generate_streams_the_answer_to_stdout():
 
 def test_bad_option_value_is_a_clear_error():
     env = {**os.environ, "PYTHONPATH": "."}
-    r = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "hi", "--block-size", "0"],
+    r = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "generate", "hi", "--block-size", "0"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 2 and "block_size=0 is invalid" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_and_profile_without_the_bench_extra_say_how_to_install_it(monkeypatch, capsys):
+    """`mlx-pd bench|profile` where the benchmarks' dependencies are missing: one line naming the extra, exit 2."""
+    import importlib.util
+
+    import cluster.launch.platform
+    from cluster.launch import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(cluster.launch.platform, "reexec_with_openblas", lambda *a, **k: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    for command in ("bench", "profile"):
+        assert cli.main([command, "--help"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "pip install -e '.[bench]'" in err[0] and "matplotlib missing" in err[0], err

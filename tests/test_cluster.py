@@ -104,7 +104,7 @@ def test_short_prompts_skip_the_prefill_worker():
         answer = chat(base, QUESTIONS[0])["choices"][0]["message"]["content"]
         assert "Paris" in answer
         assert workers["prefill-0"].stats()["kv_bytes_sent"] == 0
-        from cluster.worker import probe_worker  # what tools see: the stats a ping returns
+        from cluster.launch.workers import probe_worker  # what tools see: the stats a ping returns
 
         assert probe_worker(workers["decode-0"].endpoints["control"])["tokens_out"] > 0
 

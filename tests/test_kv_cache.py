@@ -8,7 +8,8 @@ import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
 
-from cluster.kv_cache import BatchLayout, KVStore, kv_bytes_per_block
+from cluster.kv_layout import BatchLayout
+from cluster.kv_store import KVStore, kv_bytes_per_block
 from cluster.model import ModelSpec
 from cluster.runner import BatchItem, ModelRunner
 

@@ -11,7 +11,7 @@ import pytest
 
 from cluster.block_pool import BlockPool
 from cluster.config import EngineConfig, TransferConfig
-from cluster.kv_cache import KVStore
+from cluster.kv_store import KVStore
 from cluster.model import ModelSpec
 from cluster.transport import client_socket, generate_keys
 from kv_transfer.handshake import KVFormat

@@ -10,7 +10,7 @@ import pytest
 
 from cluster.block_pool import BlockPool
 from cluster.config import EngineConfig, TransferConfig
-from cluster.kv_cache import KVStore
+from cluster.kv_store import KVStore
 from cluster.runner import BatchItem, ModelRunner
 from kv_transfer.handshake import KVFormat
 from kv_transfer.receiver import KVReceiver, ReceivedSequence

@@ -1,4 +1,4 @@
-"""Cluster mode on Ray (cluster/launch*.py, `mlx-pd up|status|down`).
+"""Cluster mode on Ray (cluster/launch/, `mlx-pd up|status|down`).
 
 The first half needs no Ray: actor names, placement and options, the head's command line, metrics, the
 status table, the lab example, CLI errors. The `ray` half shares one local cluster (local-1p1d with free
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster import launch, launch_head
-from cluster.launch_actors import COUNTERS, GAUGES, metric_values
+from cluster.launch import ray_head, ray_up
+from cluster.launch.actors import COUNTERS, GAUGES, metric_values
 from cluster.topology import TOPOLOGY_DIR, load_topology, parse_topology
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "cluster.launch.cli", *args], capture_output=True, text=True, env=env,
                           timeout=timeout, cwd=ROOT)
 
 
@@ -46,44 +46,44 @@ def test_lab_example_parses_into_a_studio_and_two_minis():
 
 
 def test_placement_pins_actors_to_their_machine_or_host():
-    assert launch.placement_resources("192.168.1.11", "mac-mini-1", "10.0.0.1") == {"mac-mini-1": 0.01}
-    assert launch.placement_resources("192.168.1.11", None, "10.0.0.1") == {"node:192.168.1.11": 0.01}
+    assert ray_up.placement_resources("192.168.1.11", "mac-mini-1", "10.0.0.1") == {"mac-mini-1": 0.01}
+    assert ray_up.placement_resources("192.168.1.11", None, "10.0.0.1") == {"node:192.168.1.11": 0.01}
     for host in ("127.0.0.1", "localhost", "0.0.0.0"):  # this machine: where `mlx-pd up` runs
-        assert launch.placement_resources(host, None, "10.0.0.1") == {"node:10.0.0.1": 0.01}
+        assert ray_up.placement_resources(host, None, "10.0.0.1") == {"node:10.0.0.1": 0.01}
 
 
 def test_worker_options_name_place_and_restart_the_actor():
     t = load_topology("lab-example")
-    opts = launch.worker_options(t, t.worker("decode-1"), "192.168.1.10", {"LD_PRELOAD": "/x/libblas.so.3"})
+    opts = ray_up.worker_options(t, t.worker("decode-1"), "192.168.1.10", {"LD_PRELOAD": "/x/libblas.so.3"})
     assert opts == {"name": "decode-1@mac-mini-2", "namespace": "mlx-pd-lab-example", "lifetime": "detached",
                     "get_if_exists": True, "num_cpus": 0, "resources": {"mac-mini-2": 0.01}, "max_restarts": 3,
                     "max_task_retries": 0, "runtime_env": {"env_vars": {"LD_PRELOAD": "/x/libblas.so.3"}}}
     local = load_topology("local-1p1d")
-    opts = launch.worker_options(local, local.worker("prefill-0"), "10.0.0.1", {})
+    opts = ray_up.worker_options(local, local.worker("prefill-0"), "10.0.0.1", {})
     assert opts["resources"] == {"node:10.0.0.1": 0.01} and "runtime_env" not in opts
-    router = launch.router_options(t, "192.168.1.10")
+    router = ray_up.router_options(t, "192.168.1.10")
     assert router["name"] == "router@192.168.1.10" and router["resources"] == {"node:192.168.1.10": 0.01}
 
 
 def test_missing_resources_name_what_no_node_advertises():
     needed = [{"mac-mini-1": 0.01}, {"mac-mini-2": 0.01}, {"node:10.0.0.1": 0.01}]
-    assert launch.missing_resources(needed, {"CPU": 2.0, "mac-mini-1": 1.0, "node:10.0.0.1": 1.0}) == ["mac-mini-2"]
+    assert ray_up.missing_resources(needed, {"CPU": 2.0, "mac-mini-1": 1.0, "node:10.0.0.1": 1.0}) == ["mac-mini-2"]
 
 
 def test_head_command_keeps_the_dashboard_on_loopback():
-    ports = launch_head.choose_ports(is_free=lambda p: p != 6379)  # 6379 taken: another port, not a clash
+    ports = ray_head.choose_ports(is_free=lambda p: p != 6379)  # 6379 taken: another port, not a clash
     assert ports["gcs"] != 6379 and ports["dashboard"] == 8265 and len(set(ports.values())) == 4
     assert not 10002 <= ports["gcs"] <= 19999  # never inside Ray's worker port range
-    cmd = launch_head.head_command(ports)
+    cmd = ray_head.head_command(ports)
     assert cmd[1:4] == ["start", "--head", "--block"]
     assert "--dashboard-host=127.0.0.1" in cmd and f"--port={ports['gcs']}" in cmd
 
 
 def test_token_auth_is_on_unless_the_user_chose(monkeypatch):
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
-    assert launch_head.token_auth_env() == {"RAY_AUTH_MODE": "token"}
+    assert ray_head.token_auth_env() == {"RAY_AUTH_MODE": "token"}
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
-    assert launch_head.token_auth_env() == {"RAY_AUTH_MODE": "token"}
+    assert ray_head.token_auth_env() == {"RAY_AUTH_MODE": "token"}
 
 
 def test_metric_values_turn_stats_into_gauges_and_counter_increments():
@@ -107,7 +107,7 @@ def test_status_table_shows_each_worker_and_the_router():
              "running": 1, "waiting": 0, "kv_blocks_used": 3, "kv_blocks_free": 725, "prefix_cache_hit_rate": 0.25},
             {"actor": "prefill-0@127.0.0.1", "name": "prefill-0", "role": "prefill", "host": "127.0.0.1",
              "state": "restarting"}]
-    text = launch.format_status(rows)
+    text = ray_up.format_status(rows)
     lines = text.splitlines()
     assert lines[0].split() == ["ACTOR", "ROLE", "HOST", "STATE", "RUNNING", "WAITING", "KV", "USED/FREE",
                                 "PREFIX", "HIT"]
@@ -118,7 +118,7 @@ def test_status_table_shows_each_worker_and_the_router():
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="cpu_affinity is Linux-only")
 def test_cpu_affinity_pins_every_thread_of_the_worker_process():
-    code = ("import os, threading; from cluster.launch_actors import pin_cpus; "
+    code = ("import os, threading; from cluster.launch.platform import pin_cpus; "
             "t = threading.Thread(target=threading.Event().wait, daemon=True); t.start(); pin_cpus((0,)); "
             "print(sorted({tuple(os.sched_getaffinity(int(tid))) for tid in os.listdir('/proc/self/task')}))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
@@ -151,7 +151,7 @@ def _free_port_copy(src: str, dst: Path, **replace: str) -> Path:
     """`src` topology with every port replaced by a free one (and any `key = "value"` in `replace`)."""
     text = (TOPOLOGY_DIR / f"{src}.toml").read_text()
     text = re.sub(r"^(\s*(?:control_port|kv_port|events_port|port)\s*=\s*)\d+",
-                  lambda m: f"{m.group(1)}{launch_head.free_port()}", text, flags=re.M)
+                  lambda m: f"{m.group(1)}{ray_head.free_port()}", text, flags=re.M)
     for key, value in replace.items():
         text = re.sub(rf'^({key}\s*=\s*)"[^"]*"', rf'\g<1>"{value}"', text, flags=re.M)
     parse_topology(text, name=dst.stem)  # still valid
@@ -165,12 +165,12 @@ def cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("cluster")
     path, state = _free_port_copy("local-1p1d", root / "test-1p1d.toml"), root / "clusters"  # $MLX_PD_CACHE/clusters
     t0 = time.monotonic()
-    info = launch.up(str(path), state_dir=state, timeout_s=600)
+    info = ray_up.up(str(path), state_dir=state, timeout_s=600)
     info["up_s"] = time.monotonic() - t0
     try:
         yield path, state, info
     finally:
-        launch.down(str(path), state_dir=state)  # a no-op when test_down already ran
+        ray_up.down(str(path), state_dir=state)  # a no-op when test_down already ran
 
 
 def _chat(endpoint: str, content: str, max_tokens: int = 24) -> str:
@@ -184,7 +184,7 @@ def _chat(endpoint: str, content: str, max_tokens: int = 24) -> str:
 
 
 def _rows(path, state) -> dict:
-    return {r["name"]: r for r in launch.status(str(path), state_dir=state)}
+    return {r["name"]: r for r in ray_up.status(str(path), state_dir=state)}
 
 
 @pytest.mark.ray
@@ -233,10 +233,10 @@ def test_workers_export_metrics_and_run_with_openblas(cluster):
     import httpx
 
     path, state, info = cluster
-    launch_head.enable_token_auth()
+    ray_head.enable_token_auth()
     import ray
 
-    ray.init(address=launch_head.read_head(state).address, log_to_driver=False, configure_logging=False)
+    ray.init(address=ray_head.read_head(state).address, log_to_driver=False, configure_logging=False)
     try:
         node = ray.nodes()[0]
         url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
@@ -256,7 +256,7 @@ def test_workers_export_metrics_and_run_with_openblas(cluster):
 @pytest.mark.ray
 def test_up_again_says_it_is_already_up(cluster):
     path, state, info = cluster
-    again = launch.up(str(path), state_dir=state, timeout_s=60, echo=lambda line: None)
+    again = ray_up.up(str(path), state_dir=state, timeout_s=60, echo=lambda line: None)
     assert again["already_running"] and again["endpoint"] == info["endpoint"]
 
 
@@ -280,19 +280,19 @@ def test_ray_restarts_a_killed_worker_and_the_router_uses_it_again(cluster):
 def test_a_worker_that_cannot_start_shows_its_error(cluster, tmp_path):
     path, state, _ = cluster
     bad = _free_port_copy("local-1p1d", tmp_path / "test-broken.toml", source=str(tmp_path / "no-such-model.gguf"))
-    with pytest.raises(launch.LaunchError, match=r"(?s)failed to start.*no-such-model"):
-        launch.up(str(bad), state_dir=state, timeout_s=300, echo=lambda line: None)
-    assert all(r["state"] in ("absent", "dead") for r in launch.status(str(bad), state_dir=state))
+    with pytest.raises(ray_up.LaunchError, match=r"(?s)failed to start.*no-such-model"):
+        ray_up.up(str(bad), state_dir=state, timeout_s=300, echo=lambda line: None)
+    assert all(r["state"] in ("absent", "dead") for r in ray_up.status(str(bad), state_dir=state))
     assert _rows(path, state)["decode-0"]["state"] == "alive"  # the other topology and the shared head are untouched
 
 
 @pytest.mark.ray
 def test_down_leaves_no_actors_and_no_ray_processes(cluster):
     path, state, _ = cluster
-    head = launch_head.read_head(state)
-    result = launch.down(str(path), state_dir=state, echo=lambda line: None)
+    head = ray_head.read_head(state)
+    result = ray_up.down(str(path), state_dir=state, echo=lambda line: None)
     assert result["head_stopped"] and set(result["stopped"]) == {"router@127.0.0.1", "prefill-0@127.0.0.1",
                                                                   "decode-0@127.0.0.1"}
-    assert launch_head.read_head(state) is None and not launch_head.pid_alive(head.pid)
-    assert launch_head.group_members(head.pid) == []  # nothing of the head's session (gcs, raylet, workers)
-    assert all(r["state"] == "stopped" for r in launch.status(str(path), state_dir=state))
+    assert ray_head.read_head(state) is None and not ray_head.pid_alive(head.pid)
+    assert ray_head.group_members(head.pid) == []  # nothing of the head's session (gcs, raylet, workers)
+    assert all(r["state"] == "stopped" for r in ray_up.status(str(path), state_dir=state))

@@ -20,7 +20,7 @@ import pytest
 
 from cluster.config import EngineConfig
 from cluster.engine import EngineCore
-from cluster.kv_cache import KVStore
+from cluster.kv_store import KVStore
 from cluster.model import load_model, read_model_spec
 from cluster.model_families import FAMILIES, verify_model
 from cluster.request import GenerateRequest, SamplingParams
@@ -303,10 +303,10 @@ def test_gemma2_attends_over_float_kv_when_kv_is_quantized(tmp_path):
 
 def test_serve_reports_a_refused_family_as_an_error_not_a_traceback(tmp_path, monkeypatch, capsys):
     """`mlx-pd serve --model FOLDER` for an unverified family exits 2 with one error line naming it."""
-    import cluster.platform
-    from cluster import cli
+    import cluster.launch.platform
+    from cluster.launch import cli
 
-    monkeypatch.setattr(cluster.platform, "reexec_with_openblas", lambda *a, **k: None)
+    monkeypatch.setattr(cluster.launch.platform, "reexec_with_openblas", lambda *a, **k: None)
     folder = write_config(tmp_path / "qwen3_next", minimal_config("qwen3_next"))
     assert cli.main(["serve", "--model", str(folder)]) == 2
     err = capsys.readouterr().err

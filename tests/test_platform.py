@@ -1,4 +1,4 @@
-"""cluster.platform: where OpenBLAS is found, when the process re-executes itself with it preloaded,
+"""cluster.launch.platform: where OpenBLAS is found, when the process re-executes itself with it preloaded,
 and that MLX still imports and multiplies correctly under the preload."""
 
 import json
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from cluster import platform as mpd_platform
-from cluster.platform import ENV_DISABLE, openblas_preload_path, preload_env
+from cluster.launch import platform as mpd_platform
+from cluster.launch.platform import ENV_DISABLE, openblas_preload_path, preload_env
 
 LIB = openblas_preload_path()
 needs_openblas = pytest.mark.skipif(LIB is None, reason="libopenblas0-pthread is not installed")
@@ -106,7 +106,7 @@ def test_reexec_builds_the_command_line(monkeypatch):
 
 REEXEC = (
     "import os, sys, json\n"
-    "from cluster.platform import reexec_with_openblas\n"
+    "from cluster.launch.platform import reexec_with_openblas\n"
     "reexec_with_openblas(sys.argv)\n"
     "print(json.dumps({'preload': os.environ.get('LD_PRELOAD', ''), 'argv': sys.argv[1:]}))\n"
 )

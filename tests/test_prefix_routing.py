@@ -34,6 +34,23 @@ def test_match_counts_leading_blocks_per_worker():
     assert idx.match([10, 11, 12]) == {"w0": 1} and len(idx) == 2  # 10 and 12 of w0; nothing of w1 left
 
 
+def test_the_router_and_the_transfer_handshake_key_a_prompt_as_one_function_does():
+    """cluster.hashing.first_block_key is the one home of the first block's key: the router's cached-blocks
+    lookup (PrefixIndex.match_prompt) and the transfer handshake (KVFormat) hash a prompt with it."""
+    from cluster.hashing import block_hashes, first_block_key
+    from kv_transfer.handshake import KVFormat
+
+    fmt = KVFormat(model_id="m", revision="r", dtype="bfloat16", kv_bits=4, kv_group_size=32, block_size=4,
+                   num_layers=1, num_kv_heads=1, head_dim=32)
+    key = first_block_key("m", "r", "bfloat16", 4, 32, 4, "tenant")
+    assert fmt.extra_key("tenant") == key != first_block_key("m", "r", "bfloat16", 8, 32, 4, "tenant")
+    prompt = list(range(10))  # two full blocks
+    idx = PrefixIndex(["w0"])
+    idx.apply_snapshot("w0", "boot", 0, fmt.block_hashes(prompt, "tenant")[:1])
+    assert idx.match_prompt(prompt, 4, key) == {"w0": 1} == idx.match(block_hashes(prompt, 4, key))
+    assert idx.match_prompt(prompt, 4, first_block_key("m", "r", "bfloat16", 4, 32, 4)) == {}  # another tenant
+
+
 def test_a_gap_or_a_new_boot_marks_the_worker_stale_until_a_snapshot():
     idx = PrefixIndex(["w0"])
     assert idx.needs_snapshot() == ["w0"]  # nothing is trusted before the first snapshot

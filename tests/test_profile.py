@@ -86,8 +86,8 @@ def test_profile_cli_help():
 
     args = build_parser().parse_args(["--max-len", "4096", "--batches", "1,2", "--json", "x.json"])
     assert args.max_len == 4096 and args.batches == (1, 2) and args.out == "x.json"
-    r = subprocess.run([sys.executable, "-m", "cluster.cli", "profile", "--help"], capture_output=True, text=True,
-                       timeout=120, env={"PYTHONPATH": ".", "MLX_PD_NO_OPENBLAS": "1", "PATH": "/usr/bin:/bin"})
+    r = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "profile", "--help"], capture_output=True,
+                       text=True, timeout=120, env={"PYTHONPATH": ".", "MLX_PD_NO_OPENBLAS": "1", "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0 and "--max-len" in r.stdout and "--url" in r.stdout
 
 

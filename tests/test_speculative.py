@@ -7,7 +7,8 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from cluster.kv_cache import BatchLayout, KVStore
+from cluster.kv_layout import BatchLayout
+from cluster.kv_store import KVStore
 from cluster.request import FinishReason, GenerateRequest, SamplingParams
 from cluster.runner import BatchItem, ModelRunner
 from decode_node.speculative import check_same_tokenizer

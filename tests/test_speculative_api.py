@@ -13,7 +13,7 @@ from tests.test_api_real import MODEL, post, stream_events
 
 @pytest.fixture(scope="module")
 def server():
-    from cluster.local import EngineThread, LocalEngineClient
+    from cluster.launch.single_node import EngineThread, LocalEngineClient
     from router.app import create_app
     from router.tokenizer import RouterTokenizer
 
@@ -96,7 +96,7 @@ def test_metrics_and_refusals(server):
 
 
 def test_a_missing_draft_model_is_a_400():
-    from cluster.local import EngineThread, LocalEngineClient
+    from cluster.launch.single_node import EngineThread, LocalEngineClient
     from router.app import create_app
     from router.tokenizer import RouterTokenizer
     from tests.engine_helpers import make_engine

@@ -177,7 +177,7 @@ def test_router_maps_the_speculative_field():
 
 
 def test_topology_and_cli_accept_the_speculative_options():
-    from cluster.cli import _engine_config, build_parser
+    from cluster.launch.cli import _engine_config, build_parser
     from cluster.topology import parse_topology
 
     topo = parse_topology('[engine]\nspeculative_method = "prompt_lookup"\nnum_draft_tokens = 6\n'

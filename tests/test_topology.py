@@ -22,15 +22,15 @@ def test_router_body_limit_from_the_topology_reaches_the_app(tmp_path):
     """`[router] max_body_bytes` is the limit the served app applies: a body one byte over it is a 413."""
     import httpx
 
-    from cluster.cli import build_router_app
     from cluster.gguf_import import ensure_default_model
+    from router.app import create_app_for_model
     from tests.live_server import serve_app
     from tests.router_fakes import FakeEngine, load_tokenizer
 
     path = tmp_path / "t.toml"
     path.write_text("[router]\nmax_body_bytes = 2000\n")
     limit = load_topology(str(path)).router.max_body_bytes
-    app = build_router_app(FakeEngine(load_tokenizer()), ensure_default_model(progress=False), max_body_bytes=limit)
+    app = create_app_for_model(FakeEngine(load_tokenizer()), ensure_default_model(progress=False), max_body_bytes=limit)
     body = {"model": "SmolLM2-135M-Instruct", "prompt": "x", "max_tokens": 1, "pad": "y" * 2000}
     with serve_app(app) as base:
         r = httpx.post(base + "/v1/completions", json=body, timeout=30)
@@ -55,7 +55,7 @@ def test_bad_files_name_the_problem(tmp_path, text, message):
 def test_cli_reports_a_bad_topology_without_a_traceback(tmp_path):
     path = tmp_path / "t.toml"
     path.write_text("[engine]\nkv_bits = 3\n")
-    r = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--topology", str(path)],
+    r = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "serve", "--topology", str(path)],
                        capture_output=True, text=True, env={"PYTHONPATH": ".", "MLX_PD_NO_OPENBLAS": "1"}, timeout=120)
     assert r.returncode == 2 and "kv_bits=3 is invalid" in r.stderr and "Traceback" not in r.stderr
 

@@ -11,7 +11,7 @@ import pytest
 import zmq
 import zmq.auth
 
-from cluster import cli
+from cluster.launch import cli
 from cluster.transport import (
     LOOPBACK, CurveKeys, check_endpoint, client_socket, close_context, generate_keys, server_socket,
 )

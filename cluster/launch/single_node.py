@@ -184,14 +184,13 @@ def start_local_engine(model: Optional[str] = None, config: Optional[EngineConfi
     """
     from cluster.engine import EngineCore
     from cluster.model import load_model, served_model
+    from decode_node.speculative import build_drafters  # the colocated engine decodes too
 
     config = config or EngineConfig()
     path, spec = served_model(model, model_name, config.dtype)
     name = spec.model_id
     model_obj, tokenizer = load_model(path, dtype=config.dtype)
     core = EngineCore(model_obj, tokenizer, spec, config)
-    from decode_node.speculative import build_drafters  # lazy, as above: the colocated engine decodes too
-
     core.drafters.update(build_drafters(core, model))
     thread = EngineThread(core).start()
     atexit.register(thread.stop)  # stop stepping before the interpreter tears MLX down

@@ -1,8 +1,8 @@
 """Cluster mode on Ray: `up`, `status` and `down` of a topology (`mlx-pd up|status|down TOPOLOGY`).
 
 `up` connects to Ray (for `[ray] address = "local"` it first starts a local head, see
-`cluster/launch_head.py`, token authentication on), places one detached actor per `[[workers]]` entry
-(`cluster/launch_actors.WorkerActor`, named `spec.actor_name`, in the namespace `topology.namespace`),
+`ray_head.py`, token authentication on), places one detached actor per `[[workers]]` entry
+(`actors.WorkerActor`, named `spec.actor_name`, in the namespace `topology.namespace`),
 waits until every worker has loaded its model and bound its sockets, then starts the router actor (the
 OpenAI API over ZeroMQ) and waits for its `/health`. It returns while everything keeps running.
 
@@ -12,7 +12,8 @@ worker (and the router) is placed on the node whose IP is its `host`, and a loop
 running `mlx-pd up`. Actors ask for no CPUs (`num_cpus=0`), so a 2-core machine fits three of them; Ray
 restarts a dead one up to `[ray] max_restarts` times, and its constructor loads and binds again.
 
-Only `cluster/launch*.py` import `ray` (DESIGN §3); they import sibling packages lazily.
+Only the modules of `cluster/launch/` import `ray` (DESIGN §3); the Ray calls made while connected are in
+`ray_driver.py`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from cluster import launch_head
+from cluster.launch import ray_head
 from cluster.topology import TopologySpec, WorkerSpec, load_topology
 from cluster.transport import is_loopback
 
@@ -87,7 +88,7 @@ class Connection:
 
     address: str
     dashboard: str
-    head: Optional[launch_head.LocalHead] = None
+    head: Optional[ray_head.LocalHead] = None
     started_head: bool = False
 
 
@@ -101,25 +102,25 @@ def _load(topology_path: str) -> TopologySpec:
 
 def _connect(topology: TopologySpec, state_dir: Path, start: bool, echo: Echo) -> Optional[Connection]:
     """ray.init into the topology's namespace; None when a local head is not running and `start` is False."""
-    from cluster.platform import preload_env
+    from cluster.launch.platform import preload_env
 
     head, started = None, False
     address = topology.ray.address
     if address == "local":
-        head = launch_head.read_head(state_dir)
+        head = ray_head.read_head(state_dir)
         if head is None:
             if not start:
                 return None
             t0 = time.monotonic()
             echo("mlx-pd: starting a local Ray head (token authentication on) ...")
             try:
-                head = launch_head.start_head(state_dir, preload_env())
+                head = ray_head.start_head(state_dir, preload_env())
             except (RuntimeError, OSError, ValueError) as exc:
                 raise LaunchError(str(exc)) from None
             started = True
             echo(f"mlx-pd: Ray head at {head.address} up in {time.monotonic() - t0:.1f} s")
         address = head.address
-    launch_head.enable_token_auth()
+    ray_head.enable_token_auth()
     import ray
 
     try:
@@ -165,25 +166,25 @@ def up(topology_path: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, api_key: Opt
     failed to start: its error) after removing what this call started; ValueError/FileNotFoundError for a
     bad topology.
     """
-    from cluster.launch_ray import create_cluster
+    from cluster.launch.ray_driver import create_cluster
 
     topology = _load(topology_path)
     if not api_key and not is_loopback(topology.router.host):
         echo(f"mlx-pd: warning: the router listens on {topology.router.host} without an API key, so anyone on "
              "that network can use it: pass --api-key or set MLX_PD_API_KEY")
-    state_dir = Path(state_dir or launch_head.default_state_dir())
+    state_dir = Path(state_dir or ray_head.default_state_dir())
     conn = _connect(topology, state_dir, start=True, echo=echo)
     try:
         info = create_cluster(topology, conn, timeout_s=timeout_s, api_key=api_key, echo=echo, label=topology_path)
     except BaseException:
         if conn.started_head:
             _shutdown()
-            launch_head.stop_head(state_dir, conn.head)
+            ray_head.stop_head(state_dir, conn.head)
         raise
     finally:
         _shutdown()
     if conn.head is not None and topology.namespace not in conn.head.namespaces:
-        launch_head.write_head(state_dir, launch_head.LocalHead(
+        ray_head.write_head(state_dir, ray_head.LocalHead(
             **{**conn.head.__dict__, "namespaces": (*conn.head.namespaces, topology.namespace)}))
     return info
 
@@ -203,10 +204,10 @@ def status(topology_path: str, *, state_dir: Optional[Path] = None, timeout_s: f
     Worker rows add running, waiting, kv_blocks_used/free/total, prefix_cache_hit_rate; the router row
     adds its endpoint. Nothing secret is included.
     """
-    from cluster.launch_ray import collect_status
+    from cluster.launch.ray_driver import collect_status
 
     topology = _load(topology_path)
-    state_dir = Path(state_dir or launch_head.default_state_dir())
+    state_dir = Path(state_dir or ray_head.default_state_dir())
     conn = _connect(topology, state_dir, start=False, echo=_stderr)
     if conn is None:
         return [{"actor": router_actor_name(topology), "name": "router", "role": "router",
@@ -223,10 +224,10 @@ def down(topology_path: str, *, state_dir: Optional[Path] = None, echo: Echo = _
          timeout_s: float = 60.0) -> dict:
     """Stop the router and the workers of the topology's namespace; for `address = "local"` also stop the
     local Ray head once no topology uses it. Returns {"stopped": [actor names], "head_stopped": bool}."""
-    from cluster.launch_ray import kill_namespace
+    from cluster.launch.ray_driver import kill_namespace
 
     topology = _load(topology_path)
-    state_dir = Path(state_dir or launch_head.default_state_dir())
+    state_dir = Path(state_dir or ray_head.default_state_dir())
     conn = _connect(topology, state_dir, start=False, echo=echo)
     if conn is None:
         echo(f"mlx-pd: {topology.name} is not running (no local Ray head of mlx-pd)")
@@ -239,10 +240,10 @@ def down(topology_path: str, *, state_dir: Optional[Path] = None, echo: Echo = _
     if conn.head is not None:
         left = tuple(ns for ns in conn.head.namespaces if ns != topology.namespace)
         if left:
-            launch_head.write_head(state_dir, launch_head.LocalHead(**{**conn.head.__dict__, "namespaces": left}))
+            ray_head.write_head(state_dir, ray_head.LocalHead(**{**conn.head.__dict__, "namespaces": left}))
             echo(f"mlx-pd: the local Ray head stays up for {', '.join(left)}")
         else:
-            head_stopped = launch_head.stop_head(state_dir, conn.head)
+            head_stopped = ray_head.stop_head(state_dir, conn.head)
             echo("mlx-pd: stopped the local Ray head" if head_stopped else
                  f"mlx-pd: the local Ray head (pid {conn.head.pid}) did not stop; see {conn.head.log}")
     return {"stopped": stopped, "head_stopped": head_stopped}

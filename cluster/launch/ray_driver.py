@@ -1,4 +1,4 @@
-"""The Ray side of `cluster/launch.py`, run while connected: create the actors and wait for them
+"""The Ray side of `ray_up.py`, run while connected: create the actors and wait for them
 (`create_cluster`), read their state (`collect_status`) and remove them (`kill_namespace`)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from cluster.launch import (Connection, Echo, LaunchError, error_summary, missing_resources, namespace_actors,
-                            router_actor_name, router_options, worker_options)
+from cluster.launch.ray_up import (Connection, Echo, LaunchError, error_summary, missing_resources,
+                                   namespace_actors, router_actor_name, router_options, worker_options)
 from cluster.topology import TopologySpec
 
 _PROGRESS_EVERY_S = 15.0
@@ -18,11 +18,11 @@ _STATE_NAMES = {"ALIVE": "alive", "RESTARTING": "restarting", "DEAD": "dead", "P
 
 def create_cluster(topology: TopologySpec, conn: Connection, *, timeout_s: float, api_key: Optional[str],
                    echo: Echo, label: str = "") -> dict:
-    """Create (or find) every worker actor, wait for all to be ready, then the router; see `launch.up`."""
+    """Create (or find) every worker actor, wait for all to be ready, then the router; see `ray_up.up`."""
     import ray
 
-    from cluster.launch_actors import RouterActor, WorkerActor
-    from cluster.platform import preload_env
+    from cluster.launch.actors import RouterActor, WorkerActor
+    from cluster.launch.platform import preload_env
 
     t0 = time.monotonic()
     deadline = t0 + timeout_s
@@ -129,7 +129,7 @@ def _wait_health(endpoint: str, deadline: float) -> None:
 
 
 def collect_status(topology: TopologySpec, actors: dict[str, dict], timeout_s: float, dashboard: str) -> list[dict]:
-    """Rows for `launch.status`: Ray's actor state combined with each actor's own report."""
+    """Rows for `ray_up.status`: Ray's actor state combined with each actor's own report."""
     import ray
 
     rows, refs = [], {}

@@ -4,7 +4,7 @@
     mlx-pd router TOPOLOGY          # the OpenAI API over the topology's workers
 
 Useful for debugging a worker in a terminal, for machines without Ray, and for benchmarks that pin each
-process to its own cores (a stand-in for separate Macs). `mlx-pd up` (cluster/launch.py) runs the same
+process to its own cores (a stand-in for separate Macs). `mlx-pd up` (ray_up.py) runs the same
 worker and router code as Ray actors, with placement, restarts and the dashboard.
 """
 
@@ -22,7 +22,7 @@ def cluster_router_client(topology: TopologySpec):
     """(ClusterEngineClient, model folder) for the router of `topology`: same model name and revision as the
     workers (so prompts hash alike), context limit = the smallest of the model's and the workers'."""
     from cluster.model import served_model
-    from router.cluster_client import ClusterEngineClient  # lazy: cluster imports no sibling at module level
+    from router.cluster_client import ClusterEngineClient
 
     path, spec = served_model(topology.model.source, topology.model.served_name, topology.engine.dtype)
     limits = [w.engine.max_model_len for w in topology.workers if w.engine.max_model_len]
@@ -32,8 +32,8 @@ def cluster_router_client(topology: TopologySpec):
 
 def run_worker(topology_path: str, name: str) -> int:
     """Start worker `name` of the topology and serve until SIGINT/SIGTERM. Returns the exit status."""
-    from cluster.launch_actors import pin_cpus
-    from cluster.worker import make_worker
+    from cluster.launch.platform import pin_cpus
+    from cluster.launch.workers import make_worker
 
     topology = load_topology(topology_path)
     spec = topology.worker(name)
@@ -57,11 +57,11 @@ def run_router(topology_path: str, api_key: Optional[str] = None, log_level: str
     """Serve the OpenAI API over the topology's workers (host and port from `[router]`) until stopped."""
     import uvicorn
 
-    from cluster.cli import build_router_app
+    from router.app import create_app_for_model
 
     topology = load_topology(topology_path)
     client, path = cluster_router_client(topology)
-    app = build_router_app(client, path, api_key, max_body_bytes=topology.router.max_body_bytes)
+    app = create_app_for_model(client, path, api_key, max_body_bytes=topology.router.max_body_bytes)
     host, port = topology.router.host, topology.router.port
     print(f"mlx-pd: router for {topology.name} at http://{host}:{port}/v1", file=sys.stderr, flush=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

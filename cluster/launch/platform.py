@@ -1,4 +1,4 @@
-"""Platform tuning: preload Debian's OpenBLAS under MLX's CPU backend on Linux.
+"""Process-level platform quirks: preload Debian's OpenBLAS under MLX's CPU backend on Linux, pin CPUs.
 
 The ``mlx-cpu`` wheel for Linux links a bundled *reference* BLAS (``mlx_cpu.libs/libblas-*.so``),
 which is slow. Preloading the ``libblas.so.3`` of Debian's ``libopenblas0-pthread`` package
@@ -14,17 +14,23 @@ about 12 ms (15-30x), and decode of the default model got about 2x faster.
 - launchers pass :func:`preload_env` into the environment of subprocesses and Ray workers.
 
 Setting the documented environment variable ``MLX_PD_NO_OPENBLAS=1`` turns all of this off.
-On macOS (Metal, Accelerate) and on Linux without the package, every function here is a no-op.
+On macOS (Metal, Accelerate) and on Linux without the package, every OpenBLAS function here is a no-op.
+
+:func:`pin_cpus` pins a worker process to its topology's ``cpu_affinity`` (Linux only; macOS has no
+affinity API, so it is ignored there). The engine's own tuning for the CPU backend is in
+``cluster/cpu_backend.py``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
+logger = logging.getLogger(__name__)
 ENV_DISABLE = "MLX_PD_NO_OPENBLAS"
 DPKG_PACKAGE = "libopenblas0-pthread"
 KNOWN_PATHS = (
@@ -107,7 +113,7 @@ def reexec_with_openblas(argv: Sequence[str] | None = None) -> None:
 
     ``argv`` is the script's argument list (``sys.argv``-style, argv[0] the script). When it is
     omitted or equal to ``sys.argv``, the original interpreter command line ``sys.orig_argv`` is
-    re-run instead, so interpreter flags and ``python -m cluster.cli`` survive the re-exec.
+    re-run instead, so interpreter flags and ``python -m cluster.launch.cli`` survive the re-exec.
     """
     path = openblas_preload_path()
     if path is None or _disabled(os.environ) or _preloaded(path, os.environ):
@@ -120,3 +126,16 @@ def reexec_with_openblas(argv: Sequence[str] | None = None) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *args], env)
+
+
+def pin_cpus(cpus: tuple[int, ...]) -> bool:
+    """Pin every thread of this process to `cpus` (Linux). Returns False where the OS cannot (macOS)."""
+    if not hasattr(os, "sched_setaffinity"):
+        logger.warning("cpu_affinity is ignored on this OS")
+        return False
+    for tid in os.listdir("/proc/self/task"):  # threads started earlier (BLAS pools) too, not only this one
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, OSError):
+            pass
+    return True

@@ -1,5 +1,5 @@
 """What runs inside the Ray actors of cluster mode: one `WorkerActor` per `[[workers]]` entry and one
-`RouterActor` (the OpenAI API). `cluster/launch.py` wraps these plain classes with `ray.remote`.
+`RouterActor` (the OpenAI API). `ray_driver.py` wraps these plain classes with `ray.remote`.
 
 Both take the topology as TOML text (`TopologySpec.source`), so every process parses the same file.
 A worker actor does all its work in its constructor (pin CPUs, load the model, bind the sockets, start the
@@ -112,25 +112,13 @@ class MetricsExporter:
                 logger.exception("exporting metrics failed")
 
 
-def pin_cpus(cpus: tuple[int, ...]) -> bool:
-    """Pin every thread of this process to `cpus` (Linux). Returns False where the OS cannot (macOS)."""
-    if not hasattr(os, "sched_setaffinity"):
-        logger.warning("cpu_affinity is ignored on this OS")
-        return False
-    for tid in os.listdir("/proc/self/task"):  # threads started earlier (BLAS pools) too, not only this one
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except (ProcessLookupError, OSError):
-            pass
-    return True
-
-
 class WorkerActor:
-    """One prefill or decode worker (cluster.worker.make_worker) living in a Ray actor."""
+    """One prefill or decode worker (cluster.launch.workers.make_worker) living in a Ray actor."""
 
     def __init__(self, topology_text: str, topology_name: str, worker_name: str,
                  metrics_interval_s: float = METRICS_INTERVAL_S):
-        from cluster.worker import make_worker
+        from cluster.launch.platform import pin_cpus
+        from cluster.launch.workers import make_worker
 
         topology = parse_topology(topology_text, name=topology_name)
         self.spec = topology.worker(worker_name)
@@ -187,8 +175,8 @@ class RouterActor:
     async def _serve(self, topology: TopologySpec, api_key: Optional[str], request_timeout_s: float) -> None:
         import uvicorn
 
-        from cluster.cli import build_router_app
-        from cluster.launch_local import cluster_router_client
+        from cluster.launch.processes import cluster_router_client
+        from router.app import create_app_for_model
 
         self._client, path = cluster_router_client(topology)
         try:
@@ -198,7 +186,7 @@ class RouterActor:
                 raise RuntimeError(f"no answer within {wait_s:.0f} s from {', '.join(silent)} (check the "
                                    "workers' host addresses, firewalls and CurveZMQ keys)")
             self._ready = True
-            app = build_router_app(self._client, path, api_key, request_timeout_s, topology.router.max_body_bytes)
+            app = create_app_for_model(self._client, path, api_key, request_timeout_s, topology.router.max_body_bytes)
             config = uvicorn.Config(app, host=self.host, port=self.port, log_level="warning",
                                     timeout_graceful_shutdown=5)
             self._server = uvicorn.Server(config)

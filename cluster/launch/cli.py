@@ -1,5 +1,6 @@
-"""The `mlx-pd` command: serve (single-node), generate (one prompt from the shell), bench, profile, keys (CurveZMQ),
-up / status / down (cluster mode on Ray, cluster/launch.py), worker / router (one cluster process without Ray).
+"""The `mlx-pd` command: serve (single-node, single_node.py), generate (one prompt from the shell), keys (CurveZMQ),
+up / status / down (cluster mode on Ray, ray_up.py), worker / router (one cluster process without Ray,
+processes.py); bench and profile run the benchmarks tool beside the product (benchmarks/, the `[bench]` extra).
 
 Documented environment variables: MLX_PD_CACHE (model cache folder), MLX_PD_NO_OPENBLAS=1 (do not
 preload OpenBLAS on Linux), MLX_PD_API_KEY (default for --api-key).
@@ -85,7 +86,7 @@ def _start(args: argparse.Namespace):
     """Load the model with a progress bar; returns (client, model folder)."""
     from tqdm import tqdm
 
-    from cluster.local import start_local_engine
+    from cluster.launch.single_node import start_local_engine
 
     topology = _topology(args)
     model = args.model or topology.model.source
@@ -96,27 +97,17 @@ def _start(args: argparse.Namespace):
     return client, path
 
 
-def build_router_app(client, tokenizer_path, api_key: Optional[str] = None, request_timeout_s: float = 600.0,
-                     max_body_bytes: Optional[int] = None):
-    """The router's FastAPI app over any `EngineClient` (single-node `serve` and the cluster's router actor).
-
-    `tokenizer_path` is the model folder (chat template, tokenizer); `api_key` None or "" leaves it open;
-    `max_body_bytes` None sizes the body limit to the context (router/body.py)."""
-    from router.app import create_app  # lazy: cluster imports no sibling at module level
-    from router.tokenizer import RouterTokenizer
-
-    return create_app(client, RouterTokenizer.from_path(tokenizer_path), served_model_names=[client.model_name],
-                      api_key=api_key or None, request_timeout_s=request_timeout_s, max_body_bytes=max_body_bytes)
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
+
+    from router.app import create_app_for_model
 
     topology = _topology(args)
     host = args.host or topology.router.host
     port = args.port or topology.router.port
     client, path = _start(args)
-    app = build_router_app(client, path, args.api_key, max_body_bytes=args.max_body_bytes or topology.router.max_body_bytes)
+    app = create_app_for_model(client, path, args.api_key,
+                               max_body_bytes=args.max_body_bytes or topology.router.max_body_bytes)
     print(f"mlx-pd: serving {client.model_name} at http://{host}:{port}/v1 "
           f"(context {client.max_model_len} tokens)", file=sys.stderr, flush=True)
     try:
@@ -158,16 +149,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(argv: Sequence[str]) -> int:
-    from benchmarks.cli import main as bench_main  # lazy: cluster imports no sibling at module level
+# `mlx-pd bench` and `mlx-pd profile` are commands of the benchmarks tool beside the product (benchmarks/). The
+# product never imports it: the CLI loads the tool's entry point by name when one of these commands runs, and
+# says how to install it when it or its dependencies (`benchmarks.REQUIRES`, the `[bench]` extra) are missing.
+TOOL_COMMANDS = {"bench": "benchmarks.cli", "profile": "benchmarks.profile_cli"}
+TOOL_HINT = ("mlx-pd: `mlx-pd {command}` needs the benchmark tools ({missing} missing): "
+             "pip install -e '.[bench]' in a checkout, or pip install 'mlx-pd[bench]'")
 
-    return bench_main(list(argv))
 
+def cmd_tool(command: str, argv: Sequence[str]) -> int:
+    """Run `mlx-pd bench|profile ARGV` in the benchmarks tool; exit 2 with one line when it is not installed."""
+    import importlib
+    import importlib.util
 
-def cmd_profile(argv: Sequence[str]) -> int:
-    from benchmarks.profile_cli import main as profile_main  # lazy: cluster imports no sibling at module level
-
-    return profile_main(list(argv))
+    missing = ["benchmarks"] if importlib.util.find_spec("benchmarks") is None else [
+        name for name in importlib.import_module("benchmarks").REQUIRES if importlib.util.find_spec(name) is None]
+    if missing:
+        print(TOOL_HINT.format(command=command, missing=", ".join(missing)), file=sys.stderr)
+        return 2
+    return importlib.import_module(TOOL_COMMANDS[command]).main(list(argv))
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
@@ -191,7 +191,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
 def _cluster_command(fn) -> int:
     """Run `fn() -> int` (a cluster-mode command); a LaunchError (Ray unreachable, a worker that failed to
     start) prints its message and exits 1."""
-    from cluster.launch import LaunchError
+    from cluster.launch.ray_up import LaunchError
 
     try:
         return fn()
@@ -201,8 +201,8 @@ def _cluster_command(fn) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    """Start a topology on Ray (cluster/launch.py) and return once it serves."""
-    from cluster.launch import up
+    """Start a topology on Ray (ray_up.py) and return once it serves."""
+    from cluster.launch.ray_up import up
 
     if args.timeout <= 0:
         raise ValueError(f"--timeout={args.timeout} is invalid: must be > 0 seconds")
@@ -216,7 +216,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Print the topology's actors; exit 0 only if the router and every worker are alive."""
-    from cluster.launch import format_status, status
+    from cluster.launch.ray_up import format_status, status
 
     def run() -> int:
         rows = status(args.topology)
@@ -231,7 +231,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_down(args: argparse.Namespace) -> int:
     """Stop a topology's actors (and the local Ray head its `up` started)."""
-    from cluster.launch import down
+    from cluster.launch.ray_up import down
 
     def run() -> int:
         down(args.topology)
@@ -241,13 +241,13 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from cluster.launch_local import run_worker
+    from cluster.launch.processes import run_worker
 
     return run_worker(args.topology, args.name)
 
 
 def cmd_router(args: argparse.Namespace) -> int:
-    from cluster.launch_local import run_router
+    from cluster.launch.processes import run_router
 
     return run_router(args.topology, args.api_key or None)
 
@@ -300,15 +300,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the `mlx-pd` console script."""
-    from cluster.platform import reexec_with_openblas
+    from cluster.launch.platform import reexec_with_openblas
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] != ["keys"]:  # `keys` never touches MLX, so it needs no OpenBLAS re-exec
         reexec_with_openblas()
-    if argv[:1] == ["bench"]:
-        return cmd_bench(argv[1:])
-    if argv[:1] == ["profile"]:
-        return cmd_profile(argv[1:])
+    if argv[:1] and argv[0] in TOOL_COMMANDS:
+        return cmd_tool(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
