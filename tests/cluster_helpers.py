@@ -1,6 +1,7 @@
 """An in-process cluster for tests: prefill and decode workers (cluster.worker) on threads of this process,
-sharing the real SmolLM2 model, talking over tcp loopback exactly as separate processes would, behind a
-router (ClusterEngineClient + the FastAPI app) served by uvicorn on a free port."""
+sharing one loaded model (the real SmolLM2 by default, or tests.engine_helpers.fast_model()), talking over tcp
+loopback exactly as separate processes would, behind a router (ClusterEngineClient + the FastAPI app) served by
+uvicorn on a free port."""
 
 from __future__ import annotations
 
@@ -31,8 +32,9 @@ def topology_text(prefill: int = 1, decode: int = 1, engine: str = "", routing: 
 
 
 @contextmanager
-def running_cluster(prefill: int = 1, decode: int = 1, **tables):
-    """Yield (base_url, client, workers) of a started in-process cluster; everything stops afterwards."""
+def running_cluster(prefill: int = 1, decode: int = 1, loaded=None, **tables):
+    """Yield (base_url, client, workers) of a started in-process cluster serving `loaded` = (model, tokenizer,
+    spec) (default: the real model) under its spec's model id; everything stops afterwards."""
     from cluster.launch.workers import make_worker
     from router.app import create_app
     from router.cluster_client import ClusterEngineClient
@@ -40,7 +42,7 @@ def running_cluster(prefill: int = 1, decode: int = 1, **tables):
     from tests.engine_helpers import real_model
 
     topology = parse_topology(topology_text(prefill, decode, **tables), name="test-cluster")
-    loaded = real_model()
+    loaded = loaded if loaded is not None else real_model()
     workers = {w.name: make_worker(topology, w.name, loaded) for w in topology.workers}
     try:
         for w in workers.values():
@@ -57,3 +59,21 @@ def running_cluster(prefill: int = 1, decode: int = 1, **tables):
     finally:
         for w in workers.values():
             w.stop()
+
+
+def slow_steps(worker, seconds: float) -> None:
+    """From now on `worker`'s loop sleeps `seconds` before each engine step. The fast model prefills a prompt of
+    a thousand tokens in a fraction of a second and decodes a token in milliseconds, where the real one takes
+    seconds and ~0.1 s: a test that acts while a prefill or a stream is under way (a client leaving, a worker
+    dying) or that needs requests to queue for seconds stretches that worker's steps so that the moment it acts
+    in lasts, on a fast machine too. Installed on the worker's own thread (the engine belongs to it)."""
+    def install(w) -> None:
+        step = w.engine.step
+
+        def slow_step():
+            time.sleep(seconds)
+            return step()
+
+        w.engine.step = slow_step
+
+    worker.call(install)

@@ -1,4 +1,5 @@
-"""Helpers for tests that drive the engine core synchronously on the real SmolLM2 model (float32)."""
+"""Helpers for tests that drive the engine core synchronously on the real SmolLM2 model (float32), or on
+`fast_model()`, a small random-weight model with the same tokenizer, where a test needs no real language."""
 
 from __future__ import annotations
 
@@ -20,11 +21,28 @@ def real_model():
     return model, tokenizer, read_model_spec(path, model_id=DEFAULT_MODEL)
 
 
-def make_engine(**config):
-    """A fresh EngineCore over the shared real model; `config` overrides EngineConfig fields."""
+@functools.lru_cache(maxsize=1)
+def fast_model():
+    """(model, tokenizer, spec) of a random-weight 2-layer llama with SmolLM2's tokenizer and vocabulary
+    (`benchmarks.reliability_long.fast_model_dir`: hidden 256, 4 heads over 2 KV heads, context 8,192; built
+    once into the mlx-pd cache), loaded once per test session. A decode step costs a fraction of the real
+    model's; its greedy output is garbage text, but deterministic, so tests compare it with a single-node
+    reference of the same model. Its spec carries the default model's id, the name the tests' request bodies
+    and topologies use (the revision is its own)."""
+    from benchmarks.reliability_long import fast_model_dir
+    from cluster.model import DEFAULT_MODEL, load_model, read_model_spec
+
+    path = fast_model_dir()
+    model, tokenizer = load_model(path, "float32")
+    return model, tokenizer, read_model_spec(path, model_id=DEFAULT_MODEL)
+
+
+def make_engine(loaded=None, **config):
+    """A fresh EngineCore over `loaded` = (model, tokenizer, spec), by default the shared real model;
+    `config` overrides EngineConfig fields."""
     from cluster.engine import EngineCore
 
-    model, tokenizer, spec = real_model()
+    model, tokenizer, spec = loaded if loaded is not None else real_model()
     config.setdefault("kv_cache_gb", 0.25)
     # a request queued behind a long prompt may wait minutes on a saturated machine; tests of that deadline
     # set their own

@@ -1,10 +1,17 @@
-"""Cluster mode end to end on the real model, workers in-process (tests/cluster_helpers.py): disaggregated
-output equals single-node output token for token; disconnects, dead workers and migration; no leaked
-blocks. The same worker classes run as Ray actors under `mlx-pd up` (tests/test_launch.py)."""
+"""Cluster mode end to end, workers in-process (tests/cluster_helpers.py): disaggregated output equals
+single-node output token for token; disconnects, dead workers and migration; no leaked blocks. The same worker
+classes run as Ray actors under `mlx-pd up` (tests/test_launch.py).
+
+Every cluster here serves the fast random-weight model (tests.engine_helpers.fast_model) and checks answers
+against its single-node greedy output, except the speculative-counter test, whose drafts need the real model
+repeating its prompt. Where a test acts while a prefill runs or needs a request to outlast an action, it
+stretches the workers' steps (`slow_steps`) instead of relying on the real model's slowness."""
 
 from __future__ import annotations
 
+import functools
 import json
+import socket
 import threading
 import time
 
@@ -12,8 +19,8 @@ import httpx
 import pytest
 
 from router.metrics import PREFIX
-from tests.cluster_helpers import running_cluster
-from tests.engine_helpers import greedy, make_engine, real_model, run
+from tests.cluster_helpers import running_cluster, slow_steps
+from tests.engine_helpers import fast_model, greedy, make_engine, run
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
@@ -30,12 +37,25 @@ def chat(base, text, max_tokens=24, **extra):
 
 
 def reference_text(prompt_ids, max_tokens, **engine) -> str:
-    return run(make_engine(**engine), [greedy("ref", prompt_ids, max_tokens)])["ref"].text
+    """The fast model's single-node greedy answer to `prompt_ids` (a fresh engine with `engine` settings)."""
+    return run(make_engine(loaded=fast_model(), **engine), [greedy("ref", prompt_ids, max_tokens)])["ref"].text
 
 
 def chat_ids(text):
-    _, tokenizer, _ = real_model()
+    _, tokenizer, _ = fast_model()  # SmolLM2's tokenizer and chat template
     return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+
+
+@functools.lru_cache(maxsize=None)
+def reference_answer(text: str, max_tokens: int = 24) -> str:
+    """The single-node answer `chat(base, text)` must give on a cluster of the fast model (a pure function of
+    the two, so computed once)."""
+    return reference_text(chat_ids(text), max_tokens)
+
+
+def assert_still_serving(base) -> None:
+    """The cluster answers a new chat exactly as single-node does (greedy)."""
+    assert chat(base, QUESTIONS[0])["choices"][0]["message"]["content"] == reference_answer(QUESTIONS[0])
 
 
 def long_text(n_words=700):
@@ -56,6 +76,18 @@ def wait_until(pred, timeout=60.0):
     return pred()
 
 
+def post_and_leave(base, path, body, until, timeout=120.0) -> None:
+    """POST `body` to `path` on a bare HTTP/1.1 connection and close it, having read nothing, once `until()`
+    holds (within `timeout` seconds)."""
+    url = httpx.URL(base)
+    data = json.dumps(body).encode()
+    head = (f"POST {path} HTTP/1.1\r\nHost: {url.host}:{url.port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode()
+    with socket.create_connection((url.host, url.port), timeout=30) as sock:
+        sock.sendall(head + data)
+        assert wait_until(until, timeout)
+
+
 def at_baseline(workers) -> bool:
     return all(s["kv_blocks_free"] == s["kv_blocks_total"] and s["num_running"] == 0 and s["num_waiting"] == 0
                and s["transfers_inflight"] == 0 for s in (w.stats() for w in workers.values()))
@@ -69,7 +101,7 @@ def test_disaggregated_greedy_output_equals_single_node(decode, kv_bits):
     prompts = QUESTIONS + ["Summarize this in one sentence: " + long_text()]
     refs = [reference_text(chat_ids(q), 24, prefill_chunk_size=256, kv_bits=kv_bits, kv_group_size=32)
             for q in prompts]
-    with running_cluster(1, decode, engine=engine, routing=ALL_REMOTE) as (base, _, workers):
+    with running_cluster(1, decode, loaded=fast_model(), engine=engine, routing=ALL_REMOTE) as (base, _, workers):
         # One at a time, as the references ran: a batch's padding changes float rounding (in either mode),
         # which can flip a near-tie of greedy decoding; batch invariance is not what this test is about.
         for prompt, ref in zip(prompts, refs):
@@ -80,7 +112,7 @@ def test_disaggregated_greedy_output_equals_single_node(decode, kv_bits):
 
 
 def test_streamed_disaggregated_answer_arrives_in_order():
-    with running_cluster(1, 1, routing=ALL_REMOTE) as (base, _, workers):
+    with running_cluster(1, 1, loaded=fast_model(), routing=ALL_REMOTE) as (base, _, workers):
         full = chat(base, QUESTIONS[2], max_tokens=40)["choices"][0]["message"]["content"]
         parts = []
         with httpx.stream("POST", base + "/v1/chat/completions", timeout=300, json={
@@ -100,9 +132,9 @@ def test_streamed_disaggregated_answer_arrives_in_order():
 
 def test_short_prompts_skip_the_prefill_worker():
     """Conditional disaggregation: below local_prefill_max_tokens the decode worker prefills itself."""
-    with running_cluster(1, 1, routing="local_prefill_max_tokens = 100000") as (base, _, workers):
-        answer = chat(base, QUESTIONS[0])["choices"][0]["message"]["content"]
-        assert "Paris" in answer
+    with running_cluster(1, 1, loaded=fast_model(), routing="local_prefill_max_tokens = 100000") as (
+            base, _, workers):
+        assert_still_serving(base)  # the answer equals single-node's
         assert workers["prefill-0"].stats()["kv_bytes_sent"] == 0
         from cluster.launch.workers import probe_worker  # what tools see: the stats a ping returns
 
@@ -110,7 +142,8 @@ def test_short_prompts_skip_the_prefill_worker():
 
 
 def test_prompt_longer_than_the_context_is_400_before_any_transfer():
-    with running_cluster(1, 1, engine="max_model_len = 256", routing=ALL_REMOTE) as (base, client, workers):
+    with running_cluster(1, 1, loaded=fast_model(), engine="max_model_len = 256", routing=ALL_REMOTE) as (
+            base, client, workers):
         r = httpx.post(base + "/v1/completions", timeout=60, json={
             "model": MODEL, "prompt": long_text(400), "max_tokens": 4})
         assert r.status_code == 400 and "context" in r.json()["error"]["message"]
@@ -120,27 +153,43 @@ def test_prompt_longer_than_the_context_is_400_before_any_transfer():
 @pytest.mark.parametrize("when", ["during_prefill", "after_first_token"])
 def test_client_disconnect_frees_blocks_on_both_workers(when):
     """A client leaving during prefill (mid-transfer) or right after the first token: both workers'
-    free blocks return to baseline within seconds, and the abort reaches both."""
-    with running_cluster(1, 1, engine="prefill_chunk_size = 128", routing=ALL_REMOTE) as (base, client, workers):
-        body = {"model": MODEL, "prompt": long_text(900), "max_tokens": 200, "stream": True}
-        with httpx.stream("POST", base + "/v1/completions", timeout=300, json=body) as r:
-            if when == "during_prefill":
-                assert wait_until(lambda: workers["prefill-0"].stats()["kv_blocks_sent"] > 0, 120)
-            else:
+    free blocks return to baseline within seconds, and the abort reaches both: the decode worker stops short
+    of max_tokens (and, for a client gone during prefill, no token is generated at all). The prefill worker's
+    steps are stretched so that its 8 chunks take seconds, as on the real model."""
+    max_tokens = 2000  # with ignore_eos, only an abort ends it within the baseline wait
+    with running_cluster(1, 1, loaded=fast_model(), engine="prefill_chunk_size = 128", routing=ALL_REMOTE) as (
+            base, client, workers):
+        slow_steps(workers["prefill-0"], 0.5)
+        body = {"model": MODEL, "prompt": long_text(900), "max_tokens": max_tokens, "ignore_eos": True,
+                "stream": True}
+        if when == "during_prefill":  # the router sends the response's headers with the first token, so the
+            # client must leave without waiting for them: a bare connection, closed mid-transfer
+            post_and_leave(base, "/v1/completions", body,
+                           until=lambda: workers["prefill-0"].stats()["kv_blocks_sent"] > 0)
+        else:
+            with httpx.stream("POST", base + "/v1/completions", timeout=300, json=body) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
                         break
         # the response is closed: the router aborts on both workers
         assert wait_until(lambda: at_baseline(workers)), [w.stats() for w in workers.values()]
         assert not client.streams and all(not w.inflight for w in client.workers)
-        assert "Paris" in chat(base, QUESTIONS[0])["choices"][0]["message"]["content"]  # still serving
+        out = {n: w.stats()["tokens_out"] for n, w in workers.items()}  # as fresh as the baseline seen
+        if when == "during_prefill":  # the client left while the prompt computed: no token anywhere
+            assert out == {"prefill-0": 0, "decode-0": 0}, out
+        else:  # the decode worker stopped short of max_tokens (the first token came from the prefill worker)
+            assert out["decode-0"] < max_tokens - 1, out
+        assert_still_serving(base)
 
 
 def test_decode_worker_death_mid_stream_migrates_the_request():
     """The decode worker serving a stream dies; the router notices within its
     heartbeat deadline and re-runs the request on the other decode worker from the prompt plus the tokens
-    already streamed: the client sees one uninterrupted stream of the full length."""
-    with running_cluster(1, 2, routing=ALL_REMOTE) as (base, client, workers):
+    already streamed: the client sees one uninterrupted stream of the full length. (Decode steps are stretched
+    to >= 50 ms so that most of the stream is still to come when the worker dies, as on the real model.)"""
+    with running_cluster(1, 2, loaded=fast_model(), routing=ALL_REMOTE) as (base, client, workers):
+        for name in ("decode-0", "decode-1"):
+            slow_steps(workers[name], 0.05)
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 60, "temperature": 0, "stream": True,
                 "ignore_eos": True, "stream_options": {"include_usage": True}}
         texts, finish, usage, killed = [], None, None, None
@@ -163,11 +212,15 @@ def test_decode_worker_death_mid_stream_migrates_the_request():
         survivor = next(n for n in workers if n.startswith("decode") and n != killed)
         assert wait_until(lambda: workers[survivor].stats()["tokens_out"] > 0)
         assert not next(w for w in client.workers if w.spec.name == killed).alive
-        assert "Paris" in chat(base, QUESTIONS[0])["choices"][0]["message"]["content"]  # new requests succeed
+        assert_still_serving(base)  # new requests succeed
 
 
 def test_prefill_worker_death_gives_an_error_not_a_hang():
-    with running_cluster(1, 1, engine="prefill_chunk_size = 64", routing=ALL_REMOTE) as (base, client, workers):
+    """The prefill worker dies mid-prompt (its 19 chunks stretched to seconds): the client gets an error within
+    a minute, the decode worker frees what it reserved, and later requests are served by the decode worker."""
+    with running_cluster(1, 1, loaded=fast_model(), engine="prefill_chunk_size = 64", routing=ALL_REMOTE) as (
+            base, client, workers):
+        slow_steps(workers["prefill-0"], 0.25)
         body = {"model": MODEL, "prompt": long_text(1200), "max_tokens": 20}
         result = {}
         t = threading.Thread(target=lambda: result.setdefault("r", httpx.post(base + "/v1/completions", json=body,
@@ -182,14 +235,14 @@ def test_prefill_worker_death_gives_an_error_not_a_hang():
         assert time.monotonic() - start < 60
         assert wait_until(lambda: workers["decode-0"].stats()["kv_blocks_free"]
                           == workers["decode-0"].stats()["kv_blocks_total"], 30)  # the decode side freed
-        assert "Paris" in chat(base, QUESTIONS[0])["choices"][0]["message"]["content"]  # decode prefills alone
+        assert_still_serving(base)  # decode prefills alone
 
 
 def test_more_requests_than_the_decode_pool_holds_all_finish():
     """On a live pair: the decode pool holds ~4 of these prompts; 10 arrive at once. Blocks are
     reserved before transfers are accepted, the rest wait (busy) and retry; all finish; nothing leaks."""
     engine = "num_blocks = 60\nmax_num_seqs = 16"
-    with running_cluster(1, 1, engine=engine, routing=ALL_REMOTE) as (base, client, workers):
+    with running_cluster(1, 1, loaded=fast_model(), engine=engine, routing=ALL_REMOTE) as (base, client, workers):
         results = []
         prompts = [f"Case {i}: " + long_text(300) for i in range(10)]
 
@@ -211,9 +264,11 @@ def test_more_requests_than_the_decode_pool_holds_all_finish():
 def test_requests_queued_at_the_prefill_worker_outlive_the_transfer_deadline():
     """The reliability soak's failure: long prompts queue at the prefill worker for longer than the KV
     transfer's inactivity deadline. The prefill worker offers a transfer only when it starts computing the
-    prompt, so a queued request neither holds decode blocks nor times out; every request completes."""
-    with running_cluster(1, 1, engine="prefill_chunk_size = 64", routing=ALL_REMOTE,
-                         transfer="timeout_s = 8") as (base, client, workers):
+    prompt, so a queued request neither holds decode blocks nor times out; every request completes. (The prefill
+    worker's steps are stretched to >= 0.25 s: the fast model alone would clear the queue in under a second.)"""
+    with running_cluster(1, 1, loaded=fast_model(), engine="prefill_chunk_size = 64", routing=ALL_REMOTE,
+                         transfer="timeout_s = 4") as (base, client, workers):
+        slow_steps(workers["prefill-0"], 0.25)
         codes, reserved_at_once = [], []
 
         def one(i):
@@ -221,7 +276,8 @@ def test_requests_queued_at_the_prefill_worker_outlive_the_transfer_deadline():
                 "model": MODEL, "prompt": f"Report {i}: " + long_text(700), "max_tokens": 4, "temperature": 0})
             codes.append(r.status_code)
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]  # the last waits ~2.7k tokens
+        # the last waits for ~2.1k tokens of the others: 33 chunks of 64, over 8 s, twice the transfer deadline
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
         while any(t.is_alive() for t in threads):
@@ -237,9 +293,12 @@ def test_requests_queued_at_the_prefill_worker_outlive_the_transfer_deadline():
 def test_decode_worker_death_before_any_token_reruns_the_request_elsewhere():
     """A decode worker dies while the prefill worker is still computing the prompt bound for it (nothing
     streamed yet): the router stops that prefill and re-runs the request on the other decode worker from
-    the start; the client gets the whole answer, equal to single-node output."""
+    the start; the client gets the whole answer, equal to single-node output. (The prefill worker's 10 chunks
+    are stretched to seconds, so the decode worker dies while they compute.)"""
     prompt = "Summarize: " + long_text(600)
-    with running_cluster(1, 2, engine="prefill_chunk_size = 64", routing=ALL_REMOTE) as (base, client, workers):
+    with running_cluster(1, 2, loaded=fast_model(), engine="prefill_chunk_size = 64", routing=ALL_REMOTE) as (
+            base, client, workers):
+        slow_steps(workers["prefill-0"], 0.25)
         result = {}
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0}
         t = threading.Thread(target=lambda: result.setdefault(
@@ -251,7 +310,7 @@ def test_decode_worker_death_before_any_token_reruns_the_request_elsewhere():
         t.join(300)
         r = result["r"]
         assert r.status_code == 200, r.text
-        _, tokenizer, _ = real_model()
+        _, tokenizer, _ = fast_model()
         assert r.json()["choices"][0]["text"] == reference_text(tokenizer.encode(prompt), 12)
         survivor = next(n for n in workers if n.startswith("decode") and n != victim)
         assert wait_until(lambda: workers[survivor].stats()["tokens_out"] > 0)
@@ -262,7 +321,8 @@ def test_decode_worker_death_before_any_token_reruns_the_request_elsewhere():
 
 def test_router_metrics_sum_the_decode_workers_speculative_counters():
     """Speculative decoding runs on the decode workers; the router's /metrics adds up their draft and accepted
-    token counters (they were always 0 in cluster mode)."""
+    token counters (they were always 0 in cluster mode). On the real model: prompt lookup drafts only once the
+    answer repeats the prompt, which the random fast model's output never reliably does."""
     text = "alpha beta gamma delta epsilon zeta eta theta " * 6
     with running_cluster(0, 2) as (base, client, workers):
         r = httpx.post(base + "/v1/completions", timeout=300, json={

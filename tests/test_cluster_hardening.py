@@ -1,5 +1,7 @@
 """Hardening on a live in-process cluster: garbage on every cluster socket is rejected and the workers keep
-serving with nothing leaked; with CurveZMQ keys configured, every cluster socket refuses a peer without them."""
+serving with nothing leaked; with CurveZMQ keys configured, every cluster socket refuses a peer without them.
+Every cluster serves the fast random-weight model (tests.engine_helpers.fast_model); "still serving" means a
+chat's answer equals its single-node greedy answer."""
 
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ import zmq
 
 from cluster.protocol import AbortRequest, Generate, Ping, pack
 from cluster.transport import client_socket, generate_keys
-from tests.cluster_helpers import running_cluster
-from tests.test_cluster import MODEL, QUESTIONS, at_baseline, chat, wait_until
+from tests.cluster_helpers import running_cluster, slow_steps
+from tests.engine_helpers import fast_model
+from tests.test_cluster import MODEL, QUESTIONS, assert_still_serving, at_baseline, chat, wait_until
 
 
 def _garbage(rng: random.Random) -> list[list[bytes]]:
@@ -36,7 +39,8 @@ def _garbage(rng: random.Random) -> list[list[bytes]]:
 
 def test_garbage_on_every_cluster_socket_is_rejected_and_the_workers_keep_serving():
     rng = random.Random(7)
-    with running_cluster(1, 1, routing="local_prefill_max_tokens = 0") as (base, client, workers):
+    with running_cluster(1, 1, loaded=fast_model(), routing="local_prefill_max_tokens = 0") as (
+            base, client, workers):
         ctx = zmq.Context()
         endpoints = [w.endpoints[k] for w in workers.values() for k in ("control", "kv") if w.endpoints.get(k)]
         sent = 0
@@ -52,16 +56,16 @@ def test_garbage_on_every_cluster_socket_is_rejected_and_the_workers_keep_servin
             ctx.destroy(linger=0)
         assert sent > 300  # about 100 per socket (control x2, KV)
         assert all(w.healthy for w in workers.values())
-        assert "Paris" in chat(base, QUESTIONS[0])["choices"][0]["message"]["content"]
+        assert_still_serving(base)
         assert wait_until(lambda: at_baseline(workers))
 
 
 def test_curve_keys_are_required_on_every_cluster_socket(tmp_path):
     keys_dir = tmp_path / "keys"
     generate_keys(keys_dir)
-    with running_cluster(1, 1, routing="local_prefill_max_tokens = 0",
+    with running_cluster(1, 1, loaded=fast_model(), routing="local_prefill_max_tokens = 0",
                          security=f'curve_keys_dir = "{keys_dir}"') as (base, client, workers):
-        assert "Paris" in chat(base, QUESTIONS[0])["choices"][0]["message"]["content"]  # keys work end to end
+        assert_still_serving(base)  # keys work end to end
         ctx = zmq.Context()
         try:
             decode = workers["decode-0"]
@@ -82,10 +86,14 @@ def test_curve_keys_are_required_on_every_cluster_socket(tmp_path):
 
 def test_overload_beyond_the_queue_bound_gets_503_with_retry_after():
     """Overload on a cluster: beyond max_num_seqs running + max_waiting queued, requests get 503 with
-    Retry-After at once (nothing lost: each either completes or is refused before it runs)."""
+    Retry-After at once (nothing lost: each either completes or is refused before it runs). The decode worker's
+    steps are stretched to >= 50 ms, so that a request lasts over a second (as on the real model) and the eight
+    arrive while the first two hold the bound."""
     import threading
 
-    with running_cluster(1, 1, engine="max_num_seqs = 1\nmax_waiting = 1") as (base, client, workers):
+    with running_cluster(1, 1, loaded=fast_model(), engine="max_num_seqs = 1\nmax_waiting = 1") as (
+            base, client, workers):
+        slow_steps(workers["decode-0"], 0.05)
         codes, retry = [], []
 
         def one(i):
@@ -138,7 +146,8 @@ def test_generate_with_fields_of_the_wrong_type_is_answered_400_and_leaves_nothi
     and serves afterwards."""
     from cluster.protocol import Rejected
 
-    with running_cluster(1, 1, routing="local_prefill_max_tokens = 0") as (base, client, workers):
+    with running_cluster(1, 1, loaded=fast_model(), routing="local_prefill_max_tokens = 0") as (
+            base, client, workers):
         ctx = zmq.Context()
         try:
             for w in workers.values():
@@ -157,7 +166,7 @@ def test_generate_with_fields_of_the_wrong_type_is_answered_400_and_leaves_nothi
                 assert not w.routes, w.routes
         finally:
             ctx.destroy(linger=0)
-        assert "Paris" in chat(base, QUESTIONS[0])["choices"][0]["message"]["content"]
+        assert_still_serving(base)
 
 
 def test_prefilled_request_whose_kv_never_comes_fails_at_its_deadline():
@@ -166,7 +175,8 @@ def test_prefilled_request_whose_kv_never_comes_fails_at_its_deadline():
     queue + 2 s of "busy" retries + 2 s for the offer), then answers an error: nothing waits forever."""
     from cluster.protocol import Output
 
-    with running_cluster(1, 1, engine="queue_timeout_s = 1", transfer="timeout_s = 2") as (base, client, workers):
+    with running_cluster(1, 1, loaded=fast_model(), engine="queue_timeout_s = 1", transfer="timeout_s = 2") as (
+            base, client, workers):
         decode = workers["decode-0"]
         ctx = zmq.Context()
         try:
@@ -194,8 +204,8 @@ def test_a_transfer_that_cannot_start_fails_its_request_and_frees_its_blocks():
     from cluster.protocol import Rejected
     from tests.test_cluster import long_text
 
-    with running_cluster(1, 1, engine="prefill_chunk_size = 64", routing="local_prefill_max_tokens = 0") as (
-            base, client, workers):
+    with running_cluster(1, 1, loaded=fast_model(), engine="prefill_chunk_size = 64",
+                         routing="local_prefill_max_tokens = 0") as (base, client, workers):
         prefill = workers["prefill-0"]
         real_open = prefill.sender.open
 
@@ -212,7 +222,7 @@ def test_a_transfer_that_cannot_start_fails_its_request_and_frees_its_blocks():
             prefill.sender.open = real_open
         assert wait_until(lambda: at_baseline(workers)), [w.stats() for w in workers.values()]
         assert not prefill.pending and not prefill.handed_off and not prefill.routes
-        assert "Paris" in chat(base, QUESTIONS[0])["choices"][0]["message"]["content"]
+        assert_still_serving(base)
 
         ctx = zmq.Context()
         try:
@@ -229,8 +239,11 @@ def test_a_transfer_that_cannot_start_fails_its_request_and_frees_its_blocks():
 def test_a_decode_worker_declared_dead_but_alive_stops_the_migrated_request():
     """The router declares a decode worker dead (its heartbeat deadline; here forced) while it streams: the
     request moves to the other decode worker and completes in full, and the first worker, which was only
-    silent, is told to stop it instead of generating to max_tokens for nobody."""
-    with running_cluster(0, 2) as (base, client, workers):
+    silent, is told to stop it instead of generating to max_tokens for nobody. (Decode steps are stretched to
+    >= 20 ms, so that the first worker could not have finished the 300 tokens by itself meanwhile.)"""
+    with running_cluster(0, 2, loaded=fast_model()) as (base, client, workers):
+        for name in ("decode-0", "decode-1"):
+            slow_steps(workers[name], 0.02)
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0, "stream": True,
                 "ignore_eos": True, "stream_options": {"include_usage": True}}
         usage, moved_from = None, None
@@ -248,4 +261,5 @@ def test_a_decode_worker_declared_dead_but_alive_stops_the_migrated_request():
                     loop.call_soon_threadsafe(client._mark_dead, moved_from)
                     old = workers[moved_from.spec.name]
                     assert wait_until(lambda: old.stats()["num_running"] == 0 and not old.routes), old.stats()
+                    assert old.stats()["tokens_out"] < 300, old.stats()  # stopped, not finished
         assert moved_from is not None and usage["completion_tokens"] == 300

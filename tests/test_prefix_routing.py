@@ -1,6 +1,7 @@
 """The router's PrefixIndex and placement: exact match lengths, event gaps and restarts resync,
-a hot prefix spills, unique prompts spread, no worker idles while another queues; and live: a cleared
-or restarted worker's entries disappear from the router's index."""
+a hot prefix spills, unique prompts spread, no worker idles while another queues; and live (an in-process
+cluster of the fast random-weight model): a cleared or restarted worker's entries disappear from the router's
+index."""
 
 from __future__ import annotations
 
@@ -154,12 +155,13 @@ def test_no_live_decode_worker_is_a_503():
 
 def test_router_index_follows_clears_and_restarts():
     from tests.cluster_helpers import running_cluster
+    from tests.engine_helpers import fast_model
     from tests.test_cluster import MODEL, wait_until
 
     system = "You are a meticulous archivist. " * 40
     body = {"model": MODEL, "messages": [{"role": "system", "content": system},
                                          {"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0}
-    with running_cluster(1, 2, routing="local_prefill_max_tokens = 0") as (base, client, workers):
+    with running_cluster(1, 2, loaded=fast_model(), routing="local_prefill_max_tokens = 0") as (base, client, workers):
         assert httpx.post(base + "/v1/chat/completions", json=body, timeout=120).status_code == 200
         prompt = tuple(chat_ids_messages(body["messages"]))
         req = GenerateRequest("probe", prompt)
@@ -201,7 +203,7 @@ def test_router_index_follows_clears_and_restarts():
 
 
 def chat_ids_messages(messages):
-    from tests.engine_helpers import real_model
+    from tests.engine_helpers import fast_model
 
-    _, tokenizer, _ = real_model()
+    _, tokenizer, _ = fast_model()  # SmolLM2's tokenizer and chat template
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)

@@ -1,7 +1,8 @@
 """A short soak (the long one is `mlx-pd bench reliability`): mixed requests on an in-process
 1P2D cluster, concurrently — short chats, multi-tenant shared system prompts over two turns, long prompts,
 deliberate disconnects — every greedy answer equal to the single-node engine's answer for the same request,
-no error besides the deliberate disconnects, and every worker back at its KV baseline afterwards."""
+no error besides the deliberate disconnects, and every worker back at its KV baseline afterwards. Cluster and
+reference serve the fast random-weight model (tests.engine_helpers.fast_model)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import threading
 import httpx
 
 from tests.cluster_helpers import running_cluster
-from tests.engine_helpers import greedy, make_engine, real_model, run
+from tests.engine_helpers import fast_model, greedy, make_engine, run
 from tests.test_cluster import MODEL, at_baseline, long_text, wait_until
 
 TENANTS = ["You are a terse assistant for a shipping company. Answer in one short sentence. " * 6,
@@ -41,8 +42,8 @@ def workload(seed: int = 3) -> list[dict]:
 
 def reference(jobs: list[dict]) -> dict[int, str]:
     """Single-node answers, one request at a time (greedy, 20 tokens)."""
-    _, tokenizer, _ = real_model()
-    engine = make_engine(kv_cache_gb=0.25)
+    _, tokenizer, _ = fast_model()
+    engine = make_engine(loaded=fast_model(), kv_cache_gb=0.25)
     out = {}
     for i, job in enumerate(jobs):
         if job["kind"] != "disconnect":
@@ -55,7 +56,8 @@ def test_short_soak_on_1p2d_equals_single_node_and_leaks_nothing():
     jobs = workload()
     refs = reference(jobs)
     results: dict[int, object] = {}
-    with running_cluster(1, 2, routing="local_prefill_max_tokens = 128") as (base, client, workers):
+    with running_cluster(1, 2, loaded=fast_model(), routing="local_prefill_max_tokens = 128") as (
+            base, client, workers):
         def one(i: int, job: dict) -> None:
             body = {"model": MODEL, "messages": job["messages"], "max_tokens": 20, "temperature": 0}
             if job["kind"] == "disconnect":
