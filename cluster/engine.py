@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 import mlx.core as mx
 
 from cluster.block_pool import BlockPool
+from cluster.connector import Connector, NoConnector
 from cluster.config import EngineConfig
 from cluster.detokenizer import OutputText
 from cluster.hashing import block_extra_key, kv_format_name
 from cluster.kv_cache import KVStore, kv_bytes_per_block
+from cluster.kv_manager import KVManager
 from cluster.model import ModelSpec
 from cluster.ownership import ThreadOwner
 from cluster.model_families import verify_model
@@ -56,7 +58,7 @@ class EngineCore(SpeculativeSteps):
     """
 
     def __init__(self, model, tokenizer, spec: ModelSpec, config: EngineConfig,
-                 drafters: Optional[dict[str, Drafter]] = None):
+                 drafters: Optional[dict[str, Drafter]] = None, connector: Optional[Connector] = None):
         self.model, self.tokenizer, self.spec, self.config = model, tokenizer, spec, config
         verified = verify_model(model)  # before the pool is allocated: a refused model fails fast
         self.block_size = config.block_size
@@ -66,6 +68,7 @@ class EngineCore(SpeculativeSteps):
         if num_blocks < 2:
             raise ValueError(f"kv_cache_gb={config.kv_cache_gb} holds no block of {per_block} bytes")
         self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
+        self.kv = KVManager(self.pool)  # the one owner that allocates and frees blocks
         # one owner thread for the model calls, the KV arrays and the pool (cluster/ownership.py)
         self.owner = ThreadOwner("this engine")
         self.store = KVStore(spec, num_blocks, config.block_size, config.dtype, config.kv_bits, config.kv_group_size,
@@ -73,15 +76,13 @@ class EngineCore(SpeculativeSteps):
                              dequantize_for_attention=None if verified.reads_quantized_kv else True, owner=self.owner)
         self.runner = ModelRunner(model, self.store, verified)
         self.kv_format = kv_format_name(config.dtype, config.kv_bits, config.kv_group_size, config.block_size)
-        self.scheduler = Scheduler(config, self.pool, self._extra_key, lookahead=self._lookahead)
+        self.scheduler = Scheduler(config, self.kv, self._extra_key, lookahead=self._lookahead)
         self.drafters: dict[str, Drafter] = dict(drafters or {})
+        self.connector: Connector = connector or NoConnector()  # the role seam (cluster/connector.py)
         self.num_draft_tokens = 0  # draft tokens proposed and verified, all sequences
         self.num_accepted_tokens = 0  # of those, accepted
         self.eos_ids = set(spec.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.sequences: dict[str, Sequence] = {}
-        # Prefill role: called with a sequence right after its first token was sampled (unless that token
-        # finished it); the engine forgets the sequence but keeps its blocks, now owned by the callee.
-        self.handoff: Optional[Callable[[Sequence], None]] = None
 
     @staticmethod
     def _mirror_budget(config: EngineConfig, pool_bytes: int) -> int:
@@ -93,8 +94,9 @@ class EngineCore(SpeculativeSteps):
 
     # -- requests ----------------------------------------------------------------------------------
 
-    def check_request(self, request: GenerateRequest) -> int:
-        """Validate `request` for this engine; returns its clamped max_tokens. Raises ValueError."""
+    def check_request(self, request: GenerateRequest, remote_decode: bool = False) -> int:
+        """Validate `request` for this engine; returns its clamped max_tokens. Raises ValueError.
+        `remote_decode`: only its prompt runs here (a prefill worker's), so it needs no drafter here."""
         n = len(request.prompt_token_ids)
         if n >= self.max_model_len:
             raise ValueError(f"the prompt has {n} tokens but the context limit is {self.max_model_len}: "
@@ -107,74 +109,61 @@ class EngineCore(SpeculativeSteps):
             raise ValueError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
         method = request.sampling.speculative_method
         if (method is not None and request.sampling.num_draft_tokens != 0 and method not in self.drafters
-                and self.handoff is None):  # a prefill engine never decodes: it has no drafters
+                and not remote_decode):
             have = ", ".join(sorted(self.drafters)) or "none"
             raise ValueError(f"speculative method {method!r} is not available on this server (available: {have}); "
                              + ("start it with --draft-model or --speculative-method draft_model"
                                 if method == "draft_model" else "ask for another method"))
         return min(request.sampling.max_tokens, self.max_model_len - n, capacity - n)
 
-    def add_request(self, request: GenerateRequest) -> Optional[RequestOutput]:
-        """Queue a request (validated by `check_request`). Returns a final output at once if it
-        asks for no tokens, else None."""
+    def add_request(self, request: GenerateRequest, *, remote_prefill: bool = False,
+                    remote_decode: bool = False) -> Optional[RequestOutput]:
+        """Queue a request (validated by `check_request`; raises ValueError). Returns a final output at once if
+        it asks for no tokens, else None.
+
+        `remote_prefill`: another worker computes the prompt and samples the first token; the sequence waits
+        until the connector's `external_prefix` says its KV is here (held under its request id).
+        `remote_decode`: the sequence leaves this engine after its first token, its blocks kept for the role
+        (`Connector.request_finished`).
+        """
         self.owner.check("EngineCore.add_request")
         if request.request_id in self.sequences:
             raise ValueError(f"request_id {request.request_id!r} is already running")
-        max_tokens = self.check_request(request)
+        max_tokens = self.check_request(request, remote_decode)
         sp = request.sampling
-        seq = Sequence(request, max_tokens=max_tokens)
+        seq = Sequence(request, max_tokens=max_tokens, remote_decode=remote_decode)
         seq.output_text = OutputText(self.tokenizer, request.prompt_token_ids, sp.stop)
         seq.rng_key = None if sp.greedy else make_key(sp.seed)
-        seq.spec = self._spec_state(request)
+        seq.spec = None if remote_decode else self._spec_state(request)
         if max_tokens == 0 and sp.prompt_logprobs is None:
             return self._final(seq, FinishReason.LENGTH)
         self.sequences[request.request_id] = seq
-        self.scheduler.add(seq)
-        return None
-
-    def add_prefilled(self, request: GenerateRequest, block_table: list[int], num_cached_tokens: int,
-                      first_token: int) -> Optional[RequestOutput]:
-        """Admit a sequence whose prompt KV is already in `block_table` (received from a prefill worker) and
-        whose first token was sampled, checked for stops and streamed there. The engine owns the blocks from
-        now on and frees them on every path, including when this raises ValueError (as `add_request`).
-        Returns a final output at once if no token is left to generate, else None."""
-        self.owner.check("EngineCore.add_prefilled")
-        try:
-            if request.request_id in self.sequences:
-                raise ValueError(f"request_id {request.request_id!r} is already running")
-            max_tokens = self.check_request(request)
-        except ValueError:
-            self.pool.free(block_table)
-            raise
-        sp = request.sampling
-        seq = Sequence(request, max_tokens=max_tokens)
-        seq.token_ids.append(first_token)
-        seq.block_table, seq.num_computed_tokens = list(block_table), seq.num_prompt_tokens
-        seq.num_cached_tokens = num_cached_tokens
-        seq.output_text = OutputText(self.tokenizer, request.prompt_token_ids, sp.stop)
-        seq.output_text.add(first_token)  # its text went out with the first token
-        seq.rng_key = None if sp.greedy else mx.random.split(make_key(sp.seed))[0]  # as after one draw here
-        seq.first_token_time = time.monotonic()
-        seq.spec = self._spec_state(request)  # the draft model's KV of the prompt: computed here (draft prefill)
-        if seq.num_output_tokens >= max_tokens:
-            self.pool.free(seq.block_table)
-            seq.block_table = []
-            return self._final(seq, FinishReason.LENGTH)
-        self.sequences[request.request_id] = seq
-        self.scheduler.add_prefilled(seq)
+        if remote_prefill:
+            self.scheduler.add_awaiting_kv(seq)
+        else:
+            self.scheduler.add(seq)
         return None
 
     def abort(self, request_id: str) -> Optional[RequestOutput]:
-        """Stop a request and free its blocks; returns its final `abort` output (None if unknown)."""
+        """Stop a request; returns its final `abort` output (None if unknown). Its blocks are freed, or kept
+        for the role if the connector asks (`request_finished`)."""
         self.owner.check("EngineCore.abort")
-        seq = self.sequences.pop(request_id, None)
+        seq = self.sequences.get(request_id)
         if seq is None:
             return None
-        self.scheduler.finish(seq)
+        self._retire(seq, FinishReason.ABORT)
         return self._final(seq, FinishReason.ABORT)
 
+    def release(self, request_id: str) -> bool:
+        """The role no longer needs the blocks held for `request_id` (a transfer ended): free them. False when
+        none are held."""
+        self.owner.check("EngineCore.release")
+        return self.kv.release(request_id)
+
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        """True when `step` has something to do: a sequence to compute, or one whose prompt KV arrived."""
+        return self.scheduler.has_work() or any(self.connector.external_prefix(seq) is not None
+                                                for seq in self.scheduler.awaiting_kv.values())
 
     # -- the loop ------------------------------------------------------------------------------------
 
@@ -182,19 +171,51 @@ class EngineCore(SpeculativeSteps):
         """Run one scheduled batch; returns the output deltas it produced. Raises `WrongThreadError` off the
         owner thread (cluster/ownership.py); never for a request's sake."""
         self.owner.check("EngineCore.step")
-        expired = [self._expire(seq) for seq in self.scheduler.expired(time.monotonic() - self.config.queue_timeout_s)]
+        outputs = [self._expire(seq) for seq in self.scheduler.expired(time.monotonic() - self.config.queue_timeout_s)]
+        outputs += self._admit_prefilled()
         batch = self.scheduler.schedule()
-        if batch is None:
-            return expired
+        if batch is not None:
+            outputs += self._execute(batch)
+        computed = [] if batch is None else [seq for seq, _ in batch.items if not seq.finished]
+        self.connector.on_computed(computed + self.scheduler.take_preempted())
+        return outputs
+
+    def _execute(self, batch: ScheduledBatch) -> list[RequestOutput]:
         try:
-            return expired + self._run(batch)
+            return self._run(batch)
         except Exception as exc:  # a bad step fails its requests, never the engine
             logger.exception("engine step failed")
             if self.store.mirror is not None:
                 self.store.mirror.reset()
             for drafter in self.drafters.values():
                 drafter.reset()
-            return [self._fail(seq, f"engine step failed: {exc}") for seq, _ in batch.items]
+            message = f"engine step failed: {exc}"
+            return [self._final(seq, FinishReason.ERROR, message) if seq.finished else self._fail(seq, message)
+                    for seq, _ in batch.items]  # the finished ones' outputs of this step are lost too
+
+    def _admit_prefilled(self) -> list[RequestOutput]:
+        """Admit the sequences awaiting KV whose prompt the connector now holds: the held blocks become their
+        block table, the first token (sampled, checked for stops and streamed where the prompt ran) their
+        first output token; decoding continues from the second."""
+        outputs = []
+        for seq in list(self.scheduler.awaiting_kv.values()):
+            prefix = self.connector.external_prefix(seq)
+            if prefix is None:
+                continue
+            if self.kv.held(seq.request_id) is None:  # the role said ready but holds nothing: a bug
+                outputs.append(self._fail(seq, "its prompt KV arrived without blocks (internal error)"))
+                continue
+            held = self.kv.adopt(seq.request_id, seq)
+            seq.token_ids.append(prefix.first_token)
+            seq.num_computed_tokens, seq.num_cached_tokens = seq.num_prompt_tokens, held.num_cached_tokens
+            seq.output_text.add(prefix.first_token)  # its text went out with the first token
+            if seq.rng_key is not None:
+                seq.rng_key = mx.random.split(seq.rng_key)[0]  # as after one draw here
+            self.scheduler.admit_prefilled(seq)
+            if seq.num_output_tokens >= seq.max_tokens:
+                self._retire(seq, FinishReason.LENGTH)
+                outputs.append(self._final(seq, FinishReason.LENGTH))
+        return outputs
 
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
         drafts = {} if batch.is_prefill else self._propose(batch)
@@ -245,7 +266,7 @@ class EngineCore(SpeculativeSteps):
             seq.num_computed_tokens += fed[i]
             self.scheduler.cache_computed_blocks(seq)
             if i in sampled and seq.max_tokens == 0:  # echo-only request: prompt logprobs, no token
-                self._retire(seq)
+                self._retire(seq, FinishReason.LENGTH)
                 outputs.append(self._final(seq, FinishReason.LENGTH))
             elif i in sampled:
                 outputs.append(self._append_token(seq, *sampled[i]))
@@ -259,8 +280,6 @@ class EngineCore(SpeculativeSteps):
                                                        seq.request.sampling.prompt_logprobs))
 
     def _append_token(self, seq: Sequence, token: int, logprob) -> RequestOutput:
-        now = time.monotonic()
-        seq.first_token_time = seq.first_token_time or now
         seq.token_ids.append(token)
         sp = seq.request.sampling
         reason, text = None, ""
@@ -275,13 +294,10 @@ class EngineCore(SpeculativeSteps):
         plp = None
         if seq.num_output_tokens == 1 and sp.prompt_logprobs is not None:
             plp = tuple(seq.prompt_logprobs)
-        if reason is None and self.handoff is not None:
-            self.sequences.pop(seq.request_id, None)
-            self.scheduler.detach(seq)
-            self.handoff(seq)
         if reason is not None:
             text += seq.output_text.finish()
-            self._retire(seq)
+        if reason is not None or seq.remote_decode:  # remote decode: another worker continues from here
+            self._retire(seq, reason)
         return self._output(seq, (token,), text, (logprob,) if logprob else None, reason, plp)
 
     def _output(self, seq: Sequence, token_ids: tuple, text: str, logprobs, reason, plp=None,
@@ -294,18 +310,20 @@ class EngineCore(SpeculativeSteps):
         return self._output(seq, (), "", () if seq.request.sampling.logprobs is not None else None,
                             reason, plp, error)
 
-    def _retire(self, seq: Sequence) -> None:
-        """Forget a finished sequence and free its blocks."""
+    def _retire(self, seq: Sequence, reason: Optional[FinishReason]) -> None:
+        """Forget a sequence that leaves the engine (`reason` None: handed on after its first token, with
+        remote decode); its blocks are freed, or kept as a holding when the connector still needs them.
+        Called exactly once per sequence."""
         if seq.spec is not None and seq.spec.method in self.drafters:
             self.drafters[seq.spec.method].release(seq)
         self.sequences.pop(seq.request_id, None)
-        self.scheduler.finish(seq)
+        self.scheduler.finish(seq, keep_blocks=self.connector.request_finished(seq, reason))
 
     def _expire(self, seq: Sequence) -> RequestOutput:
-        self._retire(seq)
+        self._retire(seq, FinishReason.ABORT)
         return self._final(seq, FinishReason.ABORT, f"it waited {self.config.queue_timeout_s:g} s for KV blocks "
                                                      "(the server is at capacity); retry later")
 
     def _fail(self, seq: Sequence, message: str) -> RequestOutput:
-        self._retire(seq)
+        self._retire(seq, FinishReason.ERROR)
         return self._final(seq, FinishReason.ERROR, message)
