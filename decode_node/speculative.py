@@ -12,7 +12,7 @@ Draft-model KV: a `KVStore` of its own with the target pool's `num_blocks` and b
 same block tables (a sequence's draft KV sits in the same block ids as its target KV), in the target's KV
 format. `seq.num_draft_computed` counts its valid positions; each `propose` first catches the draft up to
 the sequence's tokens (its "draft prefill": at most `prefill_chunk_size` tokens per step, in separate
-single-sequence forwards, before drafting), so sequences admitted with transferred KV (`add_prefilled`) get
+single-sequence forwards, before drafting), so sequences admitted with transferred KV (remote prefill) get
 their prompt's draft KV computed here on the decode worker and transfers carry target KV only
 (`KVFormat.speculative_kv` stays False). Prefix-cached blocks are reused for the draft too when their draft
 KV is known to be valid: `valid` maps a block id to the block hash its draft KV was computed for, recorded
