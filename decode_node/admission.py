@@ -40,18 +40,25 @@ class DecodeAdmissions:
 
     # -- from the worker -----------------------------------------------------------------------------------
 
-    def add(self, request: GenerateRequest) -> None:
-        """A prefilled request from the router. Raises ValueError (nothing kept) when it can never run here."""
+    def add(self, request: GenerateRequest) -> Optional[RequestOutput]:
+        """A prefilled request from the router. Returns its final output at once when it asks for nothing
+        more; raises ValueError (nothing kept) when it can never run here."""
         rid = request.request_id
         try:
-            self.engine.add_request(request, remote_prefill=True)
+            out = self.engine.add_request(request, remote_prefill=True)
         except ValueError:
-            if self.orphans.pop(rid, None) is not None:  # its KV came first: let it go too
-                self.arrived.pop(rid, None)
-                self.engine.release(rid)
+            self._drop_orphan(rid)  # its KV came first: let it go too
             raise
-        if self.orphans.pop(rid, None) is None:
+        if out is not None:
+            self._drop_orphan(rid)
+        elif self.orphans.pop(rid, None) is None:
             self.awaiting[rid] = self.clock() + self.kv_start_deadline_s
+        return out
+
+    def _drop_orphan(self, request_id: str) -> None:
+        if self.orphans.pop(request_id, None) is not None:
+            self.arrived.pop(request_id, None)
+            self.engine.release(request_id)
 
     def on_received(self, got: ReceivedSequence) -> None:
         """A transfer completed: its blocks are held under the request id."""
@@ -83,9 +90,7 @@ class DecodeAdmissions:
         failed requests' error outputs."""
         now = self.clock()
         for rid in [rid for rid, deadline in self.orphans.items() if deadline < now]:
-            del self.orphans[rid]
-            self.arrived.pop(rid, None)
-            self.engine.release(rid)
+            self._drop_orphan(rid)
         failed = []
         for rid in [rid for rid, deadline in self.awaiting.items() if deadline < now and not self.transfer_live(rid)]:
             del self.awaiting[rid]
@@ -98,9 +103,7 @@ class DecodeAdmissions:
     def close(self) -> None:
         """Release every orphan (the worker is stopping)."""
         for rid in list(self.orphans):
-            self.arrived.pop(rid, None)
-            self.engine.release(rid)
-        self.orphans.clear()
+            self._drop_orphan(rid)
 
     # -- the role seam (cluster/connector.py), called from inside the engine's step ------------------------
 

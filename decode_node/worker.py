@@ -63,8 +63,10 @@ class DecodeWorker(Worker):
                 self.emit(out)
             return
         # The prompt's logprobs were computed and sent by the prefill worker.
-        self.admissions.add(dataclasses.replace(
+        out = self.admissions.add(dataclasses.replace(
             request, sampling=dataclasses.replace(request.sampling, prompt_logprobs=None)))
+        if out is not None:
+            self.emit(out)
 
     def _on_abort(self, request_id: str) -> None:
         self.receiver.abort(request_id, "the request was aborted")  # first: it stops writing into the blocks
