@@ -211,7 +211,7 @@ def test_a_transfer_that_cannot_start_fails_its_request_and_frees_its_blocks():
         finally:
             prefill.sender.open = real_open
         assert wait_until(lambda: at_baseline(workers)), [w.stats() for w in workers.values()]
-        assert not prefill.pending and not prefill.handed_off and not prefill.routes
+        assert not prefill.handoffs.requests and not prefill.routes
         assert "Paris" in chat(base, QUESTIONS[0])["choices"][0]["message"]["content"]
 
         ctx = zmq.Context()
