@@ -1,18 +1,15 @@
-"""The engine core: schedule, run, postprocess, emit — one step at a time, on one thread.
+"""The engine core: one step at a time, on one thread.
 
-Single-node mode runs this colocated engine (it prefills everything itself); the decode worker wraps the
-same core. `step()` never raises for a request's sake: a failing step fails the sequences it ran with
-`FinishReason.ERROR` and the engine carries on.
+    step = expire (waiting too long for KV blocks) -> admit (sequences whose prompt KV arrived from another
+           worker) -> schedule (cluster/scheduler.py) -> execute (array work: cluster/runner.py, one typed
+           RowResult per sequence) -> postprocess (count computed tokens, cache full blocks, append tokens,
+           finish) -> tell the role what was computed (cluster/connector.py) -> emit the output deltas
 
-Speculative decoding (cluster/speculation.py) is "schedule k+1": the scheduler reserves blocks for a decoding
-sequence's draft length, the step asks the sequence's drafter for up to k tokens, feeds them after the last
-token with logits at every position, and appends the tokens verification accepts one by one through the same
-`_append_token` as plain decoding (so EOS, stop strings, max_tokens and logprobs end a sequence exactly where
-plain decoding would; the rest of the accepted block is dropped). The step's deltas carry several tokens.
-Rejected positions are rolled back by the counters alone: `num_computed_tokens` ends at the accepted length
-(their KV slots are overwritten by later tokens, never hashed or cached before that) and so does
-`num_draft_computed` (the draft model's KV). Blocks allocated for rejected positions stay with the sequence
-(the next steps fill them) and are freed with it.
+Single-node mode runs this engine with no role; each worker role plugs into it through the connector.
+`step()` never raises for a request's sake: a failing step fails the sequences it ran with
+`FinishReason.ERROR` and the engine carries on. Speculative decoding (cluster/engine_spec.py,
+cluster/speculation.py) appends the tokens verification accepts through the same `_append_token` as plain
+decoding, so every stop rule ends a sequence where plain decoding would.
 """
 
 from __future__ import annotations
@@ -34,12 +31,12 @@ from cluster.model import ModelSpec
 from cluster.ownership import ThreadOwner
 from cluster.model_families import verify_model
 from cluster.request import FinishReason, GenerateRequest, RequestOutput
-from cluster.runner import BatchItem, ModelRunner
-from cluster.sampling import make_key, prompt_logprobs, sample
+from cluster.runner import ModelRunner, RowResult
+from cluster.sampling import make_key, prompt_logprobs
 from cluster.sequence import Sequence
 from cluster.scheduler import ScheduledBatch, Scheduler
 from cluster.engine_spec import SpeculativeSteps
-from cluster.speculation import Drafter, Verified, verify
+from cluster.speculation import Drafter
 
 logger = logging.getLogger(__name__)
 
@@ -181,9 +178,13 @@ class EngineCore(SpeculativeSteps):
         return outputs
 
     def _execute(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Run the batch (array work: cluster/runner.py) and postprocess each row; a failing step fails the
+        sequences it ran, never the engine."""
         try:
-            return self._run(batch)
-        except Exception as exc:  # a bad step fails its requests, never the engine
+            drafts = {} if batch.is_prefill else self._propose(batch)
+            rows = self.runner.execute(batch, drafts)
+            return [out for out in map(self._postprocess, rows) if out is not None]
+        except Exception as exc:
             logger.exception("engine step failed")
             if self.store.mirror is not None:
                 self.store.mirror.reset()
@@ -217,66 +218,28 @@ class EngineCore(SpeculativeSteps):
                 outputs.append(self._final(seq, FinishReason.LENGTH))
         return outputs
 
-    def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        drafts = {} if batch.is_prefill else self._propose(batch)
-        items, sample_rows, fed = [], [], []
-        for i, (seq, n) in enumerate(batch.items):
-            start = seq.num_computed_tokens
-            if not batch.is_prefill:  # the last token; the other n - 1 reserved tokens are for drafts
-                n = len(seq.token_ids) - start
-            fed.append(n)
-            if i in drafts:  # verify: the last token and the drafts, logits at every position
-                items.append(BatchItem(seq.block_table, start, seq.token_ids[start:] + list(drafts[i].tokens),
-                                       "all", seq_key=seq.request_id))
-                continue
-            samples = start + n == len(seq.token_ids)
-            if seq.request.sampling.prompt_logprobs is not None and start < seq.num_prompt_tokens:
-                want = "all"
-            else:
-                want = "last" if samples else "none"
-            items.append(BatchItem(seq.block_table, start, seq.token_ids[start:start + n], want,
-                                   seq_key=None if batch.is_prefill else seq.request_id))
-            if samples:
-                sample_rows.append(i)
-        logits = self.runner.forward(items)
-        if drafts and self.store.mirror is not None:
-            self.store.mirror.reset()  # a verify step gathers; the next plain decode step rebuilds the mirror
-        last = [lg[-1] if it.logits == "all" else lg for lg, it in zip(logits, items)]
-        sampled: dict[int, tuple] = {}
-        if sample_rows:
-            seqs = [batch.items[i][0] for i in sample_rows]
-            keys = [s.rng_key for s in seqs]
-            tokens, lps = sample(mx.stack([last[i] for i in sample_rows]), [s.request.sampling for s in seqs],
-                                 [s.request.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs], keys)
-            for row, seq, key, tok, lp in zip(sample_rows, seqs, keys, tokens, lps):
-                seq.rng_key = key
-                sampled[row] = (tok, lp)
-        verified: dict[int, Verified] = {}
-        if drafts:
-            rows = list(drafts)
-            verified = dict(zip(rows, verify([batch.items[i][0] for i in rows], [drafts[i] for i in rows],
-                                             [logits[i] for i in rows])))
-        outputs = []
-        for i, ((seq, _), item) in enumerate(zip(batch.items, items)):
-            if i in verified:
-                outputs.append(self._accept(seq, drafts[i], verified[i]))
-                continue
-            if item.logits == "all":
-                self._collect_prompt_logprobs(seq, item, logits[i])
-            seq.num_computed_tokens += fed[i]
-            self.scheduler.cache_computed_blocks(seq)
-            if i in sampled and seq.max_tokens == 0:  # echo-only request: prompt logprobs, no token
-                self._retire(seq, FinishReason.LENGTH)
-                outputs.append(self._final(seq, FinishReason.LENGTH))
-            elif i in sampled:
-                outputs.append(self._append_token(seq, *sampled[i]))
-        return outputs
+    def _postprocess(self, row: RowResult) -> Optional[RequestOutput]:
+        """Bookkeeping after the step for one row: count what was computed, cache the blocks that filled up,
+        append the sampled or accepted tokens (which may finish the sequence); returns its output delta."""
+        seq = row.seq
+        if row.verified is not None:
+            return self._accept(seq, row.draft, row.verified)
+        if row.prompt_logits is not None:
+            self._collect_prompt_logprobs(seq, row)
+        seq.num_computed_tokens += row.num_fed
+        self.scheduler.cache_computed_blocks(seq)
+        if not row.samples:
+            return None
+        if seq.max_tokens == 0:  # echo-only request: prompt logprobs, no token
+            self._retire(seq, FinishReason.LENGTH)
+            return self._final(seq, FinishReason.LENGTH)
+        return self._append_token(seq, row.token, row.logprob)
 
-    def _collect_prompt_logprobs(self, seq: Sequence, item: BatchItem, logits: mx.array) -> None:
-        start, end = item.start, min(item.start + len(item.token_ids), seq.num_prompt_tokens - 1)
+    def _collect_prompt_logprobs(self, seq: Sequence, row: RowResult) -> None:
+        start, end = row.start, min(row.start + row.num_fed, seq.num_prompt_tokens - 1)
         if end > start and len(seq.prompt_logprobs) == start:  # not again after a preemption
             targets = seq.token_ids[start + 1:end + 1]
-            seq.prompt_logprobs.extend(prompt_logprobs(logits[:end - start], targets,
+            seq.prompt_logprobs.extend(prompt_logprobs(row.prompt_logits[:end - start], targets,
                                                        seq.request.sampling.prompt_logprobs))
 
     def _append_token(self, seq: Sequence, token: int, logprob) -> RequestOutput:

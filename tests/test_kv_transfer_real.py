@@ -12,7 +12,7 @@ from cluster.block_pool import BlockPool
 from cluster.kv_manager import KVManager
 from cluster.config import EngineConfig, TransferConfig
 from cluster.kv_cache import KVStore
-from cluster.runner import BatchItem, ModelRunner
+from cluster.runner import BatchItem, Logits, ModelRunner
 from kv_transfer.handshake import KVFormat
 from kv_transfer.receiver import KVReceiver, ReceivedSequence
 from kv_transfer.sender import KVSender
@@ -42,10 +42,10 @@ def test_transferred_sequence_decodes_like_a_local_one(kv_bits):
         table = pool_p.allocate(-(-len(prompt) // config.block_size))
         tx.open("r", rx.endpoint, prompt, on_release=lambda: pool_p.free(table))
         cut = len(prompt) // 2 + 3  # mid-block: a chunk boundary need not be a block boundary
-        runner_p.forward([BatchItem(table, 0, prompt[:cut], "none")])
+        runner_p.forward([BatchItem(table, 0, prompt[:cut], Logits.NONE)])
         tx.blocks_ready("r", table, cut)
         tx.poll(0.01)
-        logits = runner_p.forward([BatchItem(table, cut, prompt[cut:], "last")])[0]
+        logits = runner_p.forward([BatchItem(table, cut, prompt[cut:], Logits.LAST)])[0]
         first = int(mx.argmax(logits).item())
         tx.blocks_ready("r", table, len(prompt))
         tx.finish("r", first)
@@ -61,7 +61,7 @@ def test_transferred_sequence_decodes_like_a_local_one(kv_bits):
         table_d = got.block_table + pool_d.allocate(2)
         tokens, pos = [got.first_token], len(prompt)
         while len(tokens) < MAX_TOKENS and tokens[-1] not in spec.eos_token_ids:
-            logits = runner_d.forward([BatchItem(table_d, pos, [tokens[-1]], "last")])[0]
+            logits = runner_d.forward([BatchItem(table_d, pos, [tokens[-1]], Logits.LAST)])[0]
             tokens.append(int(mx.argmax(logits).item()))
             pos += 1
         assert tokens == local.token_ids

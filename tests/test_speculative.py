@@ -10,7 +10,7 @@ import pytest
 from cluster.connector import ExternalPrefix, NoConnector
 from cluster.kv_cache import BatchLayout, KVStore
 from cluster.request import FinishReason, GenerateRequest, SamplingParams
-from cluster.runner import BatchItem, ModelRunner
+from cluster.runner import BatchItem, Logits, ModelRunner
 from decode_node.speculative import check_same_tokenizer
 from tests.engine_helpers import chat_prompt, make_engine, real_model, run
 from tests.spec_helpers import (DRAFTERS, REPEAT, REWRITE, draft_parts, plain, prompts, run_checked, spec_engine,
@@ -178,7 +178,7 @@ def test_prefilled_sequence_gets_its_draft_prefill_here():
     ref = plain([prompt], 24)[0]
     engine = spec_engine(prefill_chunk_size=16)
     table = list(engine.kv.reserve("h", [], -(-(len(prompt) + 1) // engine.block_size), 0).block_table)
-    logits = engine.runner.forward([BatchItem(table, 0, prompt, "last")])[0]
+    logits = engine.runner.forward([BatchItem(table, 0, prompt, Logits.LAST)])[0]
     first = int(mx.argmax(logits).item())
     engine.connector = PromptComputedElsewhere({"h": first})
     request = spec_greedy("h", prompt, 24, "draft_model", 4)
@@ -193,7 +193,7 @@ def test_prefilled_sequence_gets_its_draft_prefill_here():
     model, _, spec = draft_parts()
     n = seq.num_draft_computed
     fresh = KVStore(spec, 8, 32)
-    ModelRunner(model, fresh).forward([BatchItem([1, 2, 3, 4, 5, 6, 7], 0, seq.token_ids[:n], "none")])
+    ModelRunner(model, fresh).forward([BatchItem([1, 2, 3, 4, 5, 6, 7], 0, seq.token_ids[:n], Logits.NONE)])
     ours = engine.drafters["draft_model"].store
     layout = BatchLayout.build([seq.block_table], [0], [n], engine.block_size)
     mine = ours.keys[3][layout.gather_slots[0]]
