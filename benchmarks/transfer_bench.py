@@ -146,7 +146,7 @@ def _rx_step(rx, events) -> None:
 
     for ev in rx.poll(_POLL_S):
         if isinstance(ev, ReceivedSequence):
-            rx.pool.free(ev.block_table)
+            rx.kv.release(ev.request_id)
         events.put(ev)
 
 
@@ -185,6 +185,7 @@ def ship_format(spec, *, dtype: str, kv_bits: Optional[int], group_size: int, to
     import zmq
 
     from cluster.block_pool import BlockPool
+    from cluster.kv_manager import KVManager
     from cluster.config import TransferConfig
     from cluster.kv_store import KVStore, kv_bytes_per_block
     from cluster.transport import LOOPBACK, client_socket, server_socket
@@ -203,7 +204,7 @@ def ship_format(spec, *, dtype: str, kv_bits: Optional[int], group_size: int, to
     table = list(range(1, num_blocks + 1))
 
     def make_rx():
-        return KVReceiver(fmt, BlockPool(num_blocks + 1), KVStore(spec, num_blocks + 1, block_size, dtype, kv_bits,
+        return KVReceiver(fmt, KVManager(BlockPool(num_blocks + 1)), KVStore(spec, num_blocks + 1, block_size, dtype, kv_bits,
                                                                    group_size),
                           max_prompt_len=tokens + 1, config=config, ctx=ctx)
 

@@ -1,43 +1,42 @@
-"""The engine core: schedule, run, postprocess, emit — one step at a time, on one thread.
+"""The engine core: one step at a time, on one thread.
 
-Single-node mode runs this colocated engine (it prefills everything itself); the decode worker wraps the
-same core. `step()` never raises for a request's sake: a failing step fails the sequences it ran with
-`FinishReason.ERROR` and the engine carries on.
+    step = expire (waiting too long for KV blocks) -> admit (sequences whose prompt KV arrived from another
+           worker) -> schedule (cluster/scheduler.py) -> execute (array work: cluster/runner.py, one typed
+           RowResult per sequence) -> postprocess (count computed tokens, cache full blocks, append tokens,
+           finish) -> tell the role what was computed (cluster/connector.py) -> emit the output deltas
 
-Speculative decoding (cluster/speculation.py) is "schedule k+1": the scheduler reserves blocks for a decoding
-sequence's draft length, the step asks the sequence's drafter for up to k tokens, feeds them after the last
-token with logits at every position, and appends the tokens verification accepts one by one through the same
-`_append_token` as plain decoding (so EOS, stop strings, max_tokens and logprobs end a sequence exactly where
-plain decoding would; the rest of the accepted block is dropped). The step's deltas carry several tokens.
-Rejected positions are rolled back by the counters alone: `num_computed_tokens` ends at the accepted length
-(their KV slots are overwritten by later tokens, never hashed or cached before that) and so does
-`num_draft_computed` (the draft model's KV). Blocks allocated for rejected positions stay with the sequence
-(the next steps fill them) and are freed with it.
+Single-node mode runs this engine with no role; each worker role plugs into it through the connector.
+`step()` never raises for a request's sake: a failing step fails the sequences it ran with
+`FinishReason.ERROR` and the engine carries on. Speculative decoding (cluster/engine_spec.py,
+cluster/speculation.py) appends the tokens verification accepts through the same `_append_token` as plain
+decoding, so every stop rule ends a sequence where plain decoding would.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 import mlx.core as mx
 
 from cluster.block_pool import BlockPool
+from cluster.connector import Connector, NoConnector
 from cluster.config import EngineConfig
 from cluster.detokenizer import OutputText
 from cluster.hashing import first_block_key
 from cluster.kv_store import KVStore, kv_bytes_per_block
+from cluster.kv_manager import KVManager
 from cluster.model import ModelSpec
 from cluster.ownership import ThreadOwner
 from cluster.model_families import verify_model
 from cluster.request import FinishReason, GenerateRequest, RequestOutput
-from cluster.runner import BatchItem, ModelRunner
-from cluster.sampling import make_key, prompt_logprobs, sample
+from cluster.runner import ModelRunner, RowResult
+from cluster.sampling import make_key, prompt_logprobs
 from cluster.sequence import Sequence
 from cluster.scheduler import ScheduledBatch, Scheduler
 from cluster.engine_spec import SpeculativeSteps
-from cluster.speculation import Drafter, Verified, verify
+from cluster.speculation import Drafter
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +55,7 @@ class EngineCore(SpeculativeSteps):
     """
 
     def __init__(self, model, tokenizer, spec: ModelSpec, config: EngineConfig,
-                 drafters: Optional[dict[str, Drafter]] = None):
+                 drafters: Optional[dict[str, Drafter]] = None, connector: Optional[Connector] = None):
         self.model, self.tokenizer, self.spec, self.config = model, tokenizer, spec, config
         verified = verify_model(model)  # before the pool is allocated: a refused model fails fast
         self.block_size = config.block_size
@@ -66,21 +65,20 @@ class EngineCore(SpeculativeSteps):
         if num_blocks < 2:
             raise ValueError(f"kv_cache_gb={config.kv_cache_gb} holds no block of {per_block} bytes")
         self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
+        self.kv = KVManager(self.pool)  # the one owner that allocates and frees blocks
         # one owner thread for the model calls, the KV arrays and the pool (cluster/ownership.py)
         self.owner = ThreadOwner("this engine")
         self.store = KVStore(spec, num_blocks, config.block_size, config.dtype, config.kv_bits, config.kv_group_size,
                              mirror_budget_bytes=self._mirror_budget(config, num_blocks * per_block),
                              dequantize_for_attention=None if verified.reads_quantized_kv else True, owner=self.owner)
         self.runner = ModelRunner(model, self.store, verified)
-        self.scheduler = Scheduler(config, self.pool, self._extra_key, lookahead=self._lookahead)
+        self.scheduler = Scheduler(config, self.kv, self._extra_key, lookahead=self._lookahead)
         self.drafters: dict[str, Drafter] = dict(drafters or {})
+        self.connector: Connector = connector or NoConnector()  # the role seam (cluster/connector.py)
         self.num_draft_tokens = 0  # draft tokens proposed and verified, all sequences
         self.num_accepted_tokens = 0  # of those, accepted
         self.eos_ids = set(spec.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.sequences: dict[str, Sequence] = {}
-        # Prefill role: called with a sequence right after its first token was sampled (unless that token
-        # finished it); the engine forgets the sequence but keeps its blocks, now owned by the callee.
-        self.handoff: Optional[Callable[[Sequence], None]] = None
 
     @staticmethod
     def _mirror_budget(config: EngineConfig, pool_bytes: int) -> int:
@@ -94,8 +92,9 @@ class EngineCore(SpeculativeSteps):
 
     # -- requests ----------------------------------------------------------------------------------
 
-    def check_request(self, request: GenerateRequest) -> int:
-        """Validate `request` for this engine; returns its clamped max_tokens. Raises ValueError."""
+    def check_request(self, request: GenerateRequest, remote_decode: bool = False) -> int:
+        """Validate `request` for this engine; returns its clamped max_tokens. Raises ValueError.
+        `remote_decode`: only its prompt runs here (a prefill worker's), so it needs no drafter here."""
         n = len(request.prompt_token_ids)
         if n >= self.max_model_len:
             raise ValueError(f"the prompt has {n} tokens but the context limit is {self.max_model_len}: "
@@ -108,74 +107,61 @@ class EngineCore(SpeculativeSteps):
             raise ValueError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
         method = request.sampling.speculative_method
         if (method is not None and request.sampling.num_draft_tokens != 0 and method not in self.drafters
-                and self.handoff is None):  # a prefill engine never decodes: it has no drafters
+                and not remote_decode):
             have = ", ".join(sorted(self.drafters)) or "none"
             raise ValueError(f"speculative method {method!r} is not available on this server (available: {have}); "
                              + ("start it with --draft-model or --speculative-method draft_model"
                                 if method == "draft_model" else "ask for another method"))
         return min(request.sampling.max_tokens, self.max_model_len - n, capacity - n)
 
-    def add_request(self, request: GenerateRequest) -> Optional[RequestOutput]:
-        """Queue a request (validated by `check_request`). Returns a final output at once if it
-        asks for no tokens, else None."""
+    def add_request(self, request: GenerateRequest, *, remote_prefill: bool = False,
+                    remote_decode: bool = False) -> Optional[RequestOutput]:
+        """Queue a request (validated by `check_request`; raises ValueError). Returns a final output at once if
+        it asks for no tokens, else None.
+
+        `remote_prefill`: another worker computes the prompt and samples the first token; the sequence waits
+        until the connector's `external_prefix` says its KV is here (held under its request id).
+        `remote_decode`: the sequence leaves this engine after its first token, its blocks kept for the role
+        (`Connector.request_finished`).
+        """
         self.owner.check("EngineCore.add_request")
         if request.request_id in self.sequences:
             raise ValueError(f"request_id {request.request_id!r} is already running")
-        max_tokens = self.check_request(request)
+        max_tokens = self.check_request(request, remote_decode)
         sp = request.sampling
-        seq = Sequence(request, max_tokens=max_tokens)
+        seq = Sequence(request, max_tokens=max_tokens, remote_decode=remote_decode)
         seq.output_text = OutputText(self.tokenizer, request.prompt_token_ids, sp.stop)
         seq.rng_key = None if sp.greedy else make_key(sp.seed)
-        seq.spec = self._spec_state(request)
+        seq.spec = None if remote_decode else self._spec_state(request)
         if max_tokens == 0 and sp.prompt_logprobs is None:
             return self._final(seq, FinishReason.LENGTH)
         self.sequences[request.request_id] = seq
-        self.scheduler.add(seq)
-        return None
-
-    def add_prefilled(self, request: GenerateRequest, block_table: list[int], num_cached_tokens: int,
-                      first_token: int) -> Optional[RequestOutput]:
-        """Admit a sequence whose prompt KV is already in `block_table` (received from a prefill worker) and
-        whose first token was sampled, checked for stops and streamed there. The engine owns the blocks from
-        now on and frees them on every path, including when this raises ValueError (as `add_request`).
-        Returns a final output at once if no token is left to generate, else None."""
-        self.owner.check("EngineCore.add_prefilled")
-        try:
-            if request.request_id in self.sequences:
-                raise ValueError(f"request_id {request.request_id!r} is already running")
-            max_tokens = self.check_request(request)
-        except ValueError:
-            self.pool.free(block_table)
-            raise
-        sp = request.sampling
-        seq = Sequence(request, max_tokens=max_tokens)
-        seq.token_ids.append(first_token)
-        seq.block_table, seq.num_computed_tokens = list(block_table), seq.num_prompt_tokens
-        seq.num_cached_tokens = num_cached_tokens
-        seq.output_text = OutputText(self.tokenizer, request.prompt_token_ids, sp.stop)
-        seq.output_text.add(first_token)  # its text went out with the first token
-        seq.rng_key = None if sp.greedy else mx.random.split(make_key(sp.seed))[0]  # as after one draw here
-        seq.first_token_time = time.monotonic()
-        seq.spec = self._spec_state(request)  # the draft model's KV of the prompt: computed here (draft prefill)
-        if seq.num_output_tokens >= max_tokens:
-            self.pool.free(seq.block_table)
-            seq.block_table = []
-            return self._final(seq, FinishReason.LENGTH)
-        self.sequences[request.request_id] = seq
-        self.scheduler.add_prefilled(seq)
+        if remote_prefill:
+            self.scheduler.add_awaiting_kv(seq)
+        else:
+            self.scheduler.add(seq)
         return None
 
     def abort(self, request_id: str) -> Optional[RequestOutput]:
-        """Stop a request and free its blocks; returns its final `abort` output (None if unknown)."""
+        """Stop a request; returns its final `abort` output (None if unknown). Its blocks are freed, or kept
+        for the role if the connector asks (`request_finished`)."""
         self.owner.check("EngineCore.abort")
-        seq = self.sequences.pop(request_id, None)
+        seq = self.sequences.get(request_id)
         if seq is None:
             return None
-        self.scheduler.finish(seq)
+        self._retire(seq, FinishReason.ABORT)
         return self._final(seq, FinishReason.ABORT)
 
+    def release(self, request_id: str) -> bool:
+        """The role no longer needs the blocks held for `request_id` (a transfer ended): free them. False when
+        none are held."""
+        self.owner.check("EngineCore.release")
+        return self.kv.release(request_id)
+
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        """True when `step` has something to do: a sequence to compute, or one whose prompt KV arrived."""
+        return self.scheduler.has_work() or any(self.connector.external_prefix(seq) is not None
+                                                for seq in self.scheduler.awaiting_kv.values())
 
     # -- the loop ------------------------------------------------------------------------------------
 
@@ -183,85 +169,81 @@ class EngineCore(SpeculativeSteps):
         """Run one scheduled batch; returns the output deltas it produced. Raises `WrongThreadError` off the
         owner thread (cluster/ownership.py); never for a request's sake."""
         self.owner.check("EngineCore.step")
-        expired = [self._expire(seq) for seq in self.scheduler.expired(time.monotonic() - self.config.queue_timeout_s)]
+        outputs = [self._expire(seq) for seq in self.scheduler.expired(time.monotonic() - self.config.queue_timeout_s)]
+        outputs += self._admit_prefilled()
         batch = self.scheduler.schedule()
-        if batch is None:
-            return expired
+        if batch is not None:
+            outputs += self._execute(batch)
+        computed = [] if batch is None else [seq for seq, _ in batch.items if not seq.finished]
+        self.connector.on_computed(computed + self.scheduler.take_preempted())
+        return outputs
+
+    def _execute(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Run the batch (array work: cluster/runner.py) and postprocess each row; a failing step fails the
+        sequences it ran, never the engine."""
         try:
-            return expired + self._run(batch)
-        except Exception as exc:  # a bad step fails its requests, never the engine
+            drafts = {} if batch.is_prefill else self._propose(batch)
+            rows = self.runner.execute(batch, drafts)
+            return [out for out in map(self._postprocess, rows) if out is not None]
+        except Exception as exc:
             logger.exception("engine step failed")
             if self.store.mirror is not None:
                 self.store.mirror.reset()
             for drafter in self.drafters.values():
                 drafter.reset()
-            return [self._fail(seq, f"engine step failed: {exc}") for seq, _ in batch.items]
+            message = f"engine step failed: {exc}"
+            return [self._final(seq, FinishReason.ERROR, message) if seq.finished else self._fail(seq, message)
+                    for seq, _ in batch.items]  # the finished ones' outputs of this step are lost too
 
-    def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        drafts = {} if batch.is_prefill else self._propose(batch)
-        items, sample_rows, fed = [], [], []
-        for i, (seq, n) in enumerate(batch.items):
-            start = seq.num_computed_tokens
-            if not batch.is_prefill:  # the last token; the other n - 1 reserved tokens are for drafts
-                n = len(seq.token_ids) - start
-            fed.append(n)
-            if i in drafts:  # verify: the last token and the drafts, logits at every position
-                items.append(BatchItem(seq.block_table, start, seq.token_ids[start:] + list(drafts[i].tokens),
-                                       "all", seq_key=seq.request_id))
-                continue
-            samples = start + n == len(seq.token_ids)
-            if seq.request.sampling.prompt_logprobs is not None and start < seq.num_prompt_tokens:
-                want = "all"
-            else:
-                want = "last" if samples else "none"
-            items.append(BatchItem(seq.block_table, start, seq.token_ids[start:start + n], want,
-                                   seq_key=None if batch.is_prefill else seq.request_id))
-            if samples:
-                sample_rows.append(i)
-        logits = self.runner.forward(items)
-        if drafts and self.store.mirror is not None:
-            self.store.mirror.reset()  # a verify step gathers; the next plain decode step rebuilds the mirror
-        last = [lg[-1] if it.logits == "all" else lg for lg, it in zip(logits, items)]
-        sampled: dict[int, tuple] = {}
-        if sample_rows:
-            seqs = [batch.items[i][0] for i in sample_rows]
-            keys = [s.rng_key for s in seqs]
-            tokens, lps = sample(mx.stack([last[i] for i in sample_rows]), [s.request.sampling for s in seqs],
-                                 [s.request.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs], keys)
-            for row, seq, key, tok, lp in zip(sample_rows, seqs, keys, tokens, lps):
-                seq.rng_key = key
-                sampled[row] = (tok, lp)
-        verified: dict[int, Verified] = {}
-        if drafts:
-            rows = list(drafts)
-            verified = dict(zip(rows, verify([batch.items[i][0] for i in rows], [drafts[i] for i in rows],
-                                             [logits[i] for i in rows])))
+    def _admit_prefilled(self) -> list[RequestOutput]:
+        """Admit the sequences awaiting KV whose prompt the connector now holds: the held blocks become their
+        block table, the first token (sampled, checked for stops and streamed where the prompt ran) their
+        first output token; decoding continues from the second."""
         outputs = []
-        for i, ((seq, _), item) in enumerate(zip(batch.items, items)):
-            if i in verified:
-                outputs.append(self._accept(seq, drafts[i], verified[i]))
+        for seq in list(self.scheduler.awaiting_kv.values()):
+            prefix = self.connector.external_prefix(seq)
+            if prefix is None:
                 continue
-            if item.logits == "all":
-                self._collect_prompt_logprobs(seq, item, logits[i])
-            seq.num_computed_tokens += fed[i]
-            self.scheduler.cache_computed_blocks(seq)
-            if i in sampled and seq.max_tokens == 0:  # echo-only request: prompt logprobs, no token
-                self._retire(seq)
+            if self.kv.held(seq.request_id) is None:  # the role said ready but holds nothing: a bug
+                outputs.append(self._fail(seq, "its prompt KV arrived without blocks (internal error)"))
+                continue
+            held = self.kv.adopt(seq.request_id, seq)
+            seq.token_ids.append(prefix.first_token)
+            seq.num_computed_tokens, seq.num_cached_tokens = seq.num_prompt_tokens, held.num_cached_tokens
+            seq.output_text.add(prefix.first_token)  # its text went out with the first token
+            if seq.rng_key is not None:
+                seq.rng_key = mx.random.split(seq.rng_key)[0]  # as after one draw here
+            self.scheduler.admit_prefilled(seq)
+            if seq.num_output_tokens >= seq.max_tokens:
+                self._retire(seq, FinishReason.LENGTH)
                 outputs.append(self._final(seq, FinishReason.LENGTH))
-            elif i in sampled:
-                outputs.append(self._append_token(seq, *sampled[i]))
         return outputs
 
-    def _collect_prompt_logprobs(self, seq: Sequence, item: BatchItem, logits: mx.array) -> None:
-        start, end = item.start, min(item.start + len(item.token_ids), seq.num_prompt_tokens - 1)
+    def _postprocess(self, row: RowResult) -> Optional[RequestOutput]:
+        """Bookkeeping after the step for one row: count what was computed, cache the blocks that filled up,
+        append the sampled or accepted tokens (which may finish the sequence); returns its output delta."""
+        seq = row.seq
+        if row.verified is not None:
+            return self._accept(seq, row.draft, row.verified)
+        if row.prompt_logits is not None:
+            self._collect_prompt_logprobs(seq, row)
+        seq.num_computed_tokens += row.num_fed
+        self.scheduler.cache_computed_blocks(seq)
+        if not row.samples:
+            return None
+        if seq.max_tokens == 0:  # echo-only request: prompt logprobs, no token
+            self._retire(seq, FinishReason.LENGTH)
+            return self._final(seq, FinishReason.LENGTH)
+        return self._append_token(seq, row.token, row.logprob)
+
+    def _collect_prompt_logprobs(self, seq: Sequence, row: RowResult) -> None:
+        start, end = row.start, min(row.start + row.num_fed, seq.num_prompt_tokens - 1)
         if end > start and len(seq.prompt_logprobs) == start:  # not again after a preemption
             targets = seq.token_ids[start + 1:end + 1]
-            seq.prompt_logprobs.extend(prompt_logprobs(logits[:end - start], targets,
+            seq.prompt_logprobs.extend(prompt_logprobs(row.prompt_logits[:end - start], targets,
                                                        seq.request.sampling.prompt_logprobs))
 
     def _append_token(self, seq: Sequence, token: int, logprob) -> RequestOutput:
-        now = time.monotonic()
-        seq.first_token_time = seq.first_token_time or now
         seq.token_ids.append(token)
         sp = seq.request.sampling
         reason, text = None, ""
@@ -276,13 +258,10 @@ class EngineCore(SpeculativeSteps):
         plp = None
         if seq.num_output_tokens == 1 and sp.prompt_logprobs is not None:
             plp = tuple(seq.prompt_logprobs)
-        if reason is None and self.handoff is not None:
-            self.sequences.pop(seq.request_id, None)
-            self.scheduler.detach(seq)
-            self.handoff(seq)
         if reason is not None:
             text += seq.output_text.finish()
-            self._retire(seq)
+        if reason is not None or seq.remote_decode:  # remote decode: another worker continues from here
+            self._retire(seq, reason)
         return self._output(seq, (token,), text, (logprob,) if logprob else None, reason, plp)
 
     def _output(self, seq: Sequence, token_ids: tuple, text: str, logprobs, reason, plp=None,
@@ -295,18 +274,20 @@ class EngineCore(SpeculativeSteps):
         return self._output(seq, (), "", () if seq.request.sampling.logprobs is not None else None,
                             reason, plp, error)
 
-    def _retire(self, seq: Sequence) -> None:
-        """Forget a finished sequence and free its blocks."""
+    def _retire(self, seq: Sequence, reason: Optional[FinishReason]) -> None:
+        """Forget a sequence that leaves the engine (`reason` None: handed on after its first token, with
+        remote decode); its blocks are freed, or kept as a holding when the connector still needs them.
+        Called exactly once per sequence."""
         if seq.spec is not None and seq.spec.method in self.drafters:
             self.drafters[seq.spec.method].release(seq)
         self.sequences.pop(seq.request_id, None)
-        self.scheduler.finish(seq)
+        self.scheduler.finish(seq, keep_blocks=self.connector.request_finished(seq, reason))
 
     def _expire(self, seq: Sequence) -> RequestOutput:
-        self._retire(seq)
+        self._retire(seq, FinishReason.ABORT)
         return self._final(seq, FinishReason.ABORT, f"it waited {self.config.queue_timeout_s:g} s for KV blocks "
                                                      "(the server is at capacity); retry later")
 
     def _fail(self, seq: Sequence, message: str) -> RequestOutput:
-        self._retire(seq)
+        self._retire(seq, FinishReason.ERROR)
         return self._final(seq, FinishReason.ERROR, message)

@@ -1,4 +1,13 @@
-"""The engine's speculative-decoding steps (a part of `cluster.engine.EngineCore`, kept in its own file).
+"""The engine's speculative-decoding steps: choosing, proposing and accepting drafts.
+
+Speculation is "schedule k+1": the scheduler reserves blocks for a decoding sequence's draft length, the step
+asks the sequence's drafter for up to k tokens, the runner feeds them after the last token with logits at
+every position and verifies them, and the accepted tokens are appended one by one through the engine's
+`_append_token` (so EOS, stop strings, max_tokens and logprobs end a sequence exactly where plain decoding
+would; the rest of the accepted block is dropped). Rejected positions are rolled back by the counters alone:
+`num_computed_tokens` ends at the accepted length (their KV slots are overwritten by later tokens, never
+hashed or cached before that) and so does `num_draft_computed` (the draft model's KV). Blocks allocated for
+rejected positions stay with the sequence and are freed with it.
 
 `SpeculativeSteps` is mixed into EngineCore; it uses the engine's `config`, `drafters`, `scheduler`, the
 counters `num_draft_tokens` / `num_accepted_tokens` and `_append_token`. The rules themselves (verification,
@@ -36,20 +45,20 @@ class SpeculativeSteps:
         left = seq.max_tokens - seq.num_output_tokens - 1  # the corrected or bonus token comes on top
         return max(0, min(seq.spec.num_draft_tokens(drafter.cost_per_token), left))
 
-    def _propose(self, batch: ScheduledBatch) -> dict[int, Draft]:
-        """Drafts of the batch's speculating rows (row -> Draft), each drafter called once for its rows."""
-        by_method: dict[str, list[int]] = {}
-        for i, (seq, n) in enumerate(batch.items):
+    def _propose(self, batch: ScheduledBatch) -> dict[str, Draft]:
+        """Drafts of the batch's speculating sequences (request id -> Draft), each drafter called once for its
+        sequences."""
+        by_method: dict[str, list[tuple[Sequence, int]]] = {}
+        for seq, n in batch.items:
             if n > 1 and seq.spec is not None:
-                by_method.setdefault(seq.spec.method, []).append(i)
+                by_method.setdefault(seq.spec.method, []).append((seq, n))
         drafts = {}
-        for method, rows in by_method.items():
-            proposed = self.drafters[method].propose([batch.items[i][0] for i in rows],
-                                                     [batch.items[i][1] - 1 for i in rows])
-            for i, draft in zip(rows, proposed):
-                assert len(draft.tokens) < batch.items[i][1], "a drafter proposed more tokens than asked"
+        for method, items in by_method.items():
+            proposed = self.drafters[method].propose([seq for seq, _ in items], [n - 1 for _, n in items])
+            for (seq, n), draft in zip(items, proposed):
+                assert len(draft.tokens) < n, "a drafter proposed more tokens than asked"
                 if draft.tokens:
-                    drafts[i] = draft
+                    drafts[seq.request_id] = draft
         return drafts
 
     def _accept(self, seq: Sequence, draft: Draft, result: Verified) -> RequestOutput:

@@ -10,29 +10,40 @@ the KV writes (the trick mlx-lm's own prefill uses: evaluate the cache, never th
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence as Seq
 
 import mlx.core as mx
 
 from cluster.kv_layout import BatchLayout
 from cluster.kv_store import KVStore
 from cluster.model_families import VerifiedModel, verify_model
+from cluster.request import TokenLogprob
+from cluster.sampling import sample
+from cluster.sequence import Sequence
+from cluster.speculation import Draft, Verified, verify
+
+
+class Logits(enum.Enum):
+    """Which logits a batch item needs: the last new position's (to sample), every new position's (prompt
+    logprobs, or verifying speculative drafts), or none (a prefill chunk that samples nothing)."""
+
+    LAST = "last"
+    ALL = "all"
+    NONE = "none"
 
 
 @dataclass(frozen=True)
 class BatchItem:
-    """One sequence's share of a step.
+    """One sequence's share of a step: compute `token_ids` at positions [start, start + len) into the blocks of
+    `block_table`. `mirror_row` names the sequence across decode steps (its row of the decode mirror)."""
 
-    `logits`: "last" (the last new token's row), "all" (every new position: prompt logprobs, or verifying
-    speculative drafts) or "none" (a prefill chunk that samples nothing).
-    """
-
-    block_table: Sequence[int]
+    block_table: Seq[int]
     start: int
-    token_ids: Sequence[int]
-    logits: str = "last"
-    seq_key: Optional[str] = None  # identifies the sequence across decode steps (for the decode mirror)
+    token_ids: Seq[int]
+    logits: Logits = Logits.LAST
+    mirror_row: Optional[str] = None
 
 
 class ModelRunner:
@@ -50,15 +61,15 @@ class ModelRunner:
                              f"kv_bits={store.kv_bits} must dequantize for attention")
         self._body, self._head, self._mask_rank = self.verified.body, self.verified.head, self.verified.mask_rank
 
-    def forward(self, items: Sequence[BatchItem]) -> list[Optional[mx.array]]:
-        """Run one step; returns per item float32 logits: [vocab] for "last", [T_b, vocab] for "all", None
-        for "none". The returned arrays are lazy; if none is returned the KV writes are evaluated here."""
+    def forward(self, items: Seq[BatchItem]) -> list[Optional[mx.array]]:
+        """Run one step; returns per item float32 logits: [vocab] for Logits.LAST, [T_b, vocab] for Logits.ALL,
+        None for Logits.NONE. The returned arrays are lazy; if none is returned the KV writes are evaluated here."""
         num_new = [len(it.token_ids) for it in items]
         T = max(num_new)
         tokens = mx.array([list(it.token_ids) + [0] * (T - len(it.token_ids)) for it in items], dtype=mx.int32)
         tables, starts = [it.block_table for it in items], [it.start for it in items]
-        if T == 1 and all(it.seq_key is not None for it in items):
-            layout = BatchLayout.build_decode(self.store, [it.seq_key for it in items], tables, starts,
+        if T == 1 and all(it.mirror_row is not None for it in items):
+            layout = BatchLayout.build_decode(self.store, [it.mirror_row for it in items], tables, starts,
                                               self._mask_rank)
         else:
             layout = BatchLayout.build(tables, starts, num_new, self.store.block_size, self._mask_rank)
@@ -67,16 +78,93 @@ class ModelRunner:
         # one [rows, hidden] x [hidden, vocab] product: the head's weights are read once per step
         batch_rows, positions, spans = [], [], []
         for b, it in enumerate(items):
-            if it.logits == "none":
+            if it.logits is Logits.NONE:
                 continue
-            first = num_new[b] - 1 if it.logits == "last" else 0
+            first = num_new[b] - 1 if it.logits is Logits.LAST else 0
             spans.append((b, len(positions), num_new[b] - first))
             batch_rows += [b] * (num_new[b] - first)
             positions += range(first, num_new[b])
         if positions:
             logits = self._head(hidden[mx.array(batch_rows), mx.array(positions)]).astype(mx.float32)
             for b, at, n in spans:
-                out[b] = logits[at] if items[b].logits == "last" else logits[at:at + n]
+                out[b] = logits[at] if items[b].logits is Logits.LAST else logits[at:at + n]
         else:
             mx.eval(self.store.keys, self.store.values)
         return out
+
+    def execute(self, batch, drafts: dict[str, Draft]) -> list["RowResult"]:
+        """One step's array work over `batch` (cluster.scheduler.ScheduledBatch): build the inputs, run the
+        model, sample the rows that reached the end of their tokens, verify the drafts (`drafts` by request
+        id). Sequences are not changed, except their PRNG keys (advanced by sampling or verification)."""
+        planned = [plan_row(seq, n, batch.is_prefill, drafts.get(seq.request_id)) for seq, n in batch.items]
+        rows = [row for row, _ in planned]
+        for row, logits in zip(rows, self.forward([item for _, item in planned])):
+            row.logits = logits
+        if drafts and self.store.mirror is not None:
+            self.store.mirror.reset()  # a verify step gathers; the next plain decode step rebuilds the mirror
+        self._sample([row for row in rows if row.samples])
+        self._verify([row for row in rows if row.draft is not None])
+        return rows
+
+    @staticmethod
+    def _sample(rows: list["RowResult"]) -> None:
+        if not rows:
+            return
+        seqs = [row.seq for row in rows]
+        keys = [s.rng_key for s in seqs]
+        last = mx.stack([row.logits[-1] if row.wanted is Logits.ALL else row.logits for row in rows])
+        tokens, lps = sample(last, [s.request.sampling for s in seqs], [s.request.prompt_token_ids for s in seqs],
+                             [s.output_token_ids for s in seqs], keys)
+        for row, key, token, lp in zip(rows, keys, tokens, lps):
+            row.seq.rng_key, row.token, row.logprob = key, token, lp
+
+    @staticmethod
+    def _verify(rows: list["RowResult"]) -> None:
+        if rows:
+            for row, v in zip(rows, verify([r.seq for r in rows], [r.draft for r in rows], [r.logits for r in rows])):
+                row.verified = v
+
+
+@dataclass
+class RowResult:
+    """One scheduled sequence's share of a step and what it got.
+
+    The step computed the KV of `seq.token_ids[start:start + num_fed]` (a verified draft's accepted tokens are
+    counted by the engine). `wanted`/`logits`: the logits it asked for and got (float32 [vocab] for LAST,
+    [T, vocab] for ALL). `samples`: the step reached the end of its tokens, so `token`/`logprob` hold the next
+    token sampled. `draft`/`verified`: the draft fed after the last token and what verification accepted."""
+
+    seq: Sequence
+    start: int
+    num_fed: int
+    wanted: Logits
+    samples: bool = False
+    logits: Optional[mx.array] = None
+    token: Optional[int] = None
+    logprob: Optional[TokenLogprob] = None
+    draft: Optional[Draft] = None
+    verified: Optional[Verified] = None
+
+    @property
+    def prompt_logits(self) -> Optional[mx.array]:
+        """[num_fed, vocab] over a chunk of a request that wants prompt logprobs, else None."""
+        return self.logits if self.draft is None and self.wanted is Logits.ALL else None
+
+
+def plan_row(seq: Sequence, num_tokens: int, is_prefill: bool,
+             draft: Optional[Draft]) -> tuple[RowResult, BatchItem]:
+    """The batch item for `seq` in this step (`num_tokens` scheduled for it: a prefill chunk, or in a decode
+    step the last token plus room for drafts) and its result slot."""
+    start = seq.num_computed_tokens
+    mirror_row = None if is_prefill else seq.request_id
+    if draft is not None:  # verify: the last token and the drafts, logits at every position
+        return (RowResult(seq, start, len(seq.token_ids) - start, Logits.ALL, draft=draft),
+                BatchItem(seq.block_table, start, seq.token_ids[start:] + list(draft.tokens), Logits.ALL, mirror_row))
+    n = num_tokens if is_prefill else len(seq.token_ids) - start  # decode: the reserved rest is for drafts
+    samples = start + n == len(seq.token_ids)
+    if seq.request.sampling.prompt_logprobs is not None and start < seq.num_prompt_tokens:
+        wanted = Logits.ALL
+    else:
+        wanted = Logits.LAST if samples else Logits.NONE
+    return (RowResult(seq, start, n, wanted, samples),
+            BatchItem(seq.block_table, start, seq.token_ids[start:start + n], wanted, mirror_row))

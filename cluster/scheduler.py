@@ -20,9 +20,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from cluster.block_pool import BlockPool
 from cluster.config import EngineConfig
 from cluster.hashing import block_hashes
+from cluster.kv_manager import KVManager
 from cluster.sequence import Sequence, SequenceStatus
 
 
@@ -36,18 +36,21 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Owns the waiting queue and the running batch; allocates and frees blocks through the pool.
+    """Owns the waiting queue, the sequences awaiting their prompt KV from another worker and the running
+    batch; allocates and frees their blocks through the `KVManager`.
 
     `extra_key(cache_salt)` gives the first block's hash key (model, revision, KV format, salt);
     `lookahead(seq)` the draft tokens a decoding sequence wants this step (None: never any).
     """
 
-    def __init__(self, config: EngineConfig, pool: BlockPool, extra_key: Callable[[Optional[str]], int],
+    def __init__(self, config: EngineConfig, kv: KVManager, extra_key: Callable[[Optional[str]], int],
                  lookahead: Optional[Callable[[Sequence], int]] = None):
-        self.config, self.pool, self.extra_key, self.lookahead = config, pool, extra_key, lookahead
+        self.config, self.kv, self.pool, self.extra_key, self.lookahead = config, kv, kv.pool, extra_key, lookahead
         self.block_size = config.block_size
         self.waiting: deque[Sequence] = deque()
+        self.awaiting_kv: dict[str, Sequence] = {}  # remote prefill: the prompt is computed elsewhere
         self.running: list[Sequence] = []
+        self._preempted: list[Sequence] = []
         self.num_preemptions = 0
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -57,56 +60,64 @@ class Scheduler:
         """Queue a new sequence."""
         self.waiting.append(seq)
 
-    def add_prefilled(self, seq: Sequence) -> None:
-        """Admit a sequence whose prompt is already computed into its blocks: into the running batch when
-        there is room, else at the back of the queue (still holding its blocks)."""
+    def add_awaiting_kv(self, seq: Sequence) -> None:
+        """Queue a sequence whose prompt KV is being computed elsewhere (it holds no blocks yet)."""
+        self.awaiting_kv[seq.request_id] = seq
+
+    def admit_prefilled(self, seq: Sequence) -> None:
+        """Move an awaiting sequence whose prompt KV is now in its blocks into the running batch when there
+        is room, else to the back of the queue (still holding its blocks)."""
+        del self.awaiting_kv[seq.request_id]
         if len(self.running) < self.config.max_num_seqs:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
         else:
             self.waiting.append(seq)
 
-    def detach(self, seq: Sequence) -> None:
-        """Drop a running sequence from the batch without freeing its blocks (they change owner)."""
-        self.running.remove(seq)
-        seq.status = SequenceStatus.FINISHED
-
     def expired(self, arrived_before: float) -> list[Sequence]:
         """Waiting sequences never admitted yet that arrived before `arrived_before` (time.monotonic())."""
         return [s for s in self.waiting if s.arrival < arrived_before and s.num_output_tokens == 0]
 
     def has_work(self) -> bool:
+        """True when a step has something to compute (sequences awaiting KV have not, yet)."""
         return bool(self.waiting or self.running)
 
-    def queue_full(self, pending: int = 0) -> bool:
-        """True when one more sequence would be queued beyond `max_waiting`: sequences waiting (plus `pending`
-        the caller holds outside, e.g. a decode worker's requests awaiting their KV), less those the next
-        step can still admit into free running slots, already fill the queue. So `max_num_seqs + max_waiting`
-        sequences arriving at once at an idle engine are all taken."""
+    def queue_full(self) -> bool:
+        """True when one more sequence would be queued beyond `max_waiting`: sequences waiting or awaiting
+        their KV, less those the next step can still admit into free running slots, already fill the queue.
+        So `max_num_seqs + max_waiting` sequences arriving at once at an idle engine are all taken."""
         free_slots = max(0, self.config.max_num_seqs - len(self.running))
-        return len(self.waiting) + pending - free_slots >= self.config.max_waiting
+        return len(self.waiting) + len(self.awaiting_kv) - free_slots >= self.config.max_waiting
 
     def schedule(self) -> Optional[ScheduledBatch]:
         """Pick the next step's work, or None when there is nothing to do."""
         decoding = [s for s in self.running if not s.is_prefilling]
         wants_prefill = any(s.is_prefilling for s in self.running) or (
             self.waiting and len(self.running) < self.config.max_num_seqs)
+        batch = None
         if wants_prefill and (not decoding or not self._last_was_prefill):
             batch = self._schedule_prefill()
-            if batch is not None:
-                self._last_was_prefill = True
-                return batch
-        self._last_was_prefill = False
-        return self._schedule_decode()
+        self._last_was_prefill = batch is not None
+        if batch is None:
+            batch = self._schedule_decode()
+        return batch
 
-    def finish(self, seq: Sequence) -> None:
-        """Free a sequence's blocks and drop it from the queues (idempotent)."""
+    def take_preempted(self) -> list[Sequence]:
+        """The sequences preempted since the last call (blocks freed, counters at 0, back in the queue)."""
+        preempted, self._preempted = self._preempted, []
+        return preempted
+
+    def finish(self, seq: Sequence, keep_blocks: bool = False) -> None:
+        """Drop a sequence from the queues and free its blocks, or with `keep_blocks` move them into a
+        holding under its request id (the role still needs them; `KVManager.release` frees them). Idempotent."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.pool.free(seq.block_table)
-        seq.block_table = []
+        self.awaiting_kv.pop(seq.request_id, None)
+        if keep_blocks and seq.block_table:
+            self.kv.hold(seq)
+        self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
@@ -179,13 +190,14 @@ class Scheduler:
                 return False
             self._preempt(victims[-1])
         if need:
-            seq.block_table.extend(self.pool.allocate(need))
+            self.kv.allocate(seq, need)
         return True
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.pool.free(seq.block_table)
-        seq.block_table, seq.block_hashes = [], []
+        self.kv.free(seq)
+        seq.block_hashes = []
+        self._preempted.append(seq)
         seq.num_computed_tokens = seq.num_draft_computed = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -198,8 +210,7 @@ class Scheduler:
         hashes = block_hashes(seq.token_ids, self.block_size, self.extra_key(seq.request.cache_salt))
         hashes = hashes[:(len(seq.token_ids) - 1) // self.block_size]
         hit = self.pool.find_cached_prefix(hashes, seq.token_ids, self.block_size)
-        self.pool.touch(hit)
-        seq.block_table = list(hit)
+        self.kv.take_prefix(seq, hit)
         seq.block_hashes = hashes[:len(hit)]
         seq.num_computed_tokens = len(hit) * self.block_size
         if seq.num_output_tokens == 0:  # first admission, not a recompute after preemption
@@ -211,5 +222,5 @@ class Scheduler:
         if seq.num_output_tokens == 0:
             self.prefix_queries -= seq.num_prompt_tokens
             self.prefix_hits -= seq.num_computed_tokens
-        self.pool.free(seq.block_table)
-        seq.block_table, seq.block_hashes, seq.num_computed_tokens = [], [], 0
+        self.kv.free(seq)
+        seq.block_hashes, seq.num_computed_tokens = [], 0

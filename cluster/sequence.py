@@ -11,9 +11,9 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
-from cluster.request import FinishReason, GenerateRequest, TokenLogprob
+from cluster.request import GenerateRequest, TokenLogprob
 
 
 class SequenceStatus(enum.Enum):
@@ -36,6 +36,8 @@ class Sequence:
     num_draft_computed: tokens whose draft-model KV is in the draft pool (same block_table), at most
     num_computed_tokens after every step (the rejected drafts' KV is rolled back by lowering it).
     draft_state: the drafter's own per-sequence state (e.g. the prompt-lookup n-gram index).
+    remote_decode: the sequence leaves this engine after its first token (a prefill worker's: another worker
+    decodes the rest; `cluster.connector`).
     """
 
     request: GenerateRequest
@@ -46,16 +48,13 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: Optional[FinishReason] = None
-    error: Optional[str] = None
     rng_key: Any = None
     output_text: Any = None  # cluster.detokenizer.OutputText
-    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
-    first_token_time: Optional[float] = None
     spec: Any = None
     num_draft_computed: int = 0
     draft_state: Any = None
+    remote_decode: bool = False
     arrival: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:

@@ -12,7 +12,7 @@ Draft-model KV: a `KVStore` of its own with the target pool's `num_blocks` and b
 same block tables (a sequence's draft KV sits in the same block ids as its target KV), in the target's KV
 format. `seq.num_draft_computed` counts its valid positions; each `propose` first catches the draft up to
 the sequence's tokens (its "draft prefill": at most `prefill_chunk_size` tokens per step, in separate
-single-sequence forwards, before drafting), so sequences admitted with transferred KV (`add_prefilled`) get
+single-sequence forwards, before drafting), so sequences admitted with transferred KV (remote prefill) get
 their prompt's draft KV computed here on the decode worker and transfers carry target KV only
 (`KVFormat.speculative_kv` stays False). Prefix-cached blocks are reused for the draft too when their draft
 KV is known to be valid: `valid` maps a block id to the block hash its draft KV was computed for, recorded
@@ -33,7 +33,7 @@ import mlx.core as mx
 from cluster.kv_store import KVStore, kv_bytes_per_block
 from cluster.model import ModelSpec, load_draft_model
 from cluster.model_families import verify_model
-from cluster.runner import BatchItem, ModelRunner
+from cluster.runner import BatchItem, Logits, ModelRunner
 from cluster.sampling import adjusted, probabilities
 from cluster.sequence import Sequence
 from cluster.speculation import Draft, Drafter
@@ -117,7 +117,7 @@ def forward_seconds(runner: ModelRunner, repeats: int = 5) -> float:
     times = []
     for i in range(repeats + 1):
         start = time.perf_counter()
-        mx.eval(runner.forward([BatchItem([0], min(i, runner.store.block_size - 1), [1], "last")]))
+        mx.eval(runner.forward([BatchItem([0], min(i, runner.store.block_size - 1), [1], Logits.LAST)]))
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])  # the first run compiles and warms up
 
@@ -184,7 +184,7 @@ class DraftModelDrafter:
                 seq = seqs[b]
                 feed = tokens[b][-1:] or seq.token_ids[seq.num_draft_computed:]
                 self._forget(seq, seq.num_draft_computed, len(feed))
-                items.append(BatchItem(seq.block_table, seq.num_draft_computed, feed, "last", seq_key=seq.request_id))
+                items.append(BatchItem(seq.block_table, seq.num_draft_computed, feed, Logits.LAST, mirror_row=seq.request_id))
             logits = self.runner.forward(items)
             for b, item, (token, q) in zip(rows, items, self._choose([seqs[b] for b in rows],
                                                                      [tokens[b] for b in rows], logits)):
@@ -244,7 +244,7 @@ class DraftModelDrafter:
         while lag > self.catch_up_inline and budget > 0:
             start, n = seq.num_draft_computed, min(lag, budget)
             self._forget(seq, start, n)
-            self.runner.forward([BatchItem(seq.block_table, start, seq.token_ids[start:start + n], "none")])
+            self.runner.forward([BatchItem(seq.block_table, start, seq.token_ids[start:start + n], Logits.NONE)])
             seq.num_draft_computed += n
             budget, lag = budget - n, lag - n
         return budget

@@ -12,7 +12,8 @@ prompt's token ids. The decode worker answers with exactly one of:
 - `busy`: not enough free blocks right now (backpressure); the sender retries after `retry_after_s` until
   its deadline (`TransferConfig.reserve_timeout_s`).
 
-`reserve` below is the receiver's decision, on its `BlockPool` (plain Python, no arrays, no sockets).
+`reserve` below is the receiver's decision, through its worker's `KVManager` (plain Python, no arrays, no
+sockets).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from typing import Callable, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cluster.block_pool import BlockPool
 from cluster.hashing import block_hashes, first_block_key
+from cluster.kv_manager import KVManager
 
 # Fields whose mismatch makes transferred KV meaningless, in the order a refusal names them.
 _CHECKED = ("model_id", "revision", "dtype", "kv_bits", "kv_group_size", "block_size", "num_layers",
@@ -91,15 +92,17 @@ class Busy:
     retry_after_s: float
 
 
-def reserve(pool: BlockPool, fmt: KVFormat, offered: KVFormat, token_ids: Sequence[int], hashes: Sequence[int],
-            max_prompt_len: int, watermark_blocks: int = 0,
+def reserve(kv: KVManager, request_id: str, fmt: KVFormat, offered: KVFormat, token_ids: Sequence[int],
+            hashes: Sequence[int], max_prompt_len: int, watermark_blocks: int = 0,
             retry_after_s: Callable[[], float] = lambda: 0.05) -> Union[Reservation, Refusal, Busy]:
-    """Decide an offer of `token_ids` (with their full-block `hashes` in the receiver's format `fmt`).
+    """Decide an offer of `token_ids` (with their full-block `hashes` in the receiver's format `fmt`) for
+    `request_id`, reserving through the worker's block owner `kv`.
 
     Refuses a format mismatch (naming each differing field), an empty prompt, a prompt of `max_prompt_len`
     tokens or more, or one needing more blocks than the pool has at all. Answers Busy when fewer than
-    `needed + watermark_blocks` blocks are free. Otherwise references the cached prefix (`touch`) and
-    allocates the rest, so the reservation can never fail later for lack of memory.
+    `needed + watermark_blocks` blocks are free. Otherwise holds the cached prefix (referenced) and the rest,
+    newly allocated, under `request_id` (`KVManager.reserve`), so the reservation can never fail later for
+    lack of memory; the holding ends with `KVManager.release` or when the request adopts it.
     """
     diff = fmt.mismatches(offered)
     if diff:
@@ -110,13 +113,16 @@ def reserve(pool: BlockPool, fmt: KVFormat, offered: KVFormat, token_ids: Sequen
         return Refusal("the prompt is empty")
     if n >= max_prompt_len:
         return Refusal(f"the prompt has {n} tokens but the receiver's context limit is {max_prompt_len}")
+    if kv.held(request_id) is not None:
+        return Refusal(f"request_id {request_id!r} already holds KV here (a finished transfer awaits its request)")
+    pool = kv.pool
     needed = -(-n // fmt.block_size)
     if needed > pool.num_usable_blocks:
         return Refusal(f"the prompt needs {needed} KV blocks but the receiver's pool has "
                        f"{pool.num_usable_blocks}")
     cached = pool.find_cached_prefix(hashes, token_ids, fmt.block_size)
-    cached_free = sum(1 for b in cached if pool.blocks[b].ref_cnt == 0)  # touching takes them off the free list
+    cached_free = sum(1 for b in cached if pool.blocks[b].ref_cnt == 0)  # holding them takes them off the free list
     if pool.num_free_blocks - cached_free < needed - len(cached) + watermark_blocks:
         return Busy(retry_after_s())
-    pool.touch(cached)
-    return Reservation(cached + pool.allocate(needed - len(cached)), len(cached))
+    held = kv.reserve(request_id, cached, needed - len(cached), len(cached) * fmt.block_size)
+    return Reservation(list(held.block_table), len(cached))

@@ -10,8 +10,9 @@ Life of a transfer (see kv_transfer/handshake.py and wire.py):
     offer   -> reserve (or refuse / busy); the reservation is live under (request_id, epoch, sender identity)
     blocks* -> checked against the reservation, then written with KVStore.write_blocks
     done    -> every expected (block, layer) arrived: full blocks join the prefix cache, `ack` goes back and
-               poll() returns a `ReceivedSequence`; its blocks now belong to the caller
-    abort   -> (either side) blocks freed; poll() returns a `TransferFailed`
+               poll() returns a `ReceivedSequence`; its blocks stay held under the request id in the
+               worker's `KVManager` until the engine admits the request (adopt) or the caller releases them
+    abort   -> (either side) the holding is released; poll() returns a `TransferFailed`
 
 Any message whose (request_id, epoch, identity) is not live is dropped before its arrays are even parsed.
 A malformed message that names a live transfer fails that transfer (the sender hears why); one that names
@@ -28,8 +29,8 @@ from typing import Callable, Optional, Union
 import numpy as np
 import zmq
 
-from cluster.block_pool import BlockPool
 from cluster.config import TransferConfig
+from cluster.kv_manager import KVManager
 from cluster.kv_store import KVStore
 from cluster.transport import LOOPBACK, CurveKeys, server_socket
 from kv_transfer.handshake import Busy, KVFormat, Refusal, reserve
@@ -43,8 +44,9 @@ _MAX_MESSAGES_PER_POLL = 256
 
 @dataclass(frozen=True)
 class ReceivedSequence:
-    """A completed transfer: the prompt's KV is in `block_table` (owned by the caller from now on, who frees
-    it with `BlockPool.free`); `first_token` was sampled by the prefill worker."""
+    """A completed transfer: the prompt's KV is in `block_table`, held under `request_id` in the worker's
+    `KVManager` (the request adopts the holding, or the caller releases it); `first_token` was sampled by the
+    prefill worker."""
 
     request_id: str
     token_ids: list[int]
@@ -86,17 +88,18 @@ class _Incoming:
 
 
 class KVReceiver:
-    """Receives KV blocks into `pool`/`store` (owned by the caller's thread; call every method from it).
+    """Receives KV blocks into `store`, in blocks reserved through `kv` (both owned by the caller's thread;
+    call every method from it).
 
     `fmt` is this worker's KV format; offers in any other format are refused naming the difference.
     `max_prompt_len`: offers of this many tokens or more are refused (the context limit).
     """
 
-    def __init__(self, fmt: KVFormat, pool: BlockPool, store: KVStore, *, max_prompt_len: int,
+    def __init__(self, fmt: KVFormat, kv: KVManager, store: KVStore, *, max_prompt_len: int,
                  config: TransferConfig = TransferConfig(), host: str = LOOPBACK, port: int = 0,
                  keys: Optional[CurveKeys] = None, ctx: Optional[zmq.Context] = None,
                  metrics: Optional[TransferMetrics] = None, clock: Callable[[], float] = time.monotonic):
-        self.fmt, self.pool, self.store, self.config = fmt, pool, store, config
+        self.fmt, self.kv, self.pool, self.store, self.config = fmt, kv, kv.pool, store, config
         self.max_prompt_len, self.clock = max_prompt_len, clock
         self.metrics = metrics or TransferMetrics("receive")
         self.ctx = ctx or zmq.Context.instance()
@@ -198,7 +201,7 @@ class KVReceiver:
                                                   f"receiver's context limit is {self.max_prompt_len}"), "refused")
             return
         hashes = self.fmt.block_hashes(offer.token_ids, offer.cache_salt)
-        got = reserve(self.pool, self.fmt, offer.format, offer.token_ids, hashes, self.max_prompt_len,
+        got = reserve(self.kv, rid, self.fmt, offer.format, offer.token_ids, hashes, self.max_prompt_len,
                       self.config.watermark_blocks)
         if isinstance(got, Refusal):
             answer(Refused(request_id=rid, reason=got.reason), "refused")
@@ -249,7 +252,7 @@ class KVReceiver:
 
     def _fail(self, t: _Incoming, kind: str, reason: str, notify: bool = True) -> None:
         del self.live[t.offer.request_id]
-        self.pool.free(t.block_table)
+        self.kv.release(t.offer.request_id)
         if notify:
             self._send(t.identity, Abort(request_id=t.offer.request_id, epoch=t.epoch, reason=reason))
         self._events.append(TransferFailed(t.offer.request_id, kind, reason))

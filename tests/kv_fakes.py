@@ -21,6 +21,7 @@ import numpy as np
 import zmq
 
 from cluster.block_pool import BlockPool
+from cluster.kv_manager import KVManager
 from cluster.config import TransferConfig
 from cluster.kv_store import KVStore
 from cluster.model import ModelSpec
@@ -93,8 +94,9 @@ class Rig:
         self.fmt = kv_format(dtype, kv_bits, group)
         self.probe_fmt = self.fmt.model_copy(update={"model_id": "probe"})
         self.pool = BlockPool(num_blocks)
+        self.kv = KVManager(self.pool)
         self.store = KVStore(SPEC, num_blocks, BS, dtype, kv_bits, group)
-        self.receiver = KVReceiver(self.fmt, self.pool, self.store, max_prompt_len=SPEC.max_model_len,
+        self.receiver = KVReceiver(self.fmt, self.kv, self.store, max_prompt_len=SPEC.max_model_len,
                                    config=TransferConfig(timeout_s=TIMEOUT_S), ctx=ctx, clock=lambda: self.now)
         self.metrics = self.receiver.metrics
         self.baseline = self.pool.num_free_blocks
@@ -170,7 +172,7 @@ class Rig:
         for e in events:
             assert isinstance(e, (ReceivedSequence, TransferFailed))
             if isinstance(e, ReceivedSequence):
-                self.pool.free(e.block_table)
+                self.kv.release(e.request_id)
         self.events += events
         return events
 
@@ -265,5 +267,5 @@ def genuine_transfer(rig: Rig, num_tokens: int) -> None:
     layers = range(SPEC.num_layers)
     assert [bits(a) for a in rig.store.read_blocks(seq.block_table, layers)] == \
         [bits(a) for a in src.read_blocks(table, layers)]
-    rig.pool.free(seq.block_table)
+    rig.kv.release(seq.request_id)
     assert rig.pool.num_free_blocks == rig.baseline and not rig.receiver.live

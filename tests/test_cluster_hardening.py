@@ -221,7 +221,7 @@ def test_a_transfer_that_cannot_start_fails_its_request_and_frees_its_blocks():
         finally:
             prefill.sender.open = real_open
         assert wait_until(lambda: at_baseline(workers)), [w.stats() for w in workers.values()]
-        assert not prefill.pending and not prefill.handed_off and not prefill.routes
+        assert not prefill.handoffs.requests and not prefill.routes
         assert_still_serving(base)
 
         ctx = zmq.Context()

@@ -149,11 +149,12 @@ def test_engines_on_threads_moving_kv_between_them_answer_as_if_alone():
         while (item := moved.get(timeout=120)) is not None:
             received.append(item[0])
             ids, arrays = item
-            dst = receiver.pool.allocate(len(ids))
+            rid = f"moved-{len(received)}"
+            dst = list(receiver.kv.reserve(rid, [], len(ids), 0).block_table)  # held as a transfer's blocks are
             receiver.store.write_blocks(dst, range(2), arrays)
             back = receiver.store.read_blocks(dst, range(2))
             assert all(np.array_equal(a, b) for a, b in zip(arrays, back)), "moved KV blocks changed on the way"
-            receiver.pool.free(dst)
+            receiver.kv.release(rid)
 
     def guarded(fn, *args):
         try:

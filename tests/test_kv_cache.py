@@ -11,7 +11,7 @@ from mlx_lm.models.cache import KVCache
 from cluster.kv_layout import BatchLayout
 from cluster.kv_store import KVStore, kv_bytes_per_block
 from cluster.model import ModelSpec
-from cluster.runner import BatchItem, ModelRunner
+from cluster.runner import BatchItem, Logits, ModelRunner
 
 
 def tiny_model():
@@ -89,10 +89,10 @@ def test_decode_mirror_matches_contiguous_cache_across_batch_changes(kv_bits, de
     seqs = {"a": ([9, 3, 5, 7], list(range(3, 10))), "b": ([1, 12, 14], list(range(20, 23))),
             "c": ([2, 4, 6, 8], list(range(40, 45)))}
     for table, toks in seqs.values():
-        runner.forward([BatchItem(table, 0, toks, "none")])
+        runner.forward([BatchItem(table, 0, toks, Logits.NONE)])
     plan = [("a", "b"), ("a", "b"), ("a", "b", "c"), ("a", "c"), ("a", "c")]  # joins and leaves
     for step, rows in enumerate(plan):
-        items = [BatchItem(seqs[r][0], len(seqs[r][1]), [60 + step], seq_key=r) for r in rows]
+        items = [BatchItem(seqs[r][0], len(seqs[r][1]), [60 + step], mirror_row=r) for r in rows]
         logits = runner.forward(items)
         assert runner.store.mirror.rows == rows
         for r, lg in zip(rows, logits):
@@ -104,7 +104,7 @@ def test_decode_mirror_steps_aside_when_over_budget():
     model, spec = tiny_model()
     store = KVStore(spec, num_blocks=16, block_size=4, mirror_budget_bytes=1)  # nothing fits
     runner = ModelRunner(model, store)
-    runner.forward([BatchItem([1, 2], 0, [5, 6, 7], "none")])
-    (lg,) = runner.forward([BatchItem([1, 2], 3, [8], seq_key="x")])
+    runner.forward([BatchItem([1, 2], 0, [5, 6, 7], Logits.NONE)])
+    (lg,) = runner.forward([BatchItem([1, 2], 3, [8], mirror_row="x")])
     assert store.mirror.rows == ()
     assert mx.allclose(lg, reference_logits(model, [5, 6, 7, 8]).astype(mx.float32), atol=1e-4).item()

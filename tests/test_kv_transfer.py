@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from cluster.block_pool import BlockPool
+from cluster.kv_manager import KVManager
 from cluster.config import EngineConfig, TransferConfig
 from cluster.kv_store import KVStore
 from cluster.model import ModelSpec
@@ -29,6 +30,7 @@ class Side:
     def __init__(self, num_blocks=64, dtype="float32", kv_bits=None, kv_group_size=32, spec=SPEC, **fmt):
         cfg = EngineConfig(dtype=dtype, kv_bits=kv_bits, kv_group_size=kv_group_size, block_size=BS)
         self.pool = BlockPool(num_blocks)
+        self.kv = KVManager(self.pool)  # the receiver side's block owner
         self.store = KVStore(spec, num_blocks, BS, dtype, kv_bits, kv_group_size)
         self.fmt = KVFormat.of(spec, cfg).model_copy(update=fmt)
         self.baseline = self.pool.num_free_blocks
@@ -58,7 +60,7 @@ class Link:
 
     def __init__(self, a: Side, b: Side, config=TransferConfig(max_blocks_per_message=3), rx_config=None, **kw):
         self.a, self.b = a, b
-        self.rx = KVReceiver(b.fmt, b.pool, b.store, max_prompt_len=SPEC.max_model_len,
+        self.rx = KVReceiver(b.fmt, b.kv, b.store, max_prompt_len=SPEC.max_model_len,
                              config=rx_config or config, **kw.get("rx", {}))
         self.tx = KVSender(a.fmt, a.store, config=config, **kw.get("tx", {}))
         self.results, self.events = {}, {}
@@ -111,7 +113,7 @@ def test_round_trip_is_bit_exact_and_reuses_the_receivers_prefix_cache(links, dt
     assert a.pool.num_free_blocks == a.baseline  # released by on_release
 
     # The same prefix again (the receiver cached 7 full blocks): only the last, partial block moves.
-    b.pool.free(got.block_table)
+    b.kv.release(got.request_id)
     table2 = a.pool.allocate(8)
     sent2, got2 = link.ship("r2", tokens, table2)
     assert sent2.num_cached_blocks == 7 and got2.num_cached_tokens == 28
@@ -215,13 +217,13 @@ def test_full_receiver_applies_backpressure_and_every_transfer_finishes(links):
         for ev in link.rx.poll(0.002):
             assert isinstance(ev, ReceivedSequence)
             finished.append(ev)
-            held.append(ev.block_table)
+            held.append(ev.request_id)
         peak = max(peak, b.pool.num_usable_blocks - b.pool.num_free_blocks)
         while len(held) > 4:  # the decode worker finishes its oldest sequences
-            b.pool.free(held.pop(0))
+            b.kv.release(held.pop(0))
     link.pump(lambda: len(link.tx.transfers) == 0)
-    for table in held:
-        b.pool.free(table)
+    for rid in held:
+        b.kv.release(rid)
     assert sorted(ev.request_id for ev in finished) == sorted(tables)
     assert peak <= 8 * 16
     assert link.rx.metrics.value("reservations_total", outcome="busy") > 0

@@ -9,9 +9,10 @@ import mlx.core as mx
 import pytest
 
 from cluster.block_pool import BlockPool
+from cluster.kv_manager import KVManager
 from cluster.config import EngineConfig, TransferConfig
 from cluster.kv_store import KVStore
-from cluster.runner import BatchItem, ModelRunner
+from cluster.runner import BatchItem, Logits, ModelRunner
 from kv_transfer.handshake import KVFormat
 from kv_transfer.receiver import KVReceiver, ReceivedSequence
 from kv_transfer.sender import KVSender
@@ -32,7 +33,8 @@ def test_transferred_sequence_decodes_like_a_local_one(kv_bits):
     fmt = KVFormat.of(spec, config)
     sides = [(BlockPool(64), KVStore(spec, 64, config.block_size, "float32", kv_bits, 32)) for _ in range(2)]
     (pool_p, store_p), (pool_d, store_d) = sides
-    rx = KVReceiver(fmt, pool_d, store_d, max_prompt_len=spec.max_model_len)
+    kv_d = KVManager(pool_d)  # the decode side's block owner
+    rx = KVReceiver(fmt, kv_d, store_d, max_prompt_len=spec.max_model_len)
     tx = KVSender(fmt, store_p, config=TransferConfig(max_blocks_per_message=1))
     try:
         # Prefill worker: two chunks, each followed by shipping what is ready.
@@ -40,10 +42,10 @@ def test_transferred_sequence_decodes_like_a_local_one(kv_bits):
         table = pool_p.allocate(-(-len(prompt) // config.block_size))
         tx.open("r", rx.endpoint, prompt, on_release=lambda: pool_p.free(table))
         cut = len(prompt) // 2 + 3  # mid-block: a chunk boundary need not be a block boundary
-        runner_p.forward([BatchItem(table, 0, prompt[:cut], "none")])
+        runner_p.forward([BatchItem(table, 0, prompt[:cut], Logits.NONE)])
         tx.blocks_ready("r", table, cut)
         tx.poll(0.01)
-        logits = runner_p.forward([BatchItem(table, cut, prompt[cut:], "last")])[0]
+        logits = runner_p.forward([BatchItem(table, cut, prompt[cut:], Logits.LAST)])[0]
         first = int(mx.argmax(logits).item())
         tx.blocks_ready("r", table, len(prompt))
         tx.finish("r", first)
@@ -59,7 +61,7 @@ def test_transferred_sequence_decodes_like_a_local_one(kv_bits):
         table_d = got.block_table + pool_d.allocate(2)
         tokens, pos = [got.first_token], len(prompt)
         while len(tokens) < MAX_TOKENS and tokens[-1] not in spec.eos_token_ids:
-            logits = runner_d.forward([BatchItem(table_d, pos, [tokens[-1]], "last")])[0]
+            logits = runner_d.forward([BatchItem(table_d, pos, [tokens[-1]], Logits.LAST)])[0]
             tokens.append(int(mx.argmax(logits).item()))
             pos += 1
         assert tokens == local.token_ids

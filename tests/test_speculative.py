@@ -7,14 +7,27 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
+from cluster.connector import ExternalPrefix, NoConnector
 from cluster.kv_layout import BatchLayout
 from cluster.kv_store import KVStore
 from cluster.request import FinishReason, GenerateRequest, SamplingParams
-from cluster.runner import BatchItem, ModelRunner
+from cluster.runner import BatchItem, Logits, ModelRunner
 from decode_node.speculative import check_same_tokenizer
 from tests.engine_helpers import chat_prompt, make_engine, real_model, run
 from tests.spec_helpers import (DRAFTERS, REPEAT, REWRITE, draft_parts, plain, prompts, run_checked, spec_engine,
                                 spec_greedy)
+
+
+class PromptComputedElsewhere(NoConnector):
+    """A role that already holds these requests' prompt KV (under their ids) and their first tokens, as a
+    decode worker holds what a prefill worker sent."""
+
+    def __init__(self, first_tokens: dict[str, int]):
+        self.first_tokens = first_tokens
+
+    def external_prefix(self, seq):
+        first = self.first_tokens.get(seq.request_id)
+        return None if first is None else ExternalPrefix(first)
 
 
 def assert_same(spec, ref) -> None:
@@ -165,11 +178,12 @@ def test_prefilled_sequence_gets_its_draft_prefill_here():
     prompt = chat_prompt(REWRITE)
     ref = plain([prompt], 24)[0]
     engine = spec_engine(prefill_chunk_size=16)
-    table = engine.pool.allocate(-(-(len(prompt) + 1) // engine.block_size))
-    logits = engine.runner.forward([BatchItem(table, 0, prompt, "last")])[0]
+    table = list(engine.kv.reserve("h", [], -(-(len(prompt) + 1) // engine.block_size), 0).block_table)
+    logits = engine.runner.forward([BatchItem(table, 0, prompt, Logits.LAST)])[0]
     first = int(mx.argmax(logits).item())
+    engine.connector = PromptComputedElsewhere({"h": first})
     request = spec_greedy("h", prompt, 24, "draft_model", 4)
-    assert engine.add_prefilled(request, table, 0, first) is None
+    assert engine.add_request(request, remote_prefill=True) is None
     seq = engine.sequences["h"]
     outputs = []
     while seq.spec.proposed_total == 0:  # the draft prefill takes ceil(prompt / 16) steps, then it drafts
@@ -180,7 +194,7 @@ def test_prefilled_sequence_gets_its_draft_prefill_here():
     model, _, spec = draft_parts()
     n = seq.num_draft_computed
     fresh = KVStore(spec, 8, 32)
-    ModelRunner(model, fresh).forward([BatchItem([1, 2, 3, 4, 5, 6, 7], 0, seq.token_ids[:n], "none")])
+    ModelRunner(model, fresh).forward([BatchItem([1, 2, 3, 4, 5, 6, 7], 0, seq.token_ids[:n], Logits.NONE)])
     ours = engine.drafters["draft_model"].store
     layout = BatchLayout.build([seq.block_table], [0], [n], engine.block_size)
     mine = ours.keys[3][layout.gather_slots[0]]
