@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import platform
 import secrets
 import shlex
@@ -211,7 +210,7 @@ def _cpus() -> int:
 
 
 def main(argv: Sequence[str]) -> int:
-    from benchmarks.reliability_report import failures, render_markdown, replace_generated
+    from benchmarks.reliability_report import failures, render_markdown, write_outputs
 
     args = build_parser().parse_args(list(argv))
     if args.requests < 0 or args.concurrency < 1 or args.burst < 1:
@@ -234,15 +233,7 @@ def main(argv: Sequence[str]) -> int:
         return 2
     result["command"] = "mlx-pd bench reliability " + shlex.join(argv)
     result["failures"] = failures(result)
-    block = render_markdown(result)
-    print(block)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
-    if args.markdown:
-        path = Path(args.markdown)
-        doc = path.read_text(encoding="utf-8") if path.exists() else "# Reliability\n"
-        path.write_text(replace_generated(doc, block), encoding="utf-8")
-    return 1 if result["failures"] else 0
+    return write_outputs(result, render_markdown(result), args.out, args.markdown)
 
 
 if __name__ == "__main__":

@@ -356,15 +356,6 @@ def _hits(st) -> str:
     return f"{h}/{q}" if q else "-"
 
 
-def replace_generated(doc: str, block: str) -> str:
-    """`doc` with the text between this section's markers replaced by `block` (appended when absent)."""
-    if BEGIN in doc and END in doc and doc.index(BEGIN) < doc.index(END):
-        head, rest = doc.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        return f"{head}{BEGIN}\n{block.rstrip()}\n{END}{tail}"
-    return f"{doc.rstrip()}\n\n{BEGIN}\n{block.rstrip()}\n{END}\n"
-
-
 def main(args: argparse.Namespace, argv: list[str]) -> int:
     """`mlx-pd bench reliability --soak-only ...` (argument checks are the caller's)."""
     import shlex
@@ -384,12 +375,6 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
         plot_rss(result["rss_samples"], result["rss_fit"]["from_answers"], result["rss_fit"]["slopes"], path, title)
         plot = os.path.relpath(path.resolve(), Path(args.markdown).resolve().parent) if args.markdown else str(path)
         _log(f"RSS plot: {path} ({path.stat().st_size // 1024} KiB)")
-    block = render_markdown(result, plot)
-    print(block)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
-    if args.markdown:
-        path = Path(args.markdown)
-        doc = path.read_text(encoding="utf-8") if path.exists() else "# Reliability\n"
-        path.write_text(replace_generated(doc, block), encoding="utf-8")
-    return 1 if result["failures"] else 0
+    from benchmarks.reliability_report import write_outputs
+
+    return write_outputs(result, render_markdown(result, plot), args.out, args.markdown, BEGIN, END)

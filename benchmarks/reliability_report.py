@@ -16,7 +16,9 @@ A lost request is always a failure. An error is a failure unless a fault was inj
 
 from __future__ import annotations
 
+import json
 from collections import Counter, defaultdict
+from pathlib import Path
 from typing import Iterable, Optional
 
 BEGIN = "<!-- BEGIN GENERATED: mlx-pd bench reliability -->"
@@ -280,10 +282,25 @@ def render_markdown(result: dict) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def replace_generated(doc: str, block: str) -> str:
-    """`doc` with the text between BEGIN and END replaced by `block` (the markers are appended when absent)."""
-    if BEGIN in doc and END in doc and doc.index(BEGIN) < doc.index(END):
-        head, rest = doc.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        return f"{head}{BEGIN}\n{block.rstrip()}\n{END}{tail}"
-    return f"{doc.rstrip()}\n\n{BEGIN}\n{block.rstrip()}\n{END}\n"
+def replace_generated(doc: str, block: str, begin: str = BEGIN, end: str = END) -> str:
+    """`doc` with the text between the markers `begin` and `end` replaced by `block` (appended when absent)."""
+    if begin in doc and end in doc and doc.index(begin) < doc.index(end):
+        head, rest = doc.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        return f"{head}{begin}\n{block.rstrip()}\n{end}{tail}"
+    return f"{doc.rstrip()}\n\n{begin}\n{block.rstrip()}\n{end}\n"
+
+
+def write_outputs(result: dict, block: str, out: Optional[str], markdown: Optional[str], begin: str = BEGIN,
+                  end: str = END) -> int:
+    """Print `block`, write `result` as JSON to `out` and `block` into the generated section (between `begin`
+    and `end`) of the Markdown file `markdown` (either may be None). Returns the exit code: 1 when the result
+    lists failures, else 0."""
+    print(block)
+    if out:
+        Path(out).write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
+    if markdown:
+        path = Path(markdown)
+        doc = path.read_text(encoding="utf-8") if path.exists() else "# Reliability\n"
+        path.write_text(replace_generated(doc, block, begin, end), encoding="utf-8")
+    return 1 if result["failures"] else 0

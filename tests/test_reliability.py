@@ -246,8 +246,7 @@ def test_topology_and_reference_serve_a_model_folder_under_its_name(tmp_path):
 
 def test_long_soak_fit_failures_and_markers():
     from benchmarks.reliability_cluster import ENGINE
-    from benchmarks.reliability_long import (BEGIN as LB, END as LE, FAST_CONFIG, fit_slopes, render_markdown as lr,
-                                             replace_generated as lrep)
+    from benchmarks.reliability_long import BEGIN as LB, END as LE, FAST_CONFIG, fit_slopes, render_markdown as lr
     from benchmarks.reliability_long import failures as long_failures
     from cluster.model_families import check_config
 
@@ -271,6 +270,7 @@ def test_long_soak_fit_failures_and_markers():
     assert len(fails) == 1 and fails[0].startswith("RSS of decode-0 grew 45 MiB")  # the reference is not judged
     block = lr(result, "img/rss.png")
     assert "FAILED: RSS of decode-0" in block and "![RSS" in block and "| decode-0 |" in block
-    doc = replace_generated(lrep("# Reliability\n", block), "the full run")
+    doc = replace_generated(replace_generated("# Reliability\n", block, LB, LE), "the full run")
     assert doc.count(LB) == doc.count(LE) == doc.count(BEGIN) == 1 and "the full run" in doc
-    assert lrep(doc, "again").count("again") == 1 and "the full run" in lrep(doc, "again")
+    again = replace_generated(doc, "again", LB, LE)
+    assert again.count("again") == 1 and "the full run" in again
