@@ -233,11 +233,25 @@ def _abandon(base: str, prompt: str) -> None:
 
 
 def test_request_that_waits_too_long_for_kv_blocks_gets_503_with_retry_after():
-    with live_server(block_size=8, num_blocks=17, queue_timeout_s=0.3, max_model_len=128) as (base, client):
+    with live_server(block_size=8, num_blocks=17, queue_timeout_s=2.0, max_model_len=128) as (base, client):
+        # Each step is followed by a 0.5 s pause, so the first request (27 steps) outlasts the second's 2 s
+        # wait on any machine; the first is admitted at once (the deadline is checked as a step starts).
+        core, step = client.thread.core, client.thread.core.step
+
+        def step_then_pause():
+            outputs = step()
+            time.sleep(0.5)
+            return outputs
+
+        core.step = step_then_pause  # called by the engine thread; nothing of the engine is touched from here
         first_body = {"model": MODEL, "prompt": "word " * 99, "ignore_eos": True, "max_tokens": 27, "stream": True}
         with httpx.stream("POST", base + "/v1/completions", json=first_body, timeout=60) as first:
             lines = first.iter_lines()  # keep a reference: a discarded iterator closes the stream
-            next(lines)  # it holds 13 of the 16 usable blocks from now on, 16 at the end
+            next(lines)
+            deadline = time.monotonic() + 60  # the stats snapshot follows the engine by up to one step
+            while client.stats().num_running != 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            # it holds 13 of the 16 usable blocks from now on, 16 at the end
             second = post(base, "/v1/completions", {"model": MODEL, "prompt": "other " * 40, "max_tokens": 4})
             assert client.stats().num_running == 1  # the first is still running: nothing freed its blocks
         assert second.status_code == 503 and "retry-after" in second.headers
