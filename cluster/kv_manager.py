@@ -65,12 +65,17 @@ class KVManager:
         ValueError when the request already holds blocks or fewer than `num_new` are free."""
         if request_id in self._held:
             raise ValueError(f"request {request_id!r} already holds KV blocks")
-        if num_new > self.pool.num_free_blocks - sum(1 for b in cached if self.pool.blocks[b].ref_cnt == 0):
+        if num_new > self.free_besides(cached):
             raise ValueError(f"cannot hold {num_new} new blocks: only {self.pool.num_free_blocks} free")
         self.pool.touch(cached)
         held = Holding(request_id, tuple(cached) + tuple(self.pool.allocate(num_new)), num_cached_tokens)
         self._held[request_id] = held
         return held
+
+    def free_besides(self, cached: Seq[int]) -> int:
+        """Blocks `allocate` could still hand out once the cached blocks `cached` are referenced (a free cached
+        block leaves the free list when it is taken)."""
+        return self.pool.num_free_blocks - sum(1 for b in cached if self.pool.blocks[b].ref_cnt == 0)
 
     def hold(self, seq: Sequence) -> Holding:
         """Move `seq`'s blocks into a holding under its request id (the sequence leaves the engine, its KV
@@ -101,14 +106,3 @@ class KVManager:
             return False
         self.pool.free(held.block_table)
         return True
-
-    @property
-    def num_holdings(self) -> int:
-        return len(self._held)
-
-    def release_all(self) -> int:
-        """End every holding (a worker shutting down); returns how many there were."""
-        ids = list(self._held)
-        for request_id in ids:
-            self.release(request_id)
-        return len(ids)

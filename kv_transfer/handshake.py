@@ -121,8 +121,7 @@ def reserve(kv: KVManager, request_id: str, fmt: KVFormat, offered: KVFormat, to
         return Refusal(f"the prompt needs {needed} KV blocks but the receiver's pool has "
                        f"{pool.num_usable_blocks}")
     cached = pool.find_cached_prefix(hashes, token_ids, fmt.block_size)
-    cached_free = sum(1 for b in cached if pool.blocks[b].ref_cnt == 0)  # holding them takes them off the free list
-    if pool.num_free_blocks - cached_free < needed - len(cached) + watermark_blocks:
+    if kv.free_besides(cached) < needed - len(cached) + watermark_blocks:
         return Busy(retry_after_s())
     held = kv.reserve(request_id, cached, needed - len(cached), len(cached) * fmt.block_size)
     return Reservation(list(held.block_table), len(cached))

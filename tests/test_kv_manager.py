@@ -23,7 +23,7 @@ PRODUCT = ("cluster", "router", "prefill_node", "decode_node", "kv_transfer", "b
 OWNERS = {"cluster/kv_manager.py", "cluster/scheduler.py"}
 POOL = "cluster/block_pool.py"  # defines free; never calls it
 BLOCK_TABLE_NAMES = {"block_table", "block_ids", "blocks", "table", "tables"}
-ENDING_CALLS = {"free", "release", "release_all"}
+ENDING_CALLS = {"free", "release"}
 
 
 def product_modules():
