@@ -7,7 +7,7 @@ mode implements it over ZeroMQ. The router depends on this protocol only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import AsyncIterator, Optional, Protocol
+from typing import AsyncIterator, Iterable, Optional, Protocol
 
 from cluster.request import GenerateRequest, RequestOutput
 
@@ -29,6 +29,25 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of those, tokens served from it
     spec_draft_tokens: int = 0  # speculative decoding: draft tokens proposed and verified
     spec_accepted_tokens: int = 0  # of those, accepted by verification
+
+    @classmethod
+    def from_reports(cls, reports: Iterable[dict]) -> "EngineStats":
+        """The stats of the workers whose latest reports (`cluster.worker.Worker.stats`) are `reports`, added
+        up: the sequences running, the KV pool and the speculative counters are the decode workers' (a
+        prefill worker's sequences and blocks are transient), the queue, preemptions and prefix-cache
+        counters everyone's. Single-node mode reports one decode worker."""
+        live = list(reports)
+        decode = [s for s in live if s.get("role") == "decode"]
+        return cls(
+            num_running=sum(s["num_running"] for s in decode), num_waiting=sum(s["num_waiting"] for s in live),
+            num_kv_blocks_total=sum(s["kv_blocks_total"] for s in decode),
+            num_kv_blocks_free=sum(s["kv_blocks_free"] for s in decode),
+            kv_block_size=decode[0]["kv_block_size"] if decode else 0,
+            num_preemptions=sum(s["num_preemptions"] for s in live),
+            prefix_cache_queries=sum(s["prefix_cache_queries"] for s in live),
+            prefix_cache_hits=sum(s["prefix_cache_hits"] for s in live),
+            spec_draft_tokens=sum(s.get("spec_draft_tokens", 0) for s in decode),
+            spec_accepted_tokens=sum(s.get("spec_accepted_tokens", 0) for s in decode))
 
     @property
     def spec_acceptance_rate(self) -> float:

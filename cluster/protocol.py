@@ -34,6 +34,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from cluster.engine_client import EngineError
 from cluster.request import FinishReason, GenerateRequest, RequestOutput, SamplingParams, TokenLogprob
 
 PROTOCOL_VERSION = 1
@@ -156,6 +157,11 @@ class Rejected(_Message):
     reason: str = Field(max_length=4096)
     status: int = Field(ge=400, le=599)
     retry_after: Optional[float] = None
+
+    def error(self) -> Exception:
+        """What an `EngineClient.generate` raises for this refusal: `EngineError` (the router's 503, with
+        Retry-After when `retry_after` is set) for a status of 500 and up, `ValueError` (its 400) below."""
+        return EngineError(self.reason, retry_after=self.retry_after) if self.status >= 500 else ValueError(self.reason)
 
 
 class Pong(_Message):

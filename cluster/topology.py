@@ -146,7 +146,9 @@ class RaySection:
 class WorkerSpec:
     """One `[[workers]]` entry. `engine` is the topology's `[engine]` with this worker's overrides applied.
 
-    `kv_port` (decode workers only) receives KV blocks; `control_port` takes requests from the router;
+    `kv_port` (decode workers only) receives KV blocks; `control_port` takes requests from the router (None:
+    an in-process worker reached through `cluster.control.InProcessControl`, single-node mode's, which takes
+    no KV either; a topology file cannot say None);
     `events_port` publishes the prefix cache's KV events (without it the router cannot see what this
     worker has cached, and routes to it by load alone). `metrics_port` serves the worker's Prometheus
     metrics (KV transfer bytes, blocks, latency histogram, refusals, aborts, timeouts) over HTTP.
@@ -155,7 +157,7 @@ class WorkerSpec:
 
     name: str
     role: str
-    control_port: int
+    control_port: Optional[int]
     engine: EngineConfig = field(default_factory=EngineConfig)
     machine: Optional[str] = None
     host: str = "127.0.0.1"
@@ -173,7 +175,7 @@ class WorkerSpec:
             port = getattr(self, key)
             if port is not None and (not isinstance(port, int) or not 0 < port < 65536):
                 raise ValueError(f"{key}={port!r} is invalid: must be an integer in 1..65535")
-        if self.role == "decode" and self.kv_port is None:
+        if self.role == "decode" and self.kv_port is None and self.control_port is not None:
             raise ValueError("a decode worker needs kv_port (where prefill workers send KV blocks)")
         if self.role == "prefill" and self.kv_port is not None:
             raise ValueError("kv_port is for decode workers only (prefill workers connect out)")

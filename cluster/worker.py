@@ -10,6 +10,13 @@ answers within milliseconds and a busy one between two steps. Nothing a request 
 loop: every handler's exception is logged and the loop carries on (`healthy` turns False only if the loop
 itself stops).
 
+Router messages arrive through a control channel (cluster/control.py): a ZeroMQ ROUTER socket in cluster
+mode, an in-process queue in single-node mode, which runs a decode worker with no KV socket
+(cluster/launch/single_node.py). Either way a request meets the same admission (`_admit`): a request id already
+running here is a 400, then a request that can never run here (`EngineCore.check_request`) a 400 whatever the
+load, then a full queue (`Scheduler.queue_full`) a 503 with Retry-After; the answer is a `Rejected` message and
+nothing of the request is kept.
+
 Roles implement `_on_generate`, `_on_abort`, `_poll_transfers`, `_after_step` and `_role_stats`.
 """
 
@@ -26,11 +33,11 @@ from typing import Callable, Optional
 import zmq
 from prometheus_client import CollectorRegistry, start_http_server
 
+from cluster.control import ControlChannel, ZmqControl
 from cluster.engine import EngineCore
 from cluster.engine_client import EngineError
-from cluster.protocol import (PROTOCOL_VERSION, TO_WORKER, AbortRequest, Generate, KVEvent, KVEvents, Output,
-                              Ping, Pong, ProtocolError, Rejected, ResetDone, ResetPrefixCache, Snapshot,
-                              SnapshotRequest, output_to_wire, pack, request_from_wire, unpack)
+from cluster.protocol import (AbortRequest, Generate, KVEvent, KVEvents, Ping, Pong, ProtocolError, Rejected,
+                              ResetDone, ResetPrefixCache, Snapshot, SnapshotRequest, pack, request_from_wire)
 from cluster.request import GenerateRequest, RequestOutput
 from cluster.topology import TopologySpec, WorkerSpec
 from cluster.transport import CurveKeys, close_context, server_socket
@@ -43,16 +50,22 @@ CONTROL_MAX_MESSAGE_BYTES = 64 * 2**20  # a peer's larger message closes its con
 
 
 class Worker:
-    """One prefill or decode worker: `start()` loads the model, binds its sockets and starts its loop thread."""
+    """One prefill or decode worker: `start()` loads the model, binds its sockets and starts its loop thread.
+
+    `loaded` is (model, tokenizer, ModelSpec) already loaded (None: load the topology's model); `engine` an
+    `EngineCore` already built (None: build one from `loaded` and `spec.engine`); `channel` the control
+    channel (None: a ZeroMQ ROUTER socket bound on `spec.control_port`)."""
 
     role = "?"
 
-    def __init__(self, topology: TopologySpec, spec: WorkerSpec, loaded=None):
+    def __init__(self, topology: TopologySpec, spec: WorkerSpec, loaded=None, engine: Optional[EngineCore] = None,
+                 channel: Optional[ControlChannel] = None):
         self.topology, self.spec, self._loaded = topology, spec, loaded
-        self.engine: Optional[EngineCore] = None
+        self.engine: Optional[EngineCore] = engine
+        self.channel: Optional[ControlChannel] = channel
         self.ctx = zmq.Context()
         self.keys = CurveKeys.load(topology.security.curve_keys_dir) if topology.security.curve_keys_dir else None
-        self.routes: dict[str, bytes] = {}  # request_id -> the router identity that sent it
+        self.routes: dict[str, object] = {}  # request_id -> the peer (router) that sent it
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self._calls: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()  # see call()
@@ -68,20 +81,24 @@ class Worker:
         """Load the model, bind the sockets, start the loop; returns {"name", "role", "control", "kv"}."""
         from cluster.model import load_model, served_model
 
-        if self._loaded is None:
-            dtype = self.spec.engine.dtype
-            path, model_spec = served_model(self.topology.model.source, self.topology.model.served_name, dtype)
-            model, tokenizer = load_model(path, dtype)
-            self._loaded = (model, tokenizer, model_spec)
-        model, tokenizer, model_spec = self._loaded
-        self.engine = EngineCore(model, tokenizer, model_spec, self.spec.engine)
-        self.control, control = server_socket(self.ctx, zmq.ROUTER, self.spec.host, self.spec.control_port, self.keys,
-                                              options={zmq.MAXMSGSIZE: CONTROL_MAX_MESSAGE_BYTES})
+        if self.engine is None:
+            if self._loaded is None:
+                dtype = self.spec.engine.dtype
+                path, model_spec = served_model(self.topology.model.source, self.topology.model.served_name, dtype)
+                model, tokenizer = load_model(path, dtype)
+                self._loaded = (model, tokenizer, model_spec)
+            model, tokenizer, model_spec = self._loaded
+            self.engine = EngineCore(model, tokenizer, model_spec, self.spec.engine)
+        if self.channel is None:
+            sock, endpoint = server_socket(self.ctx, zmq.ROUTER, self.spec.host, self.spec.control_port, self.keys,
+                                           options={zmq.MAXMSGSIZE: CONTROL_MAX_MESSAGE_BYTES})
+            self.channel = ZmqControl(sock, endpoint)
         self.boot_id = uuid.uuid4().hex[:16]  # a restarted worker's events start a new sequence
         self.events_pub, events = None, None
         if self.spec.events_port is not None:
             self.events_pub, events = server_socket(self.ctx, zmq.PUB, self.spec.host, self.spec.events_port, self.keys)
-        self.endpoints = {"name": self.spec.name, "role": self.role, "control": control, "kv": self._setup(),
+        self.endpoints = {"name": self.spec.name, "role": self.role, "control": self.channel.endpoint,
+                          "kv": self._setup(),
                           "events": events, "metrics": None}
         if self.spec.metrics_port is not None:
             self._metrics_server, _ = start_http_server(self.spec.metrics_port, addr=self.spec.host,
@@ -135,24 +152,27 @@ class Worker:
         try:
             while not self._stop.is_set():
                 busy = self.engine.has_work() or self._transfers_busy()
-                self._poll_control(0.0 if busy else _IDLE_WAIT_S)
+                changed = self._poll_control(0.0 if busy else _IDLE_WAIT_S)
                 self._guard(self._poll_transfers)
                 if self.engine.has_work():
                     outputs = self.engine.step()
+                    if any(out.finished for out in outputs):
+                        changed = True
+                        self._refresh_stats()  # before the final output goes out: who sees it sees the freed blocks
                     self._guard(self._after_step, outputs)
                 self._run_calls()
                 self._guard(self._publish_events)
-                if time.monotonic() - self._stats_at > _STATS_EVERY_S:
+                if changed or time.monotonic() - self._stats_at > _STATS_EVERY_S:
                     self._refresh_stats()
         finally:
             self._guard(self._teardown)
             self._close_sockets()
 
     def _close_sockets(self) -> None:
-        """Close the control and events sockets (role sockets close in `_teardown`)."""
-        for sock in (getattr(self, "control", None), getattr(self, "events_pub", None)):
+        """Close the control channel and the events socket (role sockets close in `_teardown`)."""
+        for sock in (self.channel, getattr(self, "events_pub", None)):
             if sock is not None:
-                sock.close(linger=0)
+                sock.close()
 
     def _run_calls(self) -> None:
         while True:
@@ -172,40 +192,27 @@ class Worker:
         except Exception:  # a handler's bug must not end the worker
             logger.exception("%s: %s failed", self.spec.actor_name, getattr(fn, "__name__", fn))
 
-    def _poll_control(self, timeout_s: float) -> None:
-        if not self.control.poll(int(timeout_s * 1000), zmq.POLLIN):
-            return
-        for _ in range(256):
-            try:
-                identity, *frames = self.control.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except ValueError:  # a message without an identity frame cannot come from a ROUTER peer
-                continue
-            self._guard(self._on_control, identity, frames)
+    def _poll_control(self, timeout_s: float) -> bool:
+        """Handle the router messages that arrive within `timeout_s`; True when there were any."""
+        messages = self.channel.poll(timeout_s)
+        for peer, msg in messages:
+            self._guard(self._on_control, peer, msg)
+        return bool(messages)
 
-    def _on_control(self, identity: bytes, frames: list) -> None:
-        if len(frames) != 1:
-            logger.debug("dropped a control message of %d frames", len(frames))
-            return
-        try:
-            msg = unpack(frames[0], TO_WORKER, PROTOCOL_VERSION)
-        except ProtocolError as exc:
-            logger.debug("dropped a malformed control message: %s", exc)
-            return
+    def _on_control(self, peer, msg) -> None:
         if isinstance(msg, Generate):
             try:
                 request = request_from_wire(msg.request)
             except ProtocolError as exc:
-                rid = msg.request.get("request_id") if isinstance(msg.request, dict) else None
+                rid = msg.request.get("request_id")
                 if isinstance(rid, str) and rid:
-                    self._send(identity, Rejected(request_id=rid[:256], reason=str(exc), status=400))
+                    self._send(peer, Rejected(request_id=rid[:256], reason=str(exc), status=400))
                 return
             if request.request_id in self.routes:
-                self._send(identity, Rejected(request_id=request.request_id, status=400,
-                                              reason=f"request_id {request.request_id!r} is already running here"))
+                self._send(peer, Rejected(request_id=request.request_id, status=400,
+                                          reason=f"request_id {request.request_id!r} is already running here"))
                 return
-            self.routes[request.request_id] = identity
+            self.routes[request.request_id] = peer
             try:
                 self._on_generate(request, msg)
             except ValueError as exc:  # it can never run here
@@ -221,14 +228,14 @@ class Worker:
                 self._on_abort(msg.request_id)
         elif isinstance(msg, Ping):
             self._refresh_stats()
-            self._send(identity, Pong(seq=msg.seq, stats=self._stats))
+            self._send(peer, Pong(seq=msg.seq, stats=self._stats))
         elif isinstance(msg, ResetPrefixCache):
-            self._send(identity, ResetDone(seq=msg.seq, count=self.engine.pool.reset_prefix_cache()))
+            self._send(peer, ResetDone(seq=msg.seq, count=self.engine.pool.reset_prefix_cache()))
             self._publish_events()
         elif isinstance(msg, SnapshotRequest):
             self._publish_events()  # so the snapshot's last_event_seq covers everything published
             pool = self.engine.pool
-            self._send(identity, Snapshot(seq=msg.seq, boot_id=self.boot_id, last_event_seq=pool.last_event_seq,
+            self._send(peer, Snapshot(seq=msg.seq, boot_id=self.boot_id, last_event_seq=pool.last_event_seq,
                                           block_hashes=pool.cached_hashes()))
 
     # -- to the router ---------------------------------------------------------------------------------------
@@ -247,25 +254,21 @@ class Worker:
 
     def emit(self, output: RequestOutput) -> None:
         """Send an output delta to the router that sent its request (the last one ends the route)."""
-        identity = self.routes.get(output.request_id)
-        if identity is None:
+        peer = self.routes.get(output.request_id)
+        if peer is None:
             return  # aborted meanwhile: nothing goes out after an abort
         if output.finished:
             del self.routes[output.request_id]
         self.tokens_out += len(output.token_ids)
-        self._send(identity, Output(output=output_to_wire(output)))
+        self.channel.send_output(peer, output)
 
     def _reject(self, request_id: str, reason: str, status: int, retry_after: Optional[float] = None) -> None:
-        identity = self.routes.pop(request_id, None)
-        if identity is not None:
-            self._send(identity, Rejected(request_id=request_id, reason=reason, status=status,
-                                          retry_after=retry_after))
+        peer = self.routes.pop(request_id, None)
+        if peer is not None:
+            self._send(peer, Rejected(request_id=request_id, reason=reason, status=status, retry_after=retry_after))
 
-    def _send(self, identity: bytes, msg) -> None:
-        try:
-            self.control.send_multipart([identity, pack(msg)], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # the router is gone or not reading; its heartbeat will notice
-            logger.debug("could not send %s: %s", msg.type, exc)
+    def _send(self, peer, msg) -> None:
+        self.channel.send(peer, msg)
 
     def _refresh_stats(self) -> None:
         e = self.engine
@@ -287,7 +290,17 @@ class Worker:
         """Create role sockets; returns the KV endpoint (decode) or None."""
         return None
 
+    def _admit(self, request: GenerateRequest, remote_decode: bool = False) -> None:
+        """The admission rule every role applies before it takes a request: ValueError (the router's 400)
+        when it can never run here, whatever the load (a 503 would ask for a retry that cannot succeed); then
+        `EngineError` (503, Retry-After 1 s) when the queue is full."""
+        self.engine.check_request(request, remote_decode)
+        if self.engine.scheduler.queue_full():
+            raise EngineError(f"the {self.role} queue is full ({self.spec.engine.max_waiting} requests); retry later",
+                              retry_after=1.0)
+
     def _on_generate(self, request: GenerateRequest, msg: Generate) -> None:
+        """Take a request (call `_admit` first); raises ValueError or EngineError to refuse it."""
         raise NotImplementedError
 
     def _on_abort(self, request_id: str) -> None:

@@ -9,6 +9,9 @@ A request reaches the decode worker in one of two ways (the router decides):
 - local: the prompt's uncached part is short (conditional disaggregation), so the decode worker prefills it
   itself with the ordinary engine path; no KV moves.
 
+A decode worker without a `kv_port` receives no KV and runs every request locally: that is single-node mode
+(cluster/launch/single_node.py, over an in-process control channel).
+
 This file is the wiring between the worker loop, the engine, the receiver and the admissions.
 """
 
@@ -18,7 +21,6 @@ import dataclasses
 import logging
 from typing import Optional
 
-from cluster.engine_client import EngineError
 from cluster.protocol import Generate
 from cluster.request import GenerateRequest
 from cluster.worker import Worker
@@ -39,8 +41,14 @@ class DecodeWorker(Worker):
     def _setup(self) -> Optional[str]:
         e = self.engine
         # speculative decoding: prompt lookup, plus a draft model when configured (its prompt KV is computed
-        # here, since transfers carry target KV only: KVFormat.speculative_kv stays False)
-        e.drafters.update(build_drafters(e, self.topology.model.source))
+        # here, since transfers carry target KV only: KVFormat.speculative_kv stays False); an engine built
+        # with its drafters keeps them
+        if not e.drafters:
+            e.drafters.update(build_drafters(e, self.topology.model.source))
+        self.receiver: Optional[KVReceiver] = None
+        self.admissions: Optional[DecodeAdmissions] = None
+        if self.spec.kv_port is None:
+            return None  # single-node: nothing arrives from a prefill worker
         fmt = KVFormat.of(e.spec, self.spec.engine)
         self.receiver = KVReceiver(fmt, e.kv, e.store, max_prompt_len=e.max_model_len, config=self.topology.transfer,
                                    host=self.spec.host, port=self.spec.kv_port, keys=self.keys, ctx=self.ctx,
@@ -55,13 +63,14 @@ class DecodeWorker(Worker):
         return self.receiver.endpoint
 
     def _on_generate(self, request: GenerateRequest, msg: Generate) -> None:
-        if self.engine.scheduler.queue_full():
-            raise EngineError(f"the decode queue is full ({self.spec.engine.max_waiting} requests)", retry_after=1.0)
+        self._admit(request)
         if not msg.prefilled:
             out = self.engine.add_request(request)
             if out is not None:
                 self.emit(out)
             return
+        if self.admissions is None:
+            raise ValueError("this worker receives no KV (it has no kv_port): send the request without prefilled")
         # The prompt's logprobs were computed and sent by the prefill worker.
         out = self.admissions.add(dataclasses.replace(
             request, sampling=dataclasses.replace(request.sampling, prompt_logprobs=None)))
@@ -69,13 +78,18 @@ class DecodeWorker(Worker):
             self.emit(out)
 
     def _on_abort(self, request_id: str) -> None:
+        if self.admissions is None:
+            self.engine.abort(request_id)
+            return
         self.receiver.abort(request_id, "the request was aborted")  # first: it stops writing into the blocks
         self.admissions.abort(request_id)
 
     def _transfers_busy(self) -> bool:
-        return bool(self.receiver.live or self.admissions.orphans)
+        return self.receiver is not None and bool(self.receiver.live or self.admissions.orphans)
 
     def _poll_transfers(self) -> None:
+        if self.receiver is None:
+            return
         for ev in self.receiver.poll(0.0):
             if isinstance(ev, ReceivedSequence):
                 self.admissions.on_received(ev)
@@ -89,14 +103,16 @@ class DecodeWorker(Worker):
             self.emit(out)
 
     def _role_stats(self) -> dict:
+        spec = {"spec_draft_tokens": self.engine.num_draft_tokens, "spec_accepted_tokens": self.engine.num_accepted_tokens}
+        if self.receiver is None:
+            return spec
         m = self.receiver.metrics
-        return {"transfers_inflight": len(self.receiver.live), "awaiting_kv": len(self.admissions.awaiting),
+        return {**spec, "transfers_inflight": len(self.receiver.live), "awaiting_kv": len(self.admissions.awaiting),
                 "orphans": len(self.admissions.orphans), "kv_bytes_received": m.value("bytes_total"),
                 "kv_blocks_received": m.value("blocks_total"), "transfer_timeouts": m.value("timeouts_total"),
-                "reservations_busy": m.value("reservations_total", outcome="busy"),
-                "spec_draft_tokens": self.engine.num_draft_tokens,
-                "spec_accepted_tokens": self.engine.num_accepted_tokens}
+                "reservations_busy": m.value("reservations_total", outcome="busy")}
 
     def _teardown(self) -> None:
-        self.receiver.close()
-        self.admissions.close()
+        if self.receiver is not None:
+            self.receiver.close()
+            self.admissions.close()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from cluster.engine_client import EngineError
 from cluster.protocol import Generate
 from cluster.request import FinishReason, GenerateRequest, RequestOutput
 from cluster.transport import check_endpoint
@@ -44,8 +43,7 @@ class PrefillWorker(Worker):
         if not msg.decode_endpoint:
             raise ValueError("a prefill worker needs decode_endpoint (the decode worker's KV socket)")
         check_endpoint(msg.decode_endpoint)  # ValueError (400) now, not when the transfer opens
-        if self.engine.scheduler.queue_full():
-            raise EngineError(f"the prefill queue is full ({self.spec.engine.max_waiting} requests)", retry_after=1.0)
+        self._admit(request, remote_decode=True)
         out = self.engine.add_request(request, remote_decode=True)
         if out is not None:  # nothing to generate: no transfer either
             self.emit(out)

@@ -152,10 +152,8 @@ class ClusterEngineClient(ClusterLiveness):
                 if isinstance(item, Rejected):
                     if yielded:  # a worker refused after another one streamed: end the stream with the reason
                         item = RequestOutput(request.request_id, finish_reason=FinishReason.ERROR, error=item.reason)
-                    elif item.status >= 500:
-                        raise EngineError(item.reason, retry_after=item.retry_after)
                     else:
-                        raise ValueError(item.reason)
+                        raise item.error()
                 yielded = True
                 yield item
                 if item.finished:
@@ -169,18 +167,7 @@ class ClusterEngineClient(ClusterLiveness):
             self._end(stream, abort=True)
 
     def stats(self) -> EngineStats:
-        live = [w.stats for w in self.workers if w.alive and w.stats]
-        decode = [s for s in live if s.get("role") == "decode"]
-        return EngineStats(
-            num_running=sum(s["num_running"] for s in decode), num_waiting=sum(s["num_waiting"] for s in live),
-            num_kv_blocks_total=sum(s["kv_blocks_total"] for s in decode),
-            num_kv_blocks_free=sum(s["kv_blocks_free"] for s in decode),
-            kv_block_size=decode[0]["kv_block_size"] if decode else 0,
-            num_preemptions=sum(s["num_preemptions"] for s in live),
-            prefix_cache_queries=sum(s["prefix_cache_queries"] for s in live),
-            prefix_cache_hits=sum(s["prefix_cache_hits"] for s in live),
-            spec_draft_tokens=sum(s.get("spec_draft_tokens", 0) for s in decode),
-            spec_accepted_tokens=sum(s.get("spec_accepted_tokens", 0) for s in decode))
+        return EngineStats.from_reports(w.stats for w in self.workers if w.alive and w.stats)
 
     def is_healthy(self) -> bool:
         self._ensure_started()  # the first /health starts the heartbeats on the server's event loop

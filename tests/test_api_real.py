@@ -236,14 +236,14 @@ def test_request_that_waits_too_long_for_kv_blocks_gets_503_with_retry_after():
     with live_server(block_size=8, num_blocks=17, queue_timeout_s=2.0, max_model_len=128) as (base, client):
         # Each step is followed by a 0.5 s pause, so the first request (27 steps) outlasts the second's 2 s
         # wait on any machine; the first is admitted at once (the deadline is checked as a step starts).
-        core, step = client.thread.core, client.thread.core.step
+        core, step = client.engine, client.engine.step
 
         def step_then_pause():
             outputs = step()
             time.sleep(0.5)
             return outputs
 
-        core.step = step_then_pause  # called by the engine thread; nothing of the engine is touched from here
+        core.step = step_then_pause  # called by the worker's loop thread; nothing of the engine is touched from here
         first_body = {"model": MODEL, "prompt": "word " * 99, "ignore_eos": True, "max_tokens": 27, "stream": True}
         with httpx.stream("POST", base + "/v1/completions", json=first_body, timeout=60) as first:
             lines = first.iter_lines()  # keep a reference: a discarded iterator closes the stream

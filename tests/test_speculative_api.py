@@ -13,19 +13,18 @@ from tests.test_api_real import MODEL, post, stream_events
 
 @pytest.fixture(scope="module")
 def server():
-    from cluster.launch.single_node import EngineThread, LocalEngineClient
+    from cluster.launch.single_node import start_local_worker
     from router.app import create_app
     from router.tokenizer import RouterTokenizer
 
     core = spec_engine(max_num_seqs=4)
-    thread = EngineThread(core).start()
-    client = LocalEngineClient(thread, MODEL)
+    client = start_local_worker(core, model_name=MODEL)
     app = create_app(client, RouterTokenizer(core.tokenizer), served_model_names=[MODEL])
     try:
         with serve_app(app) as base:
             yield base, core
     finally:
-        thread.stop()
+        client.stop()
 
 
 def chat(content: str, max_tokens: int, **kw) -> dict:
@@ -96,17 +95,17 @@ def test_metrics_and_refusals(server):
 
 
 def test_a_missing_draft_model_is_a_400():
-    from cluster.launch.single_node import EngineThread, LocalEngineClient
+    from cluster.launch.single_node import start_local_worker
     from router.app import create_app
     from router.tokenizer import RouterTokenizer
     from tests.engine_helpers import make_engine
 
     core = make_engine()
-    thread = EngineThread(core).start()
-    app = create_app(LocalEngineClient(thread, MODEL), RouterTokenizer(core.tokenizer), served_model_names=[MODEL])
+    client = start_local_worker(core, model_name=MODEL)
+    app = create_app(client, RouterTokenizer(core.tokenizer), served_model_names=[MODEL])
     try:
         with serve_app(app) as base:
             r = post(base, "/v1/chat/completions", chat("Hi", 4, speculative={"method": "draft_model"}))
             assert r.status_code == 400 and "--draft-model" in r.json()["error"]["message"]
     finally:
-        thread.stop()
+        client.stop()

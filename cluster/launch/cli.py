@@ -113,7 +113,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         uvicorn.run(app, host=host, port=port, log_level=args.log_level, timeout_graceful_shutdown=5)
     finally:
-        client.thread.stop()
+        client.stop()
     return 0
 
 
@@ -142,7 +142,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         error = asyncio.run(go())
     finally:
-        client.thread.stop()  # join the engine thread before the interpreter tears MLX down
+        client.stop()  # join the engine thread before the interpreter tears MLX down
     if error:
         print(f"error: {error}", file=sys.stderr)
         return 1
