@@ -46,7 +46,7 @@ class EngineConfig:
     - `queue_timeout_s`: a request still waiting for its first admission after this many seconds (the KV
       pool stayed full) is aborted with a message; the router answers 503 with Retry-After.
     - `speculative_method`: speculative decoding for requests that do not choose ("prompt_lookup" or
-      "draft_model", see cluster/speculation.py); None = off unless a request asks for it.
+      "draft_model", see decode_node/speculative.py); None = off unless a request asks for it.
     - `num_draft_tokens`: the most draft tokens per sequence per step for requests that do not choose
       (1..16); each sequence adapts its own number below it to its acceptance rate.
     - `draft_model`: the draft model's source (anything `--model` accepts; it must share the target's
@@ -56,7 +56,7 @@ class EngineConfig:
     - `draft_quantize_bits`: quantize the draft model's weights (4 or 8 bits, mlx's `nn.quantize`); None =
       as loaded (4 for a copy of the target).
     - `draft_cost_per_token`: a draft token's cost relative to a plain decode step, which the adaptive draft
-      length weighs against the acceptance rate (cluster/speculation.py); None = measured at load (the draft's
+      length weighs against the acceptance rate (decode_node/speculative.py); None = measured at load (the draft's
       forward time over the target's, plus verification). Above ~1 the draft model never pays and each
       sequence's draft length stays at 0 apart from probes.
     """
@@ -121,7 +121,7 @@ class EngineConfig:
 
     @property
     def uses_draft_model(self) -> bool:
-        """True when this engine loads a draft model (decode_node/speculative.py builds it)."""
+        """True when this engine loads a draft model (decode_node/drafters.py builds it)."""
         return self.speculative_method == "draft_model" or self.draft_model is not None
 
 

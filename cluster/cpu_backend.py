@@ -23,7 +23,7 @@ engine knows about these quirks:
 
 Process-level quirks of the same machines, the OpenBLAS preload and CPU pinning, are in
 cluster/launch/platform.py. Two measured defaults stay with what they set: float32 as the default dtype off
-macOS (cluster/config.py) and the verify cost of a draft token (decode_node/speculative.py, `VERIFY_COST`).
+macOS (cluster/config.py) and the verify cost of a draft token (decode_node/drafters.py, `VERIFY_COST`).
 """
 
 from __future__ import annotations

@@ -5,15 +5,15 @@
            RowResult per sequence) -> postprocess (count computed tokens, cache full blocks, append tokens,
            finish) -> tell the role what was computed (cluster/connector.py) -> emit the output deltas
 
-Single-node mode runs this engine with no role; each worker role plugs into it through the connector.
-`step()` never raises for a request's sake: a failing step fails the sequences it ran with
-`FinishReason.ERROR` and the engine carries on. Speculative decoding (cluster/engine_spec.py,
-cluster/speculation.py) appends the tokens verification accepts through the same `_append_token` as plain
-decoding, so every stop rule ends a sequence where plain decoding would.
+Each worker role plugs into it through the connector (cluster/connector.py); the decode role also gives it
+its speculator (cluster/speculation.py), whose accepted tokens are appended through the same `_append_token`
+as plain decoding, so every stop rule ends a sequence where plain decoding would. `step()` never raises for a
+request's sake: a failing step fails the sequences it ran with `FinishReason.ERROR` and the engine carries on.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Optional
@@ -35,27 +35,27 @@ from cluster.runner import ModelRunner, RowResult
 from cluster.sampling import make_key, prompt_logprobs
 from cluster.sequence import Sequence
 from cluster.scheduler import ScheduledBatch, Scheduler
-from cluster.engine_spec import SpeculativeSteps
-from cluster.speculation import Drafter
+from cluster.speculation import Draft, NoSpeculator, Speculator, Verified
 
 logger = logging.getLogger(__name__)
 
 
-class EngineCore(SpeculativeSteps):
+class EngineCore:
     """Continuous batching over a paged KV pool for one model.
 
     Raises `ValueError` at construction for a model outside the verified families
     (`cluster.model_families.verify_model`), and from `add_request` when a request can never run here
     (prompt at or over the context limit, or larger than the whole KV pool, or a speculative method this
-    engine has no drafter for); the message says what to change.
+    engine cannot run); the message says what to change.
 
-    `drafters` maps a speculative method ("prompt_lookup", "draft_model") to its drafter
-    (decode_node/speculative.py; cluster/ imports no sibling, so whoever builds the engine injects them, here
-    or later through the `drafters` attribute before requests arrive).
+    `speculator` runs speculative decoding (decode_node/speculative.py's `DecodeSpeculator`; cluster/ imports
+    no sibling, so whoever builds the engine injects it, here or later through the `speculator` attribute
+    before requests arrive); `connector` is the role seam. Without them the engine neither drafts nor
+    plays a role.
     """
 
     def __init__(self, model, tokenizer, spec: ModelSpec, config: EngineConfig,
-                 drafters: Optional[dict[str, Drafter]] = None, connector: Optional[Connector] = None):
+                 speculator: Optional[Speculator] = None, connector: Optional[Connector] = None):
         self.model, self.tokenizer, self.spec, self.config = model, tokenizer, spec, config
         verified = verify_model(model)  # before the pool is allocated: a refused model fails fast
         self.block_size = config.block_size
@@ -72,11 +72,9 @@ class EngineCore(SpeculativeSteps):
                              mirror_budget_bytes=self._mirror_budget(config, num_blocks * per_block),
                              dequantize_for_attention=None if verified.reads_quantized_kv else True, owner=self.owner)
         self.runner = ModelRunner(model, self.store, verified)
-        self.scheduler = Scheduler(config, self.kv, self._extra_key, lookahead=self._lookahead)
-        self.drafters: dict[str, Drafter] = dict(drafters or {})
+        self.speculator: Speculator = speculator or NoSpeculator()
+        self.scheduler = Scheduler(config, self.kv, self._extra_key, lookahead=lambda seq: self.speculator.lookahead(seq))
         self.connector: Connector = connector or NoConnector()  # the role seam (cluster/connector.py)
-        self.num_draft_tokens = 0  # draft tokens proposed and verified, all sequences
-        self.num_accepted_tokens = 0  # of those, accepted
         self.eos_ids = set(spec.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.sequences: dict[str, Sequence] = {}
 
@@ -106,9 +104,9 @@ class EngineCore(SpeculativeSteps):
         if any(t < 0 or t >= self.spec.vocab_size for t in request.prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
         method = request.sampling.speculative_method
-        if (method is not None and request.sampling.num_draft_tokens != 0 and method not in self.drafters
+        if (method is not None and request.sampling.num_draft_tokens != 0 and method not in self.speculator.methods
                 and not remote_decode):
-            have = ", ".join(sorted(self.drafters)) or "none"
+            have = ", ".join(self.speculator.methods) or "none"
             raise ValueError(f"speculative method {method!r} is not available on this server (available: {have}); "
                              + ("start it with --draft-model or --speculative-method draft_model"
                                 if method == "draft_model" else "ask for another method"))
@@ -132,9 +130,9 @@ class EngineCore(SpeculativeSteps):
         seq = Sequence(request, max_tokens=max_tokens, remote_decode=remote_decode)
         seq.output_text = OutputText(self.tokenizer, request.prompt_token_ids, sp.stop)
         seq.rng_key = None if sp.greedy else make_key(sp.seed)
-        seq.spec = None if remote_decode else self._spec_state(request)
+        seq.spec = None if remote_decode else self.speculator.state_for(request)
         if max_tokens == 0 and sp.prompt_logprobs is None:
-            return self._final(seq, FinishReason.LENGTH)
+            return self._final_output(seq, FinishReason.LENGTH)
         self.sequences[request.request_id] = seq
         if remote_prefill:
             self.scheduler.add_awaiting_kv(seq)
@@ -149,8 +147,7 @@ class EngineCore(SpeculativeSteps):
         seq = self.sequences.get(request_id)
         if seq is None:
             return None
-        self._retire(seq, FinishReason.ABORT)
-        return self._final(seq, FinishReason.ABORT)
+        return self._finish_with_output(seq, FinishReason.ABORT)
 
     def release(self, request_id: str) -> bool:
         """The role no longer needs the blocks held for `request_id` (a transfer ended): free them. False when
@@ -169,7 +166,9 @@ class EngineCore(SpeculativeSteps):
         """Run one scheduled batch; returns the output deltas it produced. Raises `WrongThreadError` off the
         owner thread (cluster/ownership.py); never for a request's sake."""
         self.owner.check("EngineCore.step")
-        outputs = [self._expire(seq) for seq in self.scheduler.expired(time.monotonic() - self.config.queue_timeout_s)]
+        waited = f"it waited {self.config.queue_timeout_s:g} s for KV blocks (the server is at capacity); retry later"
+        outputs = [self._finish_with_output(seq, FinishReason.ABORT, waited)
+                   for seq in self.scheduler.expired(time.monotonic() - self.config.queue_timeout_s)]
         outputs += self._admit_prefilled()
         batch = self.scheduler.schedule()
         if batch is not None:
@@ -182,17 +181,17 @@ class EngineCore(SpeculativeSteps):
         """Run the batch (array work: cluster/runner.py) and postprocess each row; a failing step fails the
         sequences it ran, never the engine."""
         try:
-            drafts = {} if batch.is_prefill else self._propose(batch)
-            rows = self.runner.execute(batch, drafts)
+            drafts = {} if batch.is_prefill else self.speculator.propose(batch.items)
+            rows = self.runner.execute(batch, drafts, self.speculator.verify)
             return [out for out in map(self._postprocess, rows) if out is not None]
         except Exception as exc:
             logger.exception("engine step failed")
             if self.store.mirror is not None:
                 self.store.mirror.reset()
-            for drafter in self.drafters.values():
-                drafter.reset()
+            self.speculator.reset()
             message = f"engine step failed: {exc}"
-            return [self._final(seq, FinishReason.ERROR, message) if seq.finished else self._fail(seq, message)
+            return [self._final_output(seq, FinishReason.ERROR, message) if seq.finished
+                    else self._finish_with_output(seq, FinishReason.ERROR, message)
                     for seq, _ in batch.items]  # the finished ones' outputs of this step are lost too
 
     def _admit_prefilled(self) -> list[RequestOutput]:
@@ -205,7 +204,8 @@ class EngineCore(SpeculativeSteps):
             if prefix is None:
                 continue
             if self.kv.held(seq.request_id) is None:  # the role said ready but holds nothing: a bug
-                outputs.append(self._fail(seq, "its prompt KV arrived without blocks (internal error)"))
+                outputs.append(self._finish_with_output(seq, FinishReason.ERROR,
+                                                        "its prompt KV arrived without blocks (internal error)"))
                 continue
             held = self.kv.adopt(seq.request_id, seq)
             seq.token_ids.append(prefix.first_token)
@@ -215,8 +215,7 @@ class EngineCore(SpeculativeSteps):
                 seq.rng_key = mx.random.split(seq.rng_key)[0]  # as after one draw here
             self.scheduler.admit_prefilled(seq)
             if seq.num_output_tokens >= seq.max_tokens:
-                self._retire(seq, FinishReason.LENGTH)
-                outputs.append(self._final(seq, FinishReason.LENGTH))
+                outputs.append(self._finish_with_output(seq, FinishReason.LENGTH))
         return outputs
 
     def _postprocess(self, row: RowResult) -> Optional[RequestOutput]:
@@ -232,9 +231,27 @@ class EngineCore(SpeculativeSteps):
         if not row.samples:
             return None
         if seq.max_tokens == 0:  # echo-only request: prompt logprobs, no token
-            self._retire(seq, FinishReason.LENGTH)
-            return self._final(seq, FinishReason.LENGTH)
+            return self._finish_with_output(seq, FinishReason.LENGTH)
         return self._append_token(seq, row.token, row.logprob)
+
+    def _accept(self, seq: Sequence, draft: Draft, result: Verified) -> RequestOutput:
+        """Append the verified tokens one by one, as plain decoding would (stopping at the first stop), and
+        roll the counters back to what was accepted; returns one delta with all of them."""
+        self.speculator.record(seq, draft, result)
+        outs = []
+        for token, logprob in zip(result.tokens, result.logprobs):
+            seq.num_computed_tokens = len(seq.token_ids)  # every token before this one is in the KV now
+            self.scheduler.cache_computed_blocks(seq)
+            outs.append(self._append_token(seq, token, logprob))
+            if outs[-1].finished:
+                break
+        seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
+        if len(outs) == 1:
+            return outs[0]
+        logprobs = None if outs[0].logprobs is None else tuple(lp for o in outs for lp in o.logprobs)
+        return dataclasses.replace(outs[-1], token_ids=tuple(t for o in outs for t in o.token_ids),
+                                   text="".join(o.text for o in outs), logprobs=logprobs,
+                                   prompt_logprobs=outs[0].prompt_logprobs)
 
     def _collect_prompt_logprobs(self, seq: Sequence, row: RowResult) -> None:
         start, end = row.start, min(row.start + row.num_fed, seq.num_prompt_tokens - 1)
@@ -261,7 +278,7 @@ class EngineCore(SpeculativeSteps):
         if reason is not None:
             text += seq.output_text.finish()
         if reason is not None or seq.remote_decode:  # remote decode: another worker continues from here
-            self._retire(seq, reason)
+            self._finish(seq, reason)
         return self._output(seq, (token,), text, (logprob,) if logprob else None, reason, plp)
 
     def _output(self, seq: Sequence, token_ids: tuple, text: str, logprobs, reason, plp=None,
@@ -269,25 +286,22 @@ class EngineCore(SpeculativeSteps):
         return RequestOutput(seq.request_id, token_ids, text, logprobs, plp, reason, seq.num_prompt_tokens,
                              seq.num_cached_tokens, seq.num_output_tokens, error)
 
-    def _final(self, seq: Sequence, reason: FinishReason, error: Optional[str] = None) -> RequestOutput:
+    def _final_output(self, seq: Sequence, reason: FinishReason, error: Optional[str] = None) -> RequestOutput:
+        """The last, token-less output delta of a sequence that finished with `reason`."""
         plp = tuple(seq.prompt_logprobs) if seq.request.sampling.prompt_logprobs is not None else None
         return self._output(seq, (), "", () if seq.request.sampling.logprobs is not None else None,
                             reason, plp, error)
 
-    def _retire(self, seq: Sequence, reason: Optional[FinishReason]) -> None:
-        """Forget a sequence that leaves the engine (`reason` None: handed on after its first token, with
+    def _finish(self, seq: Sequence, reason: Optional[FinishReason]) -> None:
+        """The one way a sequence leaves the engine (`reason` None: handed on after its first token, with
         remote decode); its blocks are freed, or kept as a holding when the connector still needs them.
         Called exactly once per sequence."""
-        if seq.spec is not None and seq.spec.method in self.drafters:
-            self.drafters[seq.spec.method].release(seq)
+        if seq.spec is not None:
+            self.speculator.release(seq)
         self.sequences.pop(seq.request_id, None)
         self.scheduler.finish(seq, keep_blocks=self.connector.request_finished(seq, reason))
 
-    def _expire(self, seq: Sequence) -> RequestOutput:
-        self._retire(seq, FinishReason.ABORT)
-        return self._final(seq, FinishReason.ABORT, f"it waited {self.config.queue_timeout_s:g} s for KV blocks "
-                                                     "(the server is at capacity); retry later")
-
-    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
-        self._retire(seq, FinishReason.ERROR)
-        return self._final(seq, FinishReason.ERROR, message)
+    def _finish_with_output(self, seq: Sequence, reason: FinishReason, error: Optional[str] = None) -> RequestOutput:
+        """`_finish` the sequence and return its final output."""
+        self._finish(seq, reason)
+        return self._final_output(seq, reason, error)

@@ -158,7 +158,7 @@ def load_draft_model(source: Optional[str], dtype: str = "float32", quantize_bit
     through the quantized format and keeps them in `dtype` (`dequantize(quantize(w))`): the same numbers
     as the quantized model up to float rounding, at float speed, since MLX's CPU backend runs quantized
     matmuls slower than float32 ones (measured: a 4-bit SmolLM2 decode step ~1.8x the float32 one). The
-    caller checks that the draft's tokenizer matches the target's (decode_node/speculative.py).
+    caller checks that the draft's tokenizer matches the target's (decode_node/drafters.py).
     """
     import mlx.core as mx
     import mlx.nn as nn

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 
-SPECULATIVE_METHODS = ("prompt_lookup", "draft_model")  # the drafters of decode_node/speculative.py
+SPECULATIVE_METHODS = ("prompt_lookup", "draft_model")  # the drafters of decode_node/drafters.py
 MAX_DRAFT_TOKENS = 16  # draft tokens per sequence per step at most
 
 
@@ -47,7 +47,7 @@ class SamplingParams:
         speculative decoding, for a given drafter and draft length: the draws differ from plain decoding's,
         the distribution does not).
       - `speculative_method`: None = the engine's default (`EngineConfig.speculative_method`, off unless
-        set), else one of `SPECULATIVE_METHODS` ("prompt_lookup", "draft_model"; see cluster/speculation.py).
+        set), else one of `SPECULATIVE_METHODS` ("prompt_lookup", "draft_model"; see decode_node/speculative.py).
       - `num_draft_tokens`: the most draft tokens per step for this sequence, in [0, MAX_DRAFT_TOKENS];
         None = the engine's default; 0 turns speculation off for this request.
     """

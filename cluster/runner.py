@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional, Sequence as Seq
+from typing import Callable, Optional, Sequence as Seq
 
 import mlx.core as mx
 
@@ -22,7 +22,9 @@ from cluster.model_families import VerifiedModel, verify_model
 from cluster.request import TokenLogprob
 from cluster.sampling import sample
 from cluster.sequence import Sequence
-from cluster.speculation import Draft, Verified, verify
+from cluster.speculation import Draft, Verified
+
+Verify = Callable[[list[Sequence], list[Draft], list[mx.array]], list[Verified]]  # `Speculator.verify`
 
 
 class Logits(enum.Enum):
@@ -92,10 +94,11 @@ class ModelRunner:
             mx.eval(self.store.keys, self.store.values)
         return out
 
-    def execute(self, batch, drafts: dict[str, Draft]) -> list["RowResult"]:
+    def execute(self, batch, drafts: dict[str, Draft], verify: Optional[Verify] = None) -> list["RowResult"]:
         """One step's array work over `batch` (cluster.scheduler.ScheduledBatch): build the inputs, run the
         model, sample the rows that reached the end of their tokens, verify the drafts (`drafts` by request
-        id). Sequences are not changed, except their PRNG keys (advanced by sampling or verification)."""
+        id) with `verify` (the speculator's rules; needed when there are drafts). Sequences are not changed,
+        except their PRNG keys (advanced by sampling or verification)."""
         planned = [plan_row(seq, n, batch.is_prefill, drafts.get(seq.request_id)) for seq, n in batch.items]
         rows = [row for row, _ in planned]
         for row, logits in zip(rows, self.forward([item for _, item in planned])):
@@ -103,7 +106,11 @@ class ModelRunner:
         if drafts and self.store.mirror is not None:
             self.store.mirror.reset()  # a verify step gathers; the next plain decode step rebuilds the mirror
         self._sample([row for row in rows if row.samples])
-        self._verify([row for row in rows if row.draft is not None])
+        verifying = [row for row in rows if row.draft is not None]
+        if verifying:
+            results = verify([r.seq for r in verifying], [r.draft for r in verifying], [r.logits for r in verifying])
+            for row, result in zip(verifying, results):
+                row.verified = result
         return rows
 
     @staticmethod
@@ -117,12 +124,6 @@ class ModelRunner:
                              [s.output_token_ids for s in seqs], keys)
         for row, key, token, lp in zip(rows, keys, tokens, lps):
             row.seq.rng_key, row.token, row.logprob = key, token, lp
-
-    @staticmethod
-    def _verify(rows: list["RowResult"]) -> None:
-        if rows:
-            for row, v in zip(rows, verify([r.seq for r in rows], [r.draft for r in rows], [r.logits for r in rows])):
-                row.verified = v
 
 
 @dataclass

@@ -1,272 +1,263 @@
-"""The drafters of speculative decoding (the interface and the acceptance rules are in cluster/speculation.py).
+"""The decode role's speculative decoding: the rules, the per-sequence state and the speculator the engine is given.
 
-- `PromptLookupDrafter` (prompt lookup decoding, Saxena 2023; vLLM's "ngram" proposer): the last n tokens
-  (n from `max_ngram` down to `min_ngram`) are looked up in the sequence's earlier tokens (prompt and output)
-  and the tokens that followed their most recent occurrence are the draft. No second model; strong when the
-  answer repeats its input (summaries, edits, code). Deterministic: its drafts are point masses.
-- `DraftModelDrafter`: a small model sharing the target's tokenizer (checked at construction) runs k steps
-  autoregressively, greedily for greedy requests, else sampling from its own distribution q with the
-  request's sampling parameters (q goes to verification).
+Counters, not phases (nano-vllm): a decoding sequence with a draft d1..dk schedules k+1 tokens. Its last
+token and the drafts are fed at positions [n, n+k] (n = num_computed_tokens) in the ordinary batched
+forward pass, with logits at every one of those positions: row i is the target's next-token distribution
+after d1..di. Each sequence of the batch then accepts its own number of drafts:
 
-Draft-model KV: a `KVStore` of its own with the target pool's `num_blocks` and block size, indexed by the
-same block tables (a sequence's draft KV sits in the same block ids as its target KV), in the target's KV
-format. `seq.num_draft_computed` counts its valid positions; each `propose` first catches the draft up to
-the sequence's tokens (its "draft prefill": at most `prefill_chunk_size` tokens per step, in separate
-single-sequence forwards, before drafting), so sequences admitted with transferred KV (remote prefill) get
-their prompt's draft KV computed here on the decode worker and transfers carry target KV only
-(`KVFormat.speculative_kv` stays False). Prefix-cached blocks are reused for the draft too when their draft
-KV is known to be valid: `valid` maps a block id to the block hash its draft KV was computed for, recorded
-once the draft has computed a full hashed block and dropped before the draft writes that block again, so a
-cached block reused by a request whose draft KV was never computed (or was computed for other tokens) is
-recomputed. Stale draft KV could only lower the acceptance rate: verification never trusts the drafter.
+    greedy    accept d_{i+1} while it equals argmax(row i); the first mismatch emits argmax(row i) instead (the
+              corrected token); when all k are accepted, argmax(row k) is a bonus token. The output is token
+              for token what plain greedy decoding gives.
+    sampled   accept d_{i+1} with probability min(1, p_i(d)/q_i(d)), p_i the target's and q_i the drafter's
+              distribution (a point mass for deterministic drafters); on the first rejection emit a token drawn
+              from norm(max(p_i - q_i, 0)); when all k are accepted draw the bonus from p_k. The emitted tokens
+              are distributed exactly as the target's own samples (Leviathan et al. 2023, "Fast Inference from
+              Transformers via Speculative Decoding", Algorithm 1 and Theorem 1; Chen et al. 2023,
+              "Accelerating Large Language Model Decoding with Speculative Sampling", Algorithm 2).
+
+So a step emits 1..k+1 tokens per sequence. p_i is what `cluster.sampling.sample` would draw from at that
+position: logit_bias, penalties (over the output plus the drafts before it), temperature, top-k/p, min-p.
+
+The number of drafts adapts per sequence (`SpecState`): with per-token acceptance rate a, a step with k drafts
+emits E(k) = (1 - a^(k+1)) / (1 - a) tokens on average (Leviathan et al. 2023, eq. 1) and costs about
+1 + c*k plain steps (c = the drafter's `cost_per_token`: drafting plus verifying one more token), so each
+sequence uses the k in [0, its maximum] that maximizes E(k) / (1 + c*k) for its recent acceptance rate
+(an exponentially decayed estimate). k = 0 turns speculation off for that sequence; it is probed again with
+one draft token every `PROBE_EVERY` steps, so a sequence whose text turns repetitive picks it up again
+(unless c >= 1: then no acceptance rate makes drafting pay, e.g. a draft model as slow as the target).
+
+`DecodeSpeculator` implements `cluster.speculation.Speculator` over a set of drafters (decode_node/drafters.py)
+and is what a decode worker (and so single-node mode) injects into its engine.
 """
 
 from __future__ import annotations
 
-import logging
-import statistics
-import time
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Protocol, Sequence as Seq
 
 import mlx.core as mx
 
-from cluster.kv_store import KVStore, kv_bytes_per_block
-from cluster.model import ModelSpec, load_draft_model
-from cluster.model_families import verify_model
-from cluster.runner import BatchItem, Logits, ModelRunner
-from cluster.sampling import adjusted, probabilities
+from cluster.config import EngineConfig
+from cluster.request import GenerateRequest, TokenLogprob
+from cluster.sampling import adjusted, probabilities, token_logprobs
 from cluster.sequence import Sequence
-from cluster.speculation import Draft, Drafter
+from cluster.speculation import Draft, Verified
 
-logger = logging.getLogger(__name__)
-
-
-class NgramIndex:
-    """Where each n-gram of a token list (min_n <= n <= max_n) last occurred, built incrementally.
-
-    `after[n][ngram]` is the position right after the most recent occurrence of `ngram` that ends before the
-    list's last token. Example, tokens [5, 6, 7, 5, 6]: the suffix (5, 6) occurred at 0..1, so the draft is
-    tokens[2:2 + k] = [7, 5, 6][:k]."""
-
-    def __init__(self, min_n: int, max_n: int):
-        self.min_n, self.max_n = min_n, max_n
-        self.after: dict[int, dict[tuple, int]] = {n: {} for n in range(min_n, max_n + 1)}
-        self.indexed = 0  # n-grams ending before this position are in `after`
-
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the longest suffix's most recent earlier occurrence ([] if none)."""
-        end = len(tokens) - 1
-        for p in range(self.indexed, end):  # the n-grams ending at position p
-            for n in range(self.min_n, min(self.max_n, p + 1) + 1):
-                self.after[n][tuple(tokens[p - n + 1:p + 1])] = p + 1
-        self.indexed = max(self.indexed, end)
-        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
-            pos = self.after[n].get(tuple(tokens[-n:]))
-            if pos is not None:
-                return list(tokens[pos:pos + k])
-        return []
+PROBE_EVERY = 16  # steps a sequence spends at k = 0 before one probe with k = 1
+DECAY = 0.8  # per-step decay of the acceptance counts (an effective memory of ~5 steps)
 
 
-VERIFY_COST = 0.1  # verifying one more token, relative to a plain decode step: measured for SmolLM2 on the CPU
-# backend ~0.02 at batch 1 and ~0.1 per sequence at batch 4 (feeding 5 tokens per sequence instead of 1)
+class Drafter(Protocol):
+    """Proposes draft tokens for a batch of decoding sequences (decode_node/drafters.py implements it).
 
-
-class PromptLookupDrafter:
-    """Drafts by n-gram lookup in the sequence's own tokens (see the module docstring).
-
-    `cost_per_token` (relative to a plain decode step) is only the verification of one more token (drafting
-    costs microseconds): `VERIFY_COST`."""
-
-    method = "prompt_lookup"
-
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 1, cost_per_token: float = VERIFY_COST):
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"prompt lookup n-gram sizes {min_ngram}..{max_ngram} are invalid: need 1 <= min <= max")
-        self.max_ngram, self.min_ngram, self.cost_per_token = max_ngram, min_ngram, cost_per_token
-
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Draft]:
-        out = []
-        for seq, k in zip(seqs, num_tokens):
-            if not isinstance(seq.draft_state, NgramIndex):
-                seq.draft_state = NgramIndex(self.min_ngram, self.max_ngram)
-            out.append(Draft(tuple(seq.draft_state.propose(seq.token_ids, k)) if k > 0 else ()))
-        return out
-
-    def release(self, seq: Sequence) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
-
-
-def check_same_tokenizer(target, draft) -> None:
-    """Raise ValueError unless the two tokenizers (mlx-lm TokenizerWrappers or Hugging Face tokenizers) map
-    the same strings to the same ids: speculative decoding compares token ids."""
-    tv, dv = target.get_vocab(), draft.get_vocab()
-    if tv == dv:
-        return
-    differ = sorted(set(tv.items()) ^ set(dv.items()), key=lambda kv: kv[1])[:3]
-    raise ValueError(f"the draft model's tokenizer differs from the target's ({len(dv)} vs {len(tv)} tokens; "
-                     f"first differences: {differ}): speculative decoding needs a draft model with the target's "
-                     "tokenizer (e.g. a smaller model of the same family, or a quantized copy of the target)")
-
-
-def forward_seconds(runner: ModelRunner, repeats: int = 5) -> float:
-    """Median seconds of a one-token decode forward of `runner`'s model (batch 1, short context), written into
-    the null block (block 0, where padding goes anyway)."""
-    times = []
-    for i in range(repeats + 1):
-        start = time.perf_counter()
-        mx.eval(runner.forward([BatchItem([0], min(i, runner.store.block_size - 1), [1], Logits.LAST)]))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])  # the first run compiles and warms up
-
-
-def measured_cost(draft: ModelRunner, target: ModelRunner) -> float:
-    """A draft token's cost relative to a plain decode step: one draft forward over one target forward, plus
-    `VERIFY_COST`. Measured rather than derived from weight bytes: MLX's CPU backend runs a 4-bit draft slower
-    than the float32 target (measured ~1.8x for SmolLM2), the opposite of a bandwidth-bound Mac."""
-    return forward_seconds(draft) / forward_seconds(target) + VERIFY_COST
-
-
-class DraftModelDrafter:
-    """Drafts with a small model over its own KV pool (see the module docstring).
-
-    `engine` is the target's `cluster.engine.EngineCore` (its pool geometry, config, tokenizer and runner are
-    used). `cost_per_token` (relative to a plain decode step) is measured at construction when None
-    (`measured_cost`); with a cost above ~1 the adaptive draft length stays at 0 (speculation cannot pay) except
-    for probes. Raises ValueError for a draft model whose tokenizer differs from the target's.
+    Invariants: `propose(seqs, num_tokens)` returns one `Draft` per sequence with at most `num_tokens[i]`
+    tokens (fewer, or none, is always allowed) and never changes a sequence's tokens or target KV; a drafter
+    that keeps KV of its own writes it only at positions >= `seq.num_draft_computed`, into the blocks of
+    `seq.block_table`, and raises `num_draft_computed` accordingly (the engine lowers it back to the accepted
+    length after verification). `cost_per_token` is the cost of one more draft token (drafting and verifying
+    it) relative to a plain decode step. `release(seq)` is called when a speculating sequence finishes, before
+    its blocks are freed (its valid KV is `min(num_draft_computed, num_computed_tokens)` positions then);
+    `reset()` forgets cached per-step state after a failed step.
     """
 
-    method = "draft_model"
-    catch_up_inline = 8  # a lag up to this many tokens is fed with the first draft step, longer ones before it
+    method: str
+    cost_per_token: float
 
-    def __init__(self, model, tokenizer, spec: ModelSpec, engine, cost_per_token: Optional[float] = None):
-        check_same_tokenizer(engine.tokenizer, tokenizer)
-        cfg = engine.config
-        per_block = kv_bytes_per_block(spec, cfg.block_size, cfg.dtype, cfg.kv_bits, cfg.kv_group_size)
-        mirror = engine._mirror_budget(cfg, engine.pool.num_blocks * per_block)
-        verified = verify_model(model)
-        # the draft's KV belongs to the target engine's thread, like the target's (cluster/ownership.py)
-        self.store = KVStore(spec, engine.pool.num_blocks, cfg.block_size, cfg.dtype, cfg.kv_bits,
-                             cfg.kv_group_size, mirror_budget_bytes=mirror,
-                             dequantize_for_attention=None if verified.reads_quantized_kv else True, owner=engine.owner)
-        self.runner = ModelRunner(model, self.store, verified)
-        self.block_size, self.chunk, self.vocab_size = cfg.block_size, cfg.prefill_chunk_size, engine.spec.vocab_size
-        self.valid: dict[int, int] = {}  # block id -> the block hash its draft KV was computed for
-        self.cost_per_token = measured_cost(self.runner, engine.runner) if cost_per_token is None else cost_per_token
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Draft]: ...
 
-    def reset(self) -> None:
-        """After a failed step: forget the mirror and every validity record (the step may have written
-        draft KV without counting it)."""
-        if self.store.mirror is not None:
-            self.store.mirror.reset()
-        self.valid.clear()
+    def release(self, seq: Sequence) -> None: ...
 
-    def release(self, seq: Sequence) -> None:
-        """Record the finished sequence's complete draft blocks, so later requests reuse them from the cache."""
-        self._record(seq, min(seq.num_draft_computed, seq.num_computed_tokens))
+    def reset(self) -> None: ...
 
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Draft]:
-        drafts = [Draft() for _ in seqs]
-        budget, ready = self.chunk, []
-        for b, seq in enumerate(seqs):
-            self._reuse_cached(seq)
-            budget = self._catch_up(seq, budget)
-            if num_tokens[b] > 0 and len(seq.token_ids) - 1 - seq.num_draft_computed <= self.catch_up_inline:
-                ready.append(b)
-        tokens: dict[int, list[int]] = {b: [] for b in ready}
-        probs: dict[int, list[mx.array]] = {b: [] for b in ready}
-        rows = ready
-        while rows:  # step i feeds the draft's lag and the last token (i = 0), or draft token i (i > 0)
-            items = []
-            for b in rows:
-                seq = seqs[b]
-                feed = tokens[b][-1:] or seq.token_ids[seq.num_draft_computed:]
-                self._forget(seq, seq.num_draft_computed, len(feed))
-                items.append(BatchItem(seq.block_table, seq.num_draft_computed, feed, Logits.LAST, mirror_row=seq.request_id))
-            logits = self.runner.forward(items)
-            for b, item, (token, q) in zip(rows, items, self._choose([seqs[b] for b in rows],
-                                                                     [tokens[b] for b in rows], logits)):
-                seqs[b].num_draft_computed += len(item.token_ids)
-                tokens[b].append(token)
-                if q is not None:
-                    probs[b].append(q)
-            rows = [b for b in rows if len(tokens[b]) < num_tokens[b]]
-        for b in ready:
-            drafts[b] = Draft(tuple(tokens[b]), mx.stack(probs[b]) if probs[b] else None)
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens one step emits on average with k drafts, each accepted with probability `acceptance`:
+    1 + a + ... + a^k (Leviathan et al. 2023, eq. 1, with the bonus token)."""
+    return sum(acceptance ** i for i in range(k + 1))
+
+
+def best_draft_length(acceptance: float, max_tokens: int, cost_per_token: float) -> int:
+    """The k in [0, max_tokens] that maximizes tokens per unit of cost, E(k) / (1 + cost_per_token * k)
+    (the smallest on ties, so a useless drafter ends at 0)."""
+    best, best_value = 0, 1.0
+    for k in range(1, max_tokens + 1):
+        value = expected_tokens(acceptance, k) / (1.0 + cost_per_token * k)
+        if value > best_value + 1e-9:
+            best, best_value = k, value
+    return best
+
+
+@dataclass
+class SpecState:
+    """Speculative decoding state of one sequence: its method, its maximum draft length and its recent
+    acceptance. `accepted` / `trials` are decayed counts of accepted drafts and of drafts whose fate was
+    decided (accepted ones plus the first rejected one); their ratio estimates the per-token acceptance
+    rate (prior 2/3). `proposed_total` / `accepted_total` count this sequence's drafts."""
+
+    method: str
+    max_draft_tokens: int
+    accepted: float = 2.0
+    trials: float = 3.0
+    idle_steps: int = 0
+    proposed_total: int = 0
+    accepted_total: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.trials
+
+    def num_draft_tokens(self, cost_per_token: float) -> int:
+        """Draft tokens for the next step (call once per step): the best length for the recent acceptance,
+        or a one-token probe every `PROBE_EVERY` steps spent at 0 (never when even drafts that are always
+        accepted would not pay: cost_per_token >= 1)."""
+        k = best_draft_length(self.acceptance, self.max_draft_tokens, cost_per_token)
+        if k == 0 and best_draft_length(1.0, self.max_draft_tokens, cost_per_token) > 0:
+            self.idle_steps += 1
+            if self.idle_steps >= PROBE_EVERY:
+                self.idle_steps = 0
+                return 1
+        return k
+
+    def update(self, proposed: int, accepted: int) -> None:
+        """Record one verification: `accepted` of `proposed` drafts."""
+        if proposed == 0:
+            return
+        self.proposed_total += proposed
+        self.accepted_total += accepted
+        self.accepted = DECAY * self.accepted + accepted
+        self.trials = DECAY * self.trials + accepted + (1 if accepted < proposed else 0)
+
+
+def accept_greedy(draft: Seq[int], target: Seq[int]) -> int:
+    """How many leading drafts equal the target's tokens (target[i] = the target's choice after draft[:i])."""
+    n = 0
+    while n < len(draft) and draft[n] == target[n]:
+        n += 1
+    return n
+
+
+def accept_sampled(p: mx.array, q: Optional[mx.array], draft: Seq[int], key: mx.array
+                   ) -> tuple[int, int, mx.array]:
+    """The rejection-sampling rule (see the module docstring) for one sequence.
+
+    p: float32 [k+1, vocab], the target's distributions; q: float32 [k, vocab], the drafter's (None = point
+    masses at `draft`); draft: the k draft tokens; key: the sequence's PRNG key.
+    Returns (number of drafts accepted, the token that follows them, the successor key)."""
+    k = len(draft)
+    key, accept_key, draw_key = mx.random.split(key, 3)
+    accepted = k
+    if k:
+        rows, tokens = mx.arange(k), mx.array(list(draft), dtype=mx.int32)
+        p_d = p[rows, tokens]
+        q_d = q[rows, tokens] if q is not None else mx.ones((k,), dtype=mx.float32)
+        u = mx.random.uniform(shape=(k,), key=accept_key)
+        ok = (u * q_d < p_d).tolist()  # u < p/q, without dividing by q
+        accepted = ok.index(False) if False in ok else k
+    if accepted < k:
+        if q is not None:
+            residual = mx.maximum(p[accepted] - q[accepted], 0.0)
+        else:  # max(p - onehot(d), 0) is p without d
+            residual = p[accepted] * (mx.arange(p.shape[-1]) != draft[accepted])
+        total = residual.sum()
+        dist = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p[accepted])
+    else:
+        dist = p[k]
+    token = mx.random.categorical(mx.log(dist), key=draw_key)
+    return accepted, int(token.item()), key
+
+
+def _adjusts(seq: Sequence) -> bool:
+    sp = seq.request.sampling
+    return bool(sp.logit_bias) or sp.needs_penalties
+
+
+def verify(seqs: list[Sequence], drafts: list[Draft], logits: list[mx.array]) -> list[Verified]:
+    """Verify each sequence's draft against the target's logits (float32 [len(draft) + 1, vocab] each).
+
+    Greedy rows without logit adjustments are decided with one argmax over all of them; sampled rows use
+    `accept_sampled` and advance the sequence's `rng_key`."""
+    targets: dict[int, list[int]] = {}
+    plain = [b for b, s in enumerate(seqs) if s.request.sampling.greedy and not _adjusts(s)]
+    if plain:
+        flat = mx.argmax(mx.concatenate([logits[b] for b in plain]), axis=-1).tolist()
+        for b in plain:
+            n = len(drafts[b].tokens) + 1
+            targets[b], flat = flat[:n], flat[n:]
+    out = []
+    for b, (seq, draft) in enumerate(zip(seqs, drafts)):
+        sp, prompt, history = seq.request.sampling, seq.request.prompt_token_ids, seq.output_token_ids
+        d = list(draft.tokens)
+        if sp.greedy:
+            target = targets.get(b)
+            if target is None:
+                rows = [adjusted(logits[b][i], sp, prompt, history + d[:i]) for i in range(len(d) + 1)]
+                target = mx.argmax(mx.stack(rows), axis=-1).tolist()
+            n = accept_greedy(d, target)
+            tokens = tuple(target[:n + 1])
+        else:
+            p = mx.stack([probabilities(logits[b][i], sp, prompt, history + d[:i]) for i in range(len(d) + 1)])
+            n, token, seq.rng_key = accept_sampled(p, draft.probs, d, seq.rng_key)
+            tokens = (*d[:n], token)
+        logprobs: tuple[Optional[TokenLogprob], ...] = (None,) * len(tokens)
+        if sp.logprobs is not None:
+            logprobs = tuple(token_logprobs(logits[b][:len(tokens)], tokens, [sp.logprobs] * len(tokens)))
+        out.append(Verified(tokens, logprobs, n))
+    return out
+
+
+class DecodeSpeculator:
+    """`cluster.speculation.Speculator` over `drafters` (method -> drafter) for an engine with `config` (its
+    default method and draft length). See the module docstring for the rules."""
+
+    def __init__(self, drafters: dict[str, Drafter], config: EngineConfig):
+        self.drafters, self.config = dict(drafters), config
+        self.methods = tuple(sorted(self.drafters))
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+
+    def state_for(self, request: GenerateRequest) -> Optional[SpecState]:
+        """The request's speculation (its own choice, else the engine's default); None when it is off."""
+        sp = request.sampling
+        method = sp.speculative_method or self.config.speculative_method
+        k = self.config.num_draft_tokens if sp.num_draft_tokens is None else sp.num_draft_tokens
+        if method is None or k == 0 or method not in self.drafters:
+            return None
+        return SpecState(method, k)
+
+    def lookahead(self, seq: Sequence) -> int:
+        drafter = self.drafters.get(seq.spec.method) if seq.spec is not None else None
+        if drafter is None:
+            return 0
+        left = seq.max_tokens - seq.num_output_tokens - 1  # the corrected or bonus token comes on top
+        return max(0, min(seq.spec.num_draft_tokens(drafter.cost_per_token), left))
+
+    def propose(self, items: list[tuple[Sequence, int]]) -> dict[str, Draft]:
+        """Each drafter is called once, for its sequences."""
+        by_method: dict[str, list[tuple[Sequence, int]]] = {}
+        for seq, n in items:
+            if n > 1 and seq.spec is not None:
+                by_method.setdefault(seq.spec.method, []).append((seq, n))
+        drafts = {}
+        for method, group in by_method.items():
+            proposed = self.drafters[method].propose([seq for seq, _ in group], [n - 1 for _, n in group])
+            for (seq, n), draft in zip(group, proposed):
+                assert len(draft.tokens) < n, "a drafter proposed more tokens than asked"
+                if draft.tokens:
+                    drafts[seq.request_id] = draft
         return drafts
 
-    def _choose(self, seqs: list[Sequence], drafted: list[list[int]], logits: list[mx.array]
-                ) -> list[tuple[int, Optional[mx.array]]]:
-        """The next draft token of each row: argmax for greedy requests, else a draw from q (returned too)."""
-        tokens, qs = [], []
-        for seq, done, row in zip(seqs, drafted, logits):
-            row = self._fit(row)
-            sp = seq.request.sampling
-            history = seq.output_token_ids + done
-            if sp.greedy:
-                tokens.append(mx.argmax(adjusted(row, sp, seq.request.prompt_token_ids, history)))
-                qs.append(None)
-            else:
-                q = probabilities(row, sp, seq.request.prompt_token_ids, history)
-                seq.rng_key, sub = mx.random.split(seq.rng_key)
-                tokens.append(mx.random.categorical(mx.log(q), key=sub))
-                qs.append(q)
-        chosen = mx.stack(tokens)
-        mx.eval(chosen, *[q for q in qs if q is not None])
-        return list(zip(chosen.tolist(), qs))
+    def verify(self, seqs: list[Sequence], drafts: list[Draft], logits: list[mx.array]) -> list[Verified]:
+        return verify(seqs, drafts, logits)
 
-    def _fit(self, row: mx.array) -> mx.array:
-        """The draft's logits over the target's vocabulary (padded embedding rows differ between models)."""
-        extra = self.vocab_size - row.shape[-1]
-        if extra < 0:
-            return row[:self.vocab_size]
-        return mx.concatenate([row, mx.full((extra,), -float("inf"))]) if extra else row
+    def record(self, seq: Sequence, draft: Draft, verified: Verified) -> None:
+        self.num_draft_tokens += len(draft.tokens)
+        self.num_accepted_tokens += verified.num_accepted
+        seq.spec.update(len(draft.tokens), verified.num_accepted)
 
-    def _record(self, seq: Sequence, num_valid: int) -> None:
-        """Remember the hashed blocks within the first `num_valid` positions as holding valid draft KV."""
-        for i in range(min(num_valid // self.block_size, len(seq.block_hashes))):
-            self.valid[seq.block_table[i]] = seq.block_hashes[i]
+    def release(self, seq: Sequence) -> None:
+        if seq.spec is not None and seq.spec.method in self.drafters:
+            self.drafters[seq.spec.method].release(seq)
 
-    def _reuse_cached(self, seq: Sequence) -> None:
-        """Record the blocks whose draft KV is complete; skip leading blocks whose draft KV is valid."""
-        B, table, hashes = self.block_size, seq.block_table, seq.block_hashes
-        self._record(seq, seq.num_draft_computed)
-        done = seq.num_draft_computed
-        while done % B == 0 and done // B < len(hashes) and self.valid.get(table[done // B]) == hashes[done // B]:
-            done += B
-        seq.num_draft_computed = done
-
-    def _catch_up(self, seq: Sequence, budget: int) -> int:
-        """Draft prefill: feed tokens the draft has not seen (all but the last), in chunks within `budget`."""
-        lag = len(seq.token_ids) - 1 - seq.num_draft_computed
-        while lag > self.catch_up_inline and budget > 0:
-            start, n = seq.num_draft_computed, min(lag, budget)
-            self._forget(seq, start, n)
-            self.runner.forward([BatchItem(seq.block_table, start, seq.token_ids[start:start + n], Logits.NONE)])
-            seq.num_draft_computed += n
-            budget, lag = budget - n, lag - n
-        return budget
-
-    def _forget(self, seq: Sequence, start: int, n: int) -> None:
-        """The draft is about to write positions [start, start + n): those blocks are no longer known valid."""
-        for i in range(start // self.block_size, (start + n - 1) // self.block_size + 1):
-            self.valid.pop(seq.block_table[i], None)
-
-
-def build_drafters(engine, target_source: Optional[str] = None) -> dict[str, Drafter]:
-    """The drafters an engine offers: prompt lookup always (it costs nothing until a request asks for it),
-    and a draft model when `engine.config.uses_draft_model` (loaded here: `draft_model`, or a copy of the
-    target `target_source` quantized to `draft_quantize_bits`, 4 by default). Raises ValueError when the
-    draft's tokenizer differs from the target's, FileNotFoundError when its source does not exist."""
-    drafters: dict[str, Drafter] = {"prompt_lookup": PromptLookupDrafter()}
-    cfg = engine.config
-    if cfg.uses_draft_model:
-        source = cfg.draft_model or target_source
-        bits = cfg.draft_quantize_bits if cfg.draft_quantize_bits or cfg.draft_model else 4
-        model, tokenizer, spec = load_draft_model(source, cfg.dtype, bits)
-        drafters["draft_model"] = DraftModelDrafter(model, tokenizer, spec, engine, cfg.draft_cost_per_token)
-        logger.info("draft model %s loaded (%s), relative cost per draft token %.2f", source or "(the target)",
-                    f"{bits}-bit" if bits else cfg.dtype, drafters["draft_model"].cost_per_token)
-    return drafters
+    def reset(self) -> None:
+        for drafter in self.drafters.values():
+            drafter.reset()

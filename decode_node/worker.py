@@ -25,7 +25,8 @@ from cluster.protocol import Generate
 from cluster.request import GenerateRequest
 from cluster.worker import Worker
 from decode_node.admission import DecodeAdmissions
-from decode_node.speculative import build_drafters
+from decode_node.drafters import build_drafters
+from decode_node.speculative import DecodeSpeculator
 from kv_transfer.handshake import KVFormat
 from kv_transfer.metrics import TransferMetrics
 from kv_transfer.receiver import KVReceiver, ReceivedSequence, TransferFailed
@@ -42,9 +43,9 @@ class DecodeWorker(Worker):
         e = self.engine
         # speculative decoding: prompt lookup, plus a draft model when configured (its prompt KV is computed
         # here, since transfers carry target KV only: KVFormat.speculative_kv stays False); an engine built
-        # with its drafters keeps them
-        if not e.drafters:
-            e.drafters.update(build_drafters(e, self.topology.model.source))
+        # with its speculator keeps it
+        if not e.speculator.methods:
+            e.speculator = DecodeSpeculator(build_drafters(e, self.topology.model.source), e.config)
         self.receiver: Optional[KVReceiver] = None
         self.admissions: Optional[DecodeAdmissions] = None
         if self.spec.kv_port is None:
@@ -103,7 +104,8 @@ class DecodeWorker(Worker):
             self.emit(out)
 
     def _role_stats(self) -> dict:
-        spec = {"spec_draft_tokens": self.engine.num_draft_tokens, "spec_accepted_tokens": self.engine.num_accepted_tokens}
+        s = self.engine.speculator
+        spec = {"spec_draft_tokens": s.num_draft_tokens, "spec_accepted_tokens": s.num_accepted_tokens}
         if self.receiver is None:
             return spec
         m = self.receiver.metrics

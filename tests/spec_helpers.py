@@ -7,7 +7,8 @@ import functools
 from dataclasses import dataclass, field
 
 from cluster.request import GenerateRequest
-from decode_node.speculative import DraftModelDrafter, PromptLookupDrafter
+from decode_node.drafters import DraftModelDrafter, PromptLookupDrafter
+from decode_node.speculative import DecodeSpeculator
 from tests.engine_helpers import Result, chat_prompt, greedy, make_engine, run
 
 DRAFTERS = ("prompt_lookup", "draft_model")
@@ -34,8 +35,9 @@ def spec_engine(**config):
     """A fresh engine over the real model with both drafters. The draft model's cost is set low (0.05) so
     that its adaptive draft length stays above 0 here (its real CPU cost would turn it off)."""
     engine = make_engine(**config)
-    engine.drafters["prompt_lookup"] = PromptLookupDrafter()
-    engine.drafters["draft_model"] = DraftModelDrafter(*draft_parts(), engine, cost_per_token=0.05)
+    engine.speculator = DecodeSpeculator({"prompt_lookup": PromptLookupDrafter(),
+                                          "draft_model": DraftModelDrafter(*draft_parts(), engine, cost_per_token=0.05)},
+                                         engine.config)
     return engine
 
 

@@ -224,15 +224,16 @@ def test_prompt_logprobs_use_the_same_head_on_every_row(model_type):
 def test_speculative_verification_keeps_mlx_lms_greedy_output(model_type):
     """Prompt-lookup speculation (drafts verified with logits on every fed row) gives mlx-lm's greedy tokens
     and logprobs, alone and batched with a plain request."""
-    from decode_node.speculative import PromptLookupDrafter
+    from decode_node.drafters import PromptLookupDrafter
+    from decode_node.speculative import DecodeSpeculator
 
     core, ps = make_engine(model_type), prompts()
-    core.drafters["prompt_lookup"] = PromptLookupDrafter()
+    core.speculator = DecodeSpeculator({"prompt_lookup": PromptLookupDrafter()}, core.config)
     looped = ps[0] * 4  # repeats, so prompt lookup proposes drafts
     reqs = [request("spec-0", looped, speculative_method="prompt_lookup", num_draft_tokens=3),
             request("spec-1", ps[1])]
     results = run(core, reqs)
-    assert core.num_draft_tokens > 0
+    assert core.speculator.num_draft_tokens > 0
     for p, r in zip((looped, ps[1]), reqs):
         assert_matches(results[r.request_id], *reference(model_type, tuple(p)), f"{model_type}: {r.request_id}")
 

@@ -12,7 +12,7 @@ from cluster.kv_layout import BatchLayout
 from cluster.kv_store import KVStore
 from cluster.request import FinishReason, GenerateRequest, SamplingParams
 from cluster.runner import BatchItem, Logits, ModelRunner
-from decode_node.speculative import check_same_tokenizer
+from decode_node.drafters import check_same_tokenizer
 from tests.engine_helpers import chat_prompt, make_engine, real_model, run
 from tests.spec_helpers import (DRAFTERS, REPEAT, REWRITE, draft_parts, plain, prompts, run_checked, spec_engine,
                                 spec_greedy)
@@ -38,7 +38,7 @@ def assert_same(spec, ref) -> None:
 
 
 def drafted(engine) -> None:
-    assert engine.num_draft_tokens > 0 and engine.num_accepted_tokens > 0, "speculation never ran"
+    assert engine.speculator.num_draft_tokens > 0 and engine.speculator.num_accepted_tokens > 0, "speculation never ran"
 
 
 @pytest.mark.parametrize("k", [2, 4, 8])
@@ -82,7 +82,7 @@ def test_second_chat_turn_from_the_prefix_cache(method):
                  {"role": "user", "content": "Now repeat your answer word for word."}]
     turn2 = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     fed = []
-    draft = engine.drafters["draft_model"]
+    draft = engine.speculator.drafters["draft_model"]
     forward = draft.runner.forward
     draft.runner.forward = lambda items: fed.append(sum(len(it.token_ids) for it in items)) or forward(items)
     second = run_checked(engine, [spec_greedy("t2", turn2, 40, method, 4)])["t2"]
@@ -195,7 +195,7 @@ def test_prefilled_sequence_gets_its_draft_prefill_here():
     n = seq.num_draft_computed
     fresh = KVStore(spec, 8, 32)
     ModelRunner(model, fresh).forward([BatchItem([1, 2, 3, 4, 5, 6, 7], 0, seq.token_ids[:n], Logits.NONE)])
-    ours = engine.drafters["draft_model"].store
+    ours = engine.speculator.drafters["draft_model"].store
     layout = BatchLayout.build([seq.block_table], [0], [n], engine.block_size)
     mine = ours.keys[3][layout.gather_slots[0]]
     theirs = fresh.keys[3][BatchLayout.build([[1, 2, 3, 4, 5, 6, 7]], [0], [n], 32).gather_slots[0]]

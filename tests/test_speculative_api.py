@@ -61,7 +61,7 @@ def test_stops_inside_accepted_blocks_through_the_api(server, method):
     nothing after the stop; completion_tokens equals the tokens delivered and the logprob entries."""
     base, core = server
     spec = {"speculative": {"method": method, "num_draft_tokens": 4}}
-    drafted = core.num_draft_tokens
+    drafted = core.speculator.num_draft_tokens
     for content, stop in ((REPEAT, None), (REWRITE, " next Tuesday")):
         full = answer(base, chat(content, 40))
         kw = {"stop": stop} if stop else {}
@@ -77,7 +77,7 @@ def test_stops_inside_accepted_blocks_through_the_api(server, method):
             text, finish, tokens, count = get(base, chat(REWRITE, m, **spec))
             assert (finish, tokens, count) == ("length", full[2][:m], m)
             assert full[0].startswith(text)
-    assert core.num_draft_tokens > drafted
+    assert core.speculator.num_draft_tokens > drafted
 
 
 def test_metrics_and_refusals(server):
@@ -86,8 +86,8 @@ def test_metrics_and_refusals(server):
     text = httpx.get(base + "/metrics").text
     values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
               if line.startswith("mlxpd_router_engine_spec")}
-    assert values["mlxpd_router_engine_spec_draft_tokens_total"] == core.num_draft_tokens > 0
-    assert values["mlxpd_router_engine_spec_accepted_tokens_total"] == core.num_accepted_tokens > 0
+    assert values["mlxpd_router_engine_spec_draft_tokens_total"] == core.speculator.num_draft_tokens > 0
+    assert values["mlxpd_router_engine_spec_accepted_tokens_total"] == core.speculator.num_accepted_tokens > 0
     assert 0 < values["mlxpd_router_engine_spec_acceptance_rate"] <= 1
     for bad in ({"method": "medusa"}, {"method": "prompt_lookup", "num_draft_tokens": 17}, {"num_draft_tokens": 2}):
         r = post(base, "/v1/chat/completions", chat("Hi", 4, speculative=bad))

@@ -13,9 +13,9 @@ from cluster.config import EngineConfig
 from cluster.protocol import request_from_wire, request_to_wire
 from cluster.request import GenerateRequest, SamplingParams
 from cluster.sampling import probabilities
-from cluster.speculation import (PROBE_EVERY, SpecState, accept_greedy, accept_sampled, best_draft_length,
-                                 expected_tokens)
-from decode_node.speculative import NgramIndex
+from decode_node.drafters import NgramIndex
+from decode_node.speculative import (PROBE_EVERY, SpecState, accept_greedy, accept_sampled, best_draft_length,
+                                     expected_tokens)
 
 V = 8  # vocabulary of the statistical test
 
