@@ -243,6 +243,9 @@ def test_more_requests_than_the_decode_pool_holds_all_finish():
     reserved before transfers are accepted, the rest wait (busy) and retry; all finish; nothing leaks."""
     engine = "num_blocks = 60\nmax_num_seqs = 16"
     with running_cluster(1, 1, loaded=fast_model(), engine=engine, routing=ALL_REMOTE) as (base, client, workers):
+        # decoding holds each request's blocks for seconds, so the transfers outrun the pool whatever the
+        # relative speed of prefill and decode on this CPU (without OpenBLAS a slower prefill never filled it)
+        slow_steps(workers["decode-0"], 0.25)
         results = []
         prompts = [f"Case {i}: " + long_text(300) for i in range(10)]
 
