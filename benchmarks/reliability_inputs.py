@@ -79,14 +79,15 @@ def control_garbage(rng: random.Random, per_kind: int = 20, role: str = "decode"
         {1: 2, 3: 4}, [1, 2, 3], "version")]
     out += [("extra_frames", [_pack({"version": 1, "type": "ping", "seq": 1}), b"extra"]),
             ("extra_frames", [b"", b"", b""])]
-    # valid requests that can never run: each must get a 400 `rejected`, and leave nothing behind
+    # requests that can never run, invalid in the message (its validation names the request id) or for the
+    # engine (a token id outside the vocabulary): each must get a 400 `rejected`, and leave nothing behind
     out += [("generate_invalid", [_pack({"version": 1, "type": "generate", "request": r, "prefilled": False})])
             for r in (_request(f"fuzz-empty-{rng.randrange(10**9)}", []),
                       _request(f"fuzz-vocab-{rng.randrange(10**9)}", [10**9]),
                       _request(f"fuzz-neg-{rng.randrange(10**9)}", [1], max_tokens=-5),
                       _request(f"fuzz-temp-{rng.randrange(10**9)}", [1], temperature=-1.0),
                       {"request_id": f"fuzz-str-{rng.randrange(10**9)}", "prompt_token_ids": "abc", "sampling": {}},
-                      {"request_id": f"fuzz-nosampling-{rng.randrange(10**9)}", "prompt_token_ids": [1, 2]})]
+                      {"request_id": f"fuzz-noprompt-{rng.randrange(10**9)}", "sampling": {}})]
     abandoned = _request(f"fuzz-abandoned-{rng.randrange(10**9)}", list(range(1, 40)))
     if role == "decode":
         msg = {"version": 1, "type": "generate", "request": abandoned, "prefilled": True}

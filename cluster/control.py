@@ -5,8 +5,8 @@ cluster/protocol.py) and sends answers (`Rejected`, `Pong`, ...) and output delt
 channels, the same messages either way:
 
 - `ZmqControl` (cluster mode): a ZeroMQ ROUTER socket; every message is one msgpack frame, each router a peer
-  named by its ZeroMQ identity. Malformed frames are dropped here, so the loop only sees valid messages. This
-  is where an output delta becomes its wire form (`output_to_wire`).
+  named by its ZeroMQ identity. Malformed frames are dropped here, so the loop only sees valid messages; a
+  `generate` that names its request id but does not validate is answered here with a 400 `Rejected`.
 - `InProcessControl` (single-node mode): a thread-safe queue into the loop; each peer is a callable the
   loop's answers are handed to, on the loop's thread. Nothing is packed, and an output delta stays the
   `RequestOutput` it is.
@@ -23,7 +23,8 @@ from typing import Any, Callable, Optional, Protocol
 
 import zmq
 
-from cluster.protocol import PROTOCOL_VERSION, TO_WORKER, Output, ProtocolError, output_to_wire, pack, unpack
+from cluster.protocol import (PROTOCOL_VERSION, TO_WORKER, Output, ProtocolError, Rejected, generate_request_id, pack,
+                              unpack)
 from cluster.request import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,9 @@ class ZmqControl:
             try:
                 got.append((identity, unpack(frames[0], TO_WORKER, PROTOCOL_VERSION)))
             except ProtocolError as exc:
+                rid = generate_request_id(frames[0])
+                if rid is not None:  # the router waits for this request: tell it why it will never run
+                    self.send(identity, Rejected(request_id=rid, reason=str(exc)[:4096], status=400))
                 logger.debug("dropped a malformed control message: %s", exc)
         return got
 
@@ -86,7 +90,7 @@ class ZmqControl:
             logger.debug("could not send %s: %s", message.type, exc)
 
     def send_output(self, peer: bytes, output: RequestOutput) -> None:
-        self.send(peer, Output(output=output_to_wire(output)))
+        self.send(peer, Output(output=output))
 
     def close(self) -> None:
         self.sock.close(linger=0)

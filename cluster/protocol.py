@@ -23,19 +23,25 @@ Worker -> anyone subscribed (its PUB socket, `events_port`):
     kv_events {worker, boot_id, events: [{seq, kind, block_hashes}, ...]}   kind: stored | removed | cleared
               sequence numbers are consecutive per boot; a gap or a new boot_id means resync from a snapshot
 
-`GenerateRequest` and `RequestOutput` travel as maps of built-in values (`request_to_wire` and friends).
+`generate.request` is a `GenerateRequest`, `output.output` a `RequestOutput` and `pong.stats` a `WorkerStats`: typed
+in the message models, validated with the message in one pass (`from_wire`, exact types) and packed as maps of
+built-in values (`to_wire`). In-process (single-node mode) the same models carry the objects unconverted.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import functools
+import typing
 from typing import Annotated, Any, Literal, Optional, Union
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, TypeAdapter, ValidationError
+from typing_extensions import TypedDict
 
 from cluster.engine_client import EngineError
-from cluster.request import FinishReason, GenerateRequest, RequestOutput, SamplingParams, TokenLogprob
+from cluster.request import GenerateRequest, RequestOutput
 
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 16 * 2**20
@@ -69,51 +75,161 @@ def unpack(frame, adapter: TypeAdapter, version: int, error: type[ValueError] = 
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "header"
-        raise error(f"invalid {raw.get('type')!r} message at {where}: {first['msg']}") from None
+        message = first["msg"].removeprefix("Value error, ")  # a field validator's own ProtocolError text
+        raise error(f"invalid {raw.get('type')!r} message at {where}: {message}") from None
 
 
-# -- requests and outputs as built-in values ---------------------------------------------------------------
+# -- request-level values on the wire --------------------------------------------------------------------
 
-def request_to_wire(request: GenerateRequest) -> dict:
-    return dataclasses.asdict(request)
-
-
-def request_from_wire(data: Any) -> GenerateRequest:
-    """Rebuild a GenerateRequest; raises ProtocolError for anything that is not a valid one."""
-    try:
-        d = dict(data)
-        s = dict(d.pop("sampling"))
-        s["logit_bias"] = tuple((int(t), float(b)) for t, b in s.get("logit_bias", ()))
-        for key in ("stop", "stop_token_ids"):
-            s[key] = tuple(s.get(key, ()))
-        return GenerateRequest(prompt_token_ids=tuple(d.pop("prompt_token_ids")), sampling=SamplingParams(**s), **d)
-    except (TypeError, ValueError, KeyError) as exc:
-        raise ProtocolError(f"invalid request: {exc}") from None
+def to_wire(value: Any) -> Any:
+    """The msgpack-ready form of a request-level value (cluster/request.py): a dataclass becomes a map of its
+    fields, an enum its value, a tuple a list; built-in values stay as they are."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (tuple, list)):
+        return [to_wire(v) for v in value]
+    return value
 
 
-def output_to_wire(output: RequestOutput) -> dict:
-    d = dataclasses.asdict(output)
-    d["finish_reason"] = output.finish_reason.value if output.finish_reason else None
-    return d
+def from_wire(tp: Any, data: Any, where: str = "") -> Any:
+    """Rebuild a value of type `tp` (a request-level dataclass, or a type its fields use: int, float, str,
+    bool, an enum, Optional[...], tuple[X, ...], a fixed-size tuple) from its wire form, checking every type
+    exactly on the way (no coercion: "1" is not an int, True is not a number, unknown keys are errors); the
+    dataclass's own checks (`SamplingParams.__post_init__`, ...) then apply. Raises ProtocolError naming the
+    field."""
+    return _converter(tp)(data, where or getattr(tp, "__name__", str(tp)))
 
 
-def _logprobs(items) -> Optional[tuple[TokenLogprob, ...]]:
-    if items is None:
+@functools.lru_cache(maxsize=None)
+def _converter(tp: Any):
+    """The function (data, where) -> value that `from_wire` uses for `tp`, built once per type."""
+    if dataclasses.is_dataclass(tp):
+        hints = typing.get_type_hints(tp)
+        fields = {f.name: _converter(hints[f.name]) for f in dataclasses.fields(tp)}
+
+        def dataclass_value(data, name):
+            if not isinstance(data, dict):
+                raise ProtocolError(f"{name} must be a map")
+            unknown = [str(k) for k in data if k not in fields]
+            if unknown:
+                raise ProtocolError(f"{name}: unknown field(s) {', '.join(sorted(unknown))}")
+            values = {k: fields[k](v, f"{name}.{k}") for k, v in data.items()}
+            try:
+                return tp(**values)
+            except (TypeError, ValueError) as exc:
+                raise ProtocolError(f"invalid {name}: {exc}") from None
+        return dataclass_value
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union:
+        inner = _converter(next(a for a in args if a is not type(None)))
+        return lambda data, name: None if data is None else inner(data, name)
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            item = _converter(args[0])
+
+            def array(data, name):
+                if not isinstance(data, (list, tuple)):
+                    raise ProtocolError(f"{name} must be an array")
+                return tuple(item(v, f"{name}[{i}]") for i, v in enumerate(data))
+            return array
+        items = [_converter(a) for a in args]
+
+        def fixed(data, name):
+            if not isinstance(data, (list, tuple)) or len(data) != len(items):
+                raise ProtocolError(f"{name} must be an array of {len(items)} items")
+            return tuple(conv(v, f"{name}[{i}]") for i, (conv, v) in enumerate(zip(items, data)))
+        return fixed
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        def member(data, name):
+            try:
+                return tp(data)
+            except ValueError:
+                raise ProtocolError(f"{name}={data!r} is not one of {', '.join(str(m.value) for m in tp)}") from None
+        return member
+    if tp is float:
+        def number(data, name):
+            if type(data) is not float and type(data) is not int:
+                raise ProtocolError(f"{name} must be a number")
+            return float(data)
+        return number
+    if tp in (int, str, bool):
+        kind = {int: "an integer", str: "a string", bool: "a boolean"}[tp]
+
+        def exact(data, name):
+            if type(data) is not tp:
+                raise ProtocolError(f"{name} must be {kind}")
+            return data
+        return exact
+    raise TypeError(f"from_wire cannot rebuild {tp!r}")  # a field type this function does not know: a bug
+
+
+def _typed(cls: type):
+    """A message field of the request-level type `cls`: built from a `cls` instance as it is (in-process) or
+    validated from its wire map by `from_wire` (from a socket), packed by `to_wire`."""
+    def validate(value):
+        return value if type(value) is cls else from_wire(cls, value)
+
+    return Annotated[cls, PlainValidator(validate), PlainSerializer(to_wire)]
+
+
+WireRequest = _typed(GenerateRequest)
+WireOutput = _typed(RequestOutput)
+
+
+class WorkerStats(TypedDict, total=False):
+    """A worker's report (`cluster.worker.Worker.stats`, `Pong.stats`): its identity, engine load and KV pool
+    (blocks, tokens per block), prefix-cache counters (tokens), what it sent, and its role's keys (a
+    prefill worker's transfers and handoffs, a decode worker's transfers, admissions and speculation counters).
+    Counts are ints; byte and block totals from Prometheus counters and `ttft_p50_s` (seconds) are floats."""
+
+    __pydantic_config__ = ConfigDict(strict=True, extra="forbid")  # type: ignore[misc]
+
+    name: str
+    actor: str
+    role: str
+    host: str
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_block_size: int
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_hit_rate: float
+    tokens_out: int
+    requests: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    transfers_inflight: int
+    awaiting_kv: int
+    orphans: int
+    handed_off: int
+    transfers_pending: int
+    kv_bytes_received: float
+    kv_blocks_received: float
+    kv_bytes_sent: float
+    kv_blocks_sent: float
+    transfer_timeouts: float
+    reservations_busy: float
+    ttft_p50_s: Optional[float]
+
+
+def generate_request_id(frame) -> Optional[str]:
+    """The request id a `generate` frame names, when it names one (a string), whatever else is wrong with it:
+    so a generate that cannot be validated can still be refused by id. None for anything else."""
+    data = frame.buffer if hasattr(frame, "buffer") else frame
+    if len(data) > MAX_HEADER_BYTES:
         return None
-    return tuple(TokenLogprob(int(x["token_id"]), float(x["logprob"]), tuple((int(t), float(p)) for t, p in x["top"]))
-                 for x in items)
-
-
-def output_from_wire(data: Any) -> RequestOutput:
-    """Rebuild a RequestOutput; raises ProtocolError for anything that is not a valid one."""
     try:
-        d = dict(data)
-        reason = d.pop("finish_reason")
-        return RequestOutput(token_ids=tuple(d.pop("token_ids")), logprobs=_logprobs(d.pop("logprobs")),
-                             prompt_logprobs=_logprobs(d.pop("prompt_logprobs")),
-                             finish_reason=FinishReason(reason) if reason is not None else None, **d)
-    except (TypeError, ValueError, KeyError) as exc:
-        raise ProtocolError(f"invalid output: {exc}") from None
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception:
+        return None
+    request = raw.get("request") if isinstance(raw, dict) and raw.get("type") == "generate" else None
+    rid = request.get("request_id") if isinstance(request, dict) else None
+    return rid[:256] if isinstance(rid, str) and rid else None
 
 
 # -- the control messages -----------------------------------------------------------------------------------
@@ -126,7 +242,7 @@ class _Message(BaseModel):
 
 class Generate(_Message):
     type: Literal["generate"] = "generate"
-    request: dict
+    request: WireRequest
     decode_endpoint: Optional[str] = Field(default=None, max_length=512)
     prefilled: bool = False
 
@@ -148,7 +264,7 @@ class ResetPrefixCache(_Message):
 
 class Output(_Message):
     type: Literal["output"] = "output"
-    output: dict
+    output: WireOutput
 
 
 class Rejected(_Message):
@@ -167,7 +283,7 @@ class Rejected(_Message):
 class Pong(_Message):
     type: Literal["pong"] = "pong"
     seq: int = Field(ge=0)
-    stats: dict
+    stats: WorkerStats
 
 
 class ResetDone(_Message):

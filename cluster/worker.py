@@ -36,8 +36,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from cluster.control import ControlChannel, ZmqControl
 from cluster.engine import EngineCore
 from cluster.engine_client import EngineError
-from cluster.protocol import (AbortRequest, Generate, KVEvent, KVEvents, Ping, Pong, ProtocolError, Rejected,
-                              ResetDone, ResetPrefixCache, Snapshot, SnapshotRequest, pack, request_from_wire)
+from cluster.protocol import (AbortRequest, Generate, KVEvent, KVEvents, Ping, Pong, Rejected,
+                              ResetDone, ResetPrefixCache, Snapshot, SnapshotRequest, WorkerStats, pack)
 from cluster.request import GenerateRequest, RequestOutput
 from cluster.topology import TopologySpec, WorkerSpec
 from cluster.transport import CurveKeys, close_context, server_socket
@@ -69,7 +69,7 @@ class Worker:
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self._calls: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()  # see call()
-        self._stats: dict = {}
+        self._stats: WorkerStats = {}
         self._stats_at = 0.0
         self.endpoints: dict = {}
         self.tokens_out = 0
@@ -201,13 +201,7 @@ class Worker:
 
     def _on_control(self, peer, msg) -> None:
         if isinstance(msg, Generate):
-            try:
-                request = request_from_wire(msg.request)
-            except ProtocolError as exc:
-                rid = msg.request.get("request_id")
-                if isinstance(rid, str) and rid:
-                    self._send(peer, Rejected(request_id=rid[:256], reason=str(exc), status=400))
-                return
+            request = msg.request
             if request.request_id in self.routes:
                 self._send(peer, Rejected(request_id=request.request_id, status=400,
                                           reason=f"request_id {request.request_id!r} is already running here"))

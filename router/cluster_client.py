@@ -31,7 +31,7 @@ import zmq.asyncio
 from cluster.engine_client import EngineError, EngineStats
 from cluster.hashing import first_block_key
 from cluster.protocol import (PROTOCOL_VERSION, TO_ROUTER, AbortRequest, Generate, Pong, ProtocolError, Rejected,
-                              ResetDone, ResetPrefixCache, Snapshot, output_from_wire, pack, request_to_wire, unpack)
+                              ResetDone, ResetPrefixCache, Snapshot, pack, unpack)
 from cluster.request import FinishReason, GenerateRequest, RequestOutput
 from cluster.topology import TopologySpec
 from cluster.transport import CurveKeys, client_socket
@@ -137,9 +137,6 @@ class ClusterEngineClient(ClusterLiveness):
         self._ensure_started()
         if request.request_id in self.streams:
             raise ValueError(f"request_id {request.request_id!r} is already running")
-        if len(request.prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(request.prompt_token_ids)} tokens but the context limit is "
-                             f"{self.max_model_len}: shorten the prompt")
         await self._wait_for_decode_worker()
         prefill, decode = place(self.workers, request, self.routing, self.cached_blocks(request), self.block_size)
         stream = _Stream(request, asyncio.Queue(), decode, prefill)
@@ -214,14 +211,13 @@ class ClusterEngineClient(ClusterLiveness):
 
     def _dispatch(self, stream: _Stream) -> None:
         """Send the request to its workers (decode first, so it expects the KV)."""
-        wire = request_to_wire(stream.request)
         rid = stream.request.request_id
         for w in stream.workers:
             w.inflight.add(rid)
-        self._post(stream.decode, Generate(request=wire, prefilled=stream.prefill is not None))
+        self._post(stream.decode, Generate(request=stream.request, prefilled=stream.prefill is not None))
         if stream.prefill is not None:
             kv = stream.decode.spec.endpoint(stream.decode.spec.kv_port)
-            self._post(stream.prefill, Generate(request=wire, decode_endpoint=kv))
+            self._post(stream.prefill, Generate(request=stream.request, decode_endpoint=kv))
 
     def _end(self, stream: _Stream, abort: bool) -> None:
         rid = stream.request.request_id
@@ -274,14 +270,14 @@ class ClusterEngineClient(ClusterLiveness):
                 if len(fut.counts) == expected and not fut.done():
                     fut.set_result(sum(fut.counts))
             return
-        rid = msg.request_id if isinstance(msg, Rejected) else msg.output.get("request_id")
+        rid = msg.request_id if isinstance(msg, Rejected) else msg.output.request_id
         stream = self.streams.get(rid)
         if stream is None or stream.finished or w not in stream.workers:
             return  # late: finished, aborted or migrated away
         if isinstance(msg, Rejected):
             self._deliver(stream, msg)
             return
-        out = output_from_wire(msg.output)
+        out = msg.output
         if w is stream.prefill:
             stream.first_seen = True
             self._deliver(stream, out)

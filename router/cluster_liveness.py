@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from cluster.protocol import (KV_EVENTS, PROTOCOL_VERSION, AbortRequest, Generate, Ping, ProtocolError,
-                              SnapshotRequest, request_to_wire, unpack)
+                              SnapshotRequest, unpack)
 from cluster.request import FinishReason, RequestOutput
 from router.placement import WorkerState
 
@@ -122,5 +122,5 @@ class ClusterLiveness:
         stream.migrated_from = done
         stream.held.clear()
         target.inflight.add(request.request_id)
-        self._post(target, Generate(request=request_to_wire(request), prefilled=False))
+        self._post(target, Generate(request=request, prefilled=False))
         return True

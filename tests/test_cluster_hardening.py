@@ -20,6 +20,11 @@ from tests.engine_helpers import fast_model
 from tests.test_cluster import MODEL, QUESTIONS, assert_still_serving, at_baseline, chat, wait_until
 
 
+def _generate(request: dict, **fields) -> bytes:
+    """A generate frame with `request` as it is (a client may send one that does not validate)."""
+    return msgpack.packb({"version": 1, "type": "generate", "request": request, **fields})
+
+
 def _garbage(rng: random.Random) -> list[list[bytes]]:
     """Random, truncated, oversized-looking and mutated control/KV messages (each a list of frames)."""
     valid = pack(Generate(request={"request_id": "g", "prompt_token_ids": [1, 2, 3], "sampling": {}}))
@@ -29,10 +34,10 @@ def _garbage(rng: random.Random) -> list[list[bytes]]:
     out += [[msgpack.packb({"version": 2, "type": "ping", "seq": 1})],  # wrong version
             [msgpack.packb({"version": 1, "type": "launch_missiles"})],  # unknown type
             [pack(AbortRequest(request_id="never-seen"))],  # unknown request id
-            [pack(Generate(request={"request_id": "x", "prompt_token_ids": [], "sampling": {}}))],  # empty prompt
-            [pack(Generate(request={"request_id": "y", "prompt_token_ids": [10**9], "sampling": {}},
-                           prefilled=True))],  # token id outside the vocabulary
-            [pack(Generate(request={"request_id": "z", "prompt_token_ids": [1], "sampling": {"max_tokens": -5}}))],
+            [_generate({"request_id": "x", "prompt_token_ids": [], "sampling": {}})],  # empty prompt
+            [_generate({"request_id": "y", "prompt_token_ids": [10**9], "sampling": {}},
+                       prefilled=True)],  # token id outside the vocabulary
+            [_generate({"request_id": "z", "prompt_token_ids": [1], "sampling": {"max_tokens": -5}})],
             [pack(Ping(seq=1)), b"extra frame"], [b""], [b"\x00" * 100_000]]
     return out
 
@@ -159,8 +164,8 @@ def test_generate_with_fields_of_the_wrong_type_is_answered_400_and_leaves_nothi
                     request = {"request_id": f"bad-{i}", "prompt_token_ids": [1, 2, 3], "sampling": {}}
                     request.update({k: v for k, v in bad.items() if k != "sampling"})
                     request["sampling"] = bad.get("sampling", {})
-                    sock.send(pack(Generate(request=request, prefilled=w.role == "decode",
-                                            decode_endpoint=None if w.role == "decode" else "tcp://127.0.0.1:9")))
+                    sock.send(_generate(request, prefilled=w.role == "decode",
+                                        decode_endpoint=None if w.role == "decode" else "tcp://127.0.0.1:9"))
                 got = _answers(sock, len(BAD_FIELD_TYPES), 10)
                 sock.close(linger=0)
                 assert [type(m) for m in got] == [Rejected] * len(BAD_FIELD_TYPES), (w.name, got)
@@ -177,6 +182,7 @@ def test_prefilled_request_whose_kv_never_comes_fails_at_its_deadline():
     until a transfer could no longer start (`TransferConfig.kv_start_deadline_s`: here 1 s in the prefill
     queue + 2 s of "busy" retries + 2 s for the offer), then answers an error: nothing waits forever."""
     from cluster.protocol import Output
+    from cluster.request import FinishReason
 
     with running_cluster(1, 1, loaded=fast_model(), engine="queue_timeout_s = 1", transfer="timeout_s = 2") as (
             base, client, workers):
@@ -194,7 +200,7 @@ def test_prefilled_request_whose_kv_never_comes_fails_at_its_deadline():
         finally:
             ctx.destroy(linger=0)
         assert len(got) == 1 and isinstance(got[0], Output), got
-        assert got[0].output["finish_reason"] == "error" and "never started" in got[0].output["error"]
+        assert got[0].output.finish_reason == FinishReason.ERROR and "never started" in got[0].output.error
         assert 3.5 < waited < 12, waited
         assert not decode.routes and wait_until(lambda: decode.stats()["awaiting_kv"] == 0)  # stats lag a step
 

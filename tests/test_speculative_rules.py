@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cluster.config import EngineConfig
-from cluster.protocol import request_from_wire, request_to_wire
+from cluster.protocol import from_wire, to_wire
 from cluster.request import GenerateRequest, SamplingParams
 from cluster.sampling import probabilities
 from decode_node.drafters import NgramIndex
@@ -159,7 +159,7 @@ def test_speculative_params_are_validated_and_travel():
     assert not EngineConfig(speculative_method="prompt_lookup").uses_draft_model
     request = GenerateRequest("r", (1, 2, 3), SamplingParams(max_tokens=5, temperature=0, stop=("x",),
                                                              speculative_method="prompt_lookup", num_draft_tokens=6))
-    assert request_from_wire(request_to_wire(request)) == request
+    assert from_wire(GenerateRequest, to_wire(request)) == request
 
 
 def test_router_maps_the_speculative_field():

@@ -19,7 +19,7 @@ from typing import AsyncIterator, Optional
 from cluster.config import EngineConfig
 from cluster.control import InProcessControl
 from cluster.engine_client import EngineError, EngineStats
-from cluster.protocol import AbortRequest, Generate, Rejected, ResetDone, ResetPrefixCache, request_to_wire
+from cluster.protocol import AbortRequest, Generate, Rejected, ResetDone, ResetPrefixCache
 from cluster.request import FinishReason, GenerateRequest, RequestOutput
 from cluster.topology import ModelSection, TopologySpec, WorkerSpec
 
@@ -44,7 +44,7 @@ class LocalEngineClient:
         loop = asyncio.get_running_loop()
         answers: asyncio.Queue = asyncio.Queue()
         self.channel.submit(lambda item: loop.call_soon_threadsafe(answers.put_nowait, item),
-                            Generate(request=request_to_wire(request)))
+                            Generate(request=request))
         finished = False
         try:
             while not finished:
