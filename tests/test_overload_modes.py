@@ -10,28 +10,19 @@ from contextlib import contextmanager
 
 import httpx
 
+from cluster.model import DEFAULT_MODEL as MODEL
 from tests.cluster_helpers import running_cluster, slow_steps
-from tests.engine_helpers import fast_model, make_engine
-from tests.live_server import serve_app
+from tests.engine_helpers import fast_model
+from tests.live_server import live_server
 
-MODEL = "SmolLM2-135M-Instruct"
 LIMITS = {"max_num_seqs": 1, "max_waiting": 1, "max_model_len": 256}
 
 
 @contextmanager
 def single_node():
     """Yield (base_url, stats(), worker) of a single-node server with LIMITS."""
-    from cluster.launch.single_node import start_local_worker
-    from router.app import create_app
-    from router.tokenizer import RouterTokenizer
-
-    loaded = fast_model()
-    client = start_local_worker(make_engine(loaded, **LIMITS), model_name=MODEL)
-    try:
-        with serve_app(create_app(client, RouterTokenizer(loaded[1]), served_model_names=[MODEL])) as base:
-            yield base, client.stats, client.worker
-    finally:
-        client.stop()
+    with live_server(loaded=fast_model(), **LIMITS) as (base, client):
+        yield base, client.stats, client.worker
 
 
 @contextmanager
