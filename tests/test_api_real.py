@@ -191,47 +191,75 @@ def test_openai_client_against_real_server(server):
 
 
 def test_client_disconnects_free_everything():
-    # An abort lands between two engine steps; 256-token prefill chunks keep a step of the 3,000-token prompt
-    # short on any CPU (a 2,048-token chunk of the real model takes over a minute without OpenBLAS).
-    with live_server(max_num_seqs=2, kv_cache_gb=0.5, max_model_len=8192, prefill_chunk_size=256) as (base, client):
+    """Clients that go away (two streams closed mid-decode, a non-streamed request abandoned during its prefill,
+    round after round) have every request aborted, none run to its end, and every block free again. The check
+    counts engine steps, not seconds, so it holds however long a step takes on this CPU (a 128-token chunk of
+    the real model takes ~15 s without OpenBLAS, ~0.3 s with it)."""
+    with live_server(max_num_seqs=2, kv_cache_gb=0.5, max_model_len=8192, prefill_chunk_size=128) as (base, client):
+        core, step, abort = client.engine, client.engine.step, client.engine.abort
+        finished: dict[str, str] = {}
+        num_steps = [0]
+
+        def counting_step():
+            outputs = step()
+            num_steps[0] += 1
+            finished.update((o.request_id, o.finish_reason.value) for o in outputs if o.finished)
+            return outputs
+
+        def recording_abort(request_id):
+            output = abort(request_id)
+            if output is not None:
+                finished[output.request_id] = output.finish_reason.value
+            return output
+
+        # both run on the worker's loop thread; nothing of the engine is touched from here
+        core.step, core.abort = counting_step, recording_abort
         deadline = time.monotonic() + 30
         while client.stats().num_kv_blocks_total == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         baseline = client.stats().num_kv_blocks_total
-        long_prompt = "The archive holds many old letters. " * 375  # ~3000 tokens
-        for _ in range(10):
+        long_prompt = "The archive holds many old letters. " * 90  # ~630 tokens: five prefill chunks
+        rounds = 6
+        for _ in range(rounds):
             streams = []
             for _ in range(2):
-                # a stream's first chunk may wait for the previous round's aborts and a long prefill on a
+                # a stream's first chunk may wait for the previous round's aborts and a prefill chunk on a
                 # loaded machine; how long is not what this test is about
                 cm = httpx.stream("POST", base + "/v1/completions", timeout=300, json={
                     "model": MODEL, "prompt": "Count slowly:", "max_tokens": 4000, "stream": True})
-                r = cm.__enter__()
-                next(r.iter_lines())  # the first chunk arrived
-                streams.append(cm)
-            for cm in streams:
+                lines = cm.__enter__().iter_lines()
+                next(lines)  # the first chunk arrived; `lines` is kept, so the stream stays open
+                streams.append((cm, lines))
+            for cm, _ in streams:
                 cm.__exit__(None, None, None)
             t = threading.Thread(target=lambda: _abandon(base, long_prompt), daemon=True)
             t.start()
-            t.join(5)
-        # Every abandoned request is aborted: nothing runs or waits and every block is free again. Left
-        # running, the 4,000-token streams would take minutes, so the deadline only bounds a failure.
+            t.join(60)
+            assert not t.is_alive()
+
+        # Nothing runs or waits and every block is free within a few steps of the last client leaving (the
+        # router notices a disconnect within 0.2 s; a step may be running). Left running, any of these
+        # requests would take thousands of steps; the wall-clock deadline only bounds a failure.
         def idle():
             s = client.stats()
             return (s.num_running, s.num_waiting, s.num_kv_blocks_free) == (0, 0, baseline)
-        deadline = time.monotonic() + 60
-        while not idle() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert idle()
+        steps_then, since = num_steps[0], time.monotonic()
+        deadline = since + 600
+        while not idle() and (num_steps[0] - steps_then < 30 or time.monotonic() - since < 5):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert idle(), (num_steps[0] - steps_then, client.stats())
+        assert len(finished) == 3 * rounds and set(finished.values()) == {"abort"}, finished
         r = post(base, "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 1})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
 
 
 def _abandon(base: str, prompt: str) -> None:
     try:
-        httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 50}, timeout=0.5)
+        httpx.post(base + "/v1/completions", timeout=0.5,
+                   json={"model": MODEL, "prompt": prompt, "max_tokens": 4000, "ignore_eos": True})
     except httpx.TimeoutException:
-        pass  # the client gave up during prefill
+        pass  # the client gave up during prefill (or before its prompt reached the engine)
 
 
 def test_request_that_waits_too_long_for_kv_blocks_gets_503_with_retry_after():
