@@ -36,6 +36,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from cluster.control import ControlChannel, ZmqControl
 from cluster.engine import EngineCore
 from cluster.engine_client import EngineError
+from cluster.owner_threads import OwnerThread, start_owner_thread
 from cluster.protocol import (AbortRequest, Generate, KVEvent, KVEvents, Ping, Pong, Rejected,
                               ResetDone, ResetPrefixCache, Snapshot, SnapshotRequest, WorkerStats, pack)
 from cluster.request import GenerateRequest, RequestOutput
@@ -66,7 +67,7 @@ class Worker:
         self.ctx = zmq.Context()
         self.keys = CurveKeys.load(topology.security.curve_keys_dir) if topology.security.curve_keys_dir else None
         self.routes: dict[str, object] = {}  # request_id -> the peer (router) that sent it
-        self._thread: Optional[threading.Thread] = None
+        self._thread: Optional[OwnerThread] = None
         self._stop = threading.Event()
         self._calls: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()  # see call()
         self._stats: WorkerStats = {}
@@ -105,8 +106,7 @@ class Worker:
                                                         registry=self.registry)
             self.endpoints["metrics"] = f"http://{self.spec.host}:{self.spec.metrics_port}/metrics"
         self._refresh_stats()
-        self._thread = threading.Thread(target=self._loop, name=self.spec.actor_name, daemon=True)
-        self._thread.start()
+        self._thread = start_owner_thread(self._loop, self.spec.actor_name)  # never exits (cluster/owner_threads.py)
         return self.endpoints
 
     def stop(self, timeout_s: float = 10.0) -> None:
