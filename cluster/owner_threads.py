@@ -6,7 +6,7 @@ after `Thread.join()` has returned. The compile cache's teardown drops Python ob
 when the main thread has meanwhile begun finalizing the interpreter, taking the GIL ends the thread with a
 forced unwind through a `noexcept` destructor, and the process aborts with `terminate called without an
 active exception` (rc 134), after the work itself succeeded. It happened to `mlx-pd generate` on exit in
-about one run in four on a loaded machine (seen in a core dump: `__call_tls_dtors` -> `~CompileCache` ->
+3 of 10 runs on a loaded machine (seen in a core dump: `__call_tls_dtors` -> `~CompileCache` ->
 `PyGILState_Ensure` -> `pthread_exit`).
 
 So a loop thread is never let end: when its loop returns, the thread parks itself here and the next
@@ -32,7 +32,7 @@ _num_threads = 0
 
 class OwnerThread:
     """A handle on one run of `target` on a pooled thread, shaped like the parts of `threading.Thread` a worker
-    uses: `join(timeout_s)`, `is_alive()`, `name`."""
+    uses: `join(timeout)`, `is_alive()`, `name`."""
 
     def __init__(self, name: str):
         self.name = name
@@ -53,8 +53,9 @@ def start_owner_thread(target: Callable[[], None], name: str) -> OwnerThread:
     global _num_threads
     handle = OwnerThread(name)
     with _lock:
-        jobs = _parked.pop() if _parked else None
-        if jobs is None:
+        if _parked:
+            jobs = _parked.pop()
+        else:
             jobs = queue.SimpleQueue()
             _num_threads += 1
             threading.Thread(target=_serve, args=(jobs,), name=name, daemon=True).start()
