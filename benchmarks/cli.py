@@ -14,7 +14,7 @@
     mlx-pd bench routing --out routing.json                 # 1P2D: prefix_aware vs round_robin vs least_loaded
     mlx-pd bench routing-sim                                # placement latency at 64 workers / 1M blocks
     mlx-pd bench reliability --json r.json --markdown docs/RELIABILITY.md   # fuzz, soak, faults, overload
-    mlx-pd bench spec --concurrency 1,4 --out spec.json     # speculative decoding: plain vs prompt lookup vs draft
+    mlx-pd bench speculative --concurrency 1,4 --out s.json  # speculative decoding: plain vs prompt lookup vs draft
 
 Every run warms up first (not measured), sends unique prompts (unless --shared-prefix), and reports
 p50/p90/p99. See docs/BENCHMARKS.md for the rules and the latest numbers.
@@ -121,11 +121,11 @@ SUBCOMMANDS = {
                    "(benchmarks/routing_sim.py)",
     "reliability": "a live 1P2D cluster of processes under API and wire fuzzing, access checks, a mixed soak "
                    "checked against single-node, faults, overload (benchmarks/reliability.py, docs/RELIABILITY.md)",
-    "spec": "speculative decoding on a rewrite/summarize workload: plain vs prompt lookup vs draft model, "
-            "output tokens/s and acceptance rates (benchmarks/spec_bench.py)",
+    "speculative": "speculative decoding on a rewrite/summarize workload: plain vs prompt lookup vs draft model, "
+                   "output tokens/s and acceptance rates (benchmarks/speculative_bench.py)",
 }
 MODULES = {"cluster": "cluster_bench", "routing": "routing_bench", "routing-sim": "routing_sim",
-           "spec": "spec_bench"}  # own add/run/tables
+           "speculative": "speculative_bench"}  # own add/run/tables
 
 
 def build_subcommand_parser(name: str) -> argparse.ArgumentParser:

@@ -313,8 +313,8 @@ def render_markdown(result: dict, plot: Optional[str] = None) -> str:
         out += [f"Soak: {s.get('sent', 0)} requests at concurrency {s.get('concurrency')}, "
                 f"{s.get('duration_s', 0):.0f} s ({rate:.1f} requests/s); greedy compared with the reference {s.get('compared', 0)}, equal "
                 f"{s.get('equal', 0)}; speculative: {s.get('speculative', '-')}"
-                + (f" ({_get(s, 'spec_tokens', 'accepted')} of {_get(s, 'spec_tokens', 'drafted')} draft tokens "
-                   "accepted)" if _get(s, "spec_tokens", "drafted") else "") + ".", "",
+                + (f" ({_get(s, 'draft_tokens', 'accepted')} of {_get(s, 'draft_tokens', 'drafted')} draft tokens "
+                   "accepted)" if _get(s, "draft_tokens", "drafted") else "") + ".", "",
                 _table(["kind", "sent"] + heads + ["p50 s", "p95 s"], rows), ""]
     fit = result.get("rss_fit", {})
     samples = result.get("rss_samples", [])

@@ -198,8 +198,8 @@ def summary_rows(result: dict) -> list[list]:
                      _get(s, "totals", "lost"),
                      f"{_outcome_cells(s)}; greedy compared {s.get('compared', 0)}, equal {s.get('equal', 0)}; "
                      f"speculative: {s.get('speculative', '-')}"
-                     + (f" ({_get(s, 'spec_tokens', 'accepted')} of {_get(s, 'spec_tokens', 'drafted')} draft tokens "
-                        "accepted)" if _get(s, "spec_tokens", "drafted") else "")])
+                     + (f" ({_get(s, 'draft_tokens', 'accepted')} of {_get(s, 'draft_tokens', 'drafted')} draft tokens "
+                        "accepted)" if _get(s, "draft_tokens", "drafted") else "")])
     for name, f in p.get("faults", {}).items():
         if not isinstance(f, dict):
             continue

@@ -143,8 +143,8 @@ async def soak(c: ReliabilityCluster, items: list[SoakItem], concurrency: int, l
         checked = await _check(c, client, refs, done, tally)
     result = tally.as_dict()
     stats = [c.probe(w["name"]) or {} for w in c.workers if w["role"] == "decode"]
-    result["spec_tokens"] = {"drafted": sum(s.get("spec_draft_tokens") or 0 for s in stats),
-                             "accepted": sum(s.get("spec_accepted_tokens") or 0 for s in stats)}
+    result["draft_tokens"] = {"drafted": sum(s.get("num_draft_tokens") or 0 for s in stats),
+                             "accepted": sum(s.get("num_accepted_tokens") or 0 for s in stats)}
     result.update(checked, concurrency=concurrency, duration_s=duration, speculative=speculative,
                   speculative_requests=sum(1 for i in items if i.speculative), references=len(refs.replies),
                   latency_s={k: _percentiles(v) for k, v in sorted(elapsed.items())}, rss_series=rss_series)

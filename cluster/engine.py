@@ -130,7 +130,7 @@ class EngineCore:
         seq = Sequence(request, max_tokens=max_tokens, remote_decode=remote_decode)
         seq.output_text = OutputText(self.tokenizer, request.prompt_token_ids, sp.stop)
         seq.rng_key = None if sp.greedy else make_key(sp.seed)
-        seq.spec = None if remote_decode else self.speculator.state_for(request)
+        seq.speculation = None if remote_decode else self.speculator.state_for(request)
         if max_tokens == 0 and sp.prompt_logprobs is None:
             return self._final_output(seq, FinishReason.LENGTH)
         self.sequences[request.request_id] = seq
@@ -296,7 +296,7 @@ class EngineCore:
         """The one way a sequence leaves the engine (`reason` None: handed on after its first token, with
         remote decode); its blocks are freed, or kept as a holding when the connector still needs them.
         Called exactly once per sequence."""
-        if seq.spec is not None:
+        if seq.speculation is not None:
             self.speculator.release(seq)
         self.sequences.pop(seq.request_id, None)
         self.scheduler.finish(seq, keep_blocks=self.connector.request_finished(seq, reason))

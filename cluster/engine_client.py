@@ -1,6 +1,6 @@
 """The interface the router uses to reach an engine, wherever it runs.
 
-Single-node mode implements it over an in-process channel (`cluster.launch.single_node.LocalEngineClient`); cluster
+Single-node mode implements it over an in-process channel (`cluster.launch.single_node.InProcessEngineClient`); cluster
 mode implements it over ZeroMQ. The router depends on this protocol only.
 """
 
@@ -27,8 +27,8 @@ class EngineStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens served from it
-    spec_draft_tokens: int = 0  # speculative decoding: draft tokens proposed and verified
-    spec_accepted_tokens: int = 0  # of those, accepted by verification
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens proposed and verified
+    num_accepted_tokens: int = 0  # of those, accepted by verification
 
     @classmethod
     def from_reports(cls, reports: Iterable[dict]) -> "EngineStats":
@@ -46,13 +46,13 @@ class EngineStats:
             num_preemptions=sum(s["num_preemptions"] for s in live),
             prefix_cache_queries=sum(s["prefix_cache_queries"] for s in live),
             prefix_cache_hits=sum(s["prefix_cache_hits"] for s in live),
-            spec_draft_tokens=sum(s.get("spec_draft_tokens", 0) for s in decode),
-            spec_accepted_tokens=sum(s.get("spec_accepted_tokens", 0) for s in decode))
+            num_draft_tokens=sum(s.get("num_draft_tokens", 0) for s in decode),
+            num_accepted_tokens=sum(s.get("num_accepted_tokens", 0) for s in decode))
 
     @property
-    def spec_acceptance_rate(self) -> float:
+    def draft_acceptance_rate(self) -> float:
         """Accepted / proposed draft tokens (0 before any draft)."""
-        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
 class EngineError(RuntimeError):

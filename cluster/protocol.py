@@ -201,8 +201,8 @@ class WorkerStats(TypedDict, total=False):
     prefix_cache_hit_rate: float
     tokens_out: int
     requests: int
-    spec_draft_tokens: int
-    spec_accepted_tokens: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
     transfers_inflight: int
     awaiting_kv: int
     orphans: int

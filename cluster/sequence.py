@@ -32,8 +32,8 @@ class Sequence:
     block_table: block ids holding positions [i * block_size, (i + 1) * block_size).
     block_hashes: chained hashes of the full blocks of token_ids computed so far.
     max_tokens: output tokens allowed after clamping to the context.
-    spec: speculative decoding state (`Speculator.state_for`, decode_node/speculative.py's SpecState), None
-        when it is off.
+    speculation: speculative decoding state (`Speculator.state_for`, decode_node/speculative.py's
+        SpeculationState), None when it is off.
     num_draft_computed: tokens whose draft-model KV is in the draft pool (same block_table), at most
     num_computed_tokens after every step (the rejected drafts' KV is rolled back by lowering it).
     draft_state: the drafter's own per-sequence state (e.g. the prompt-lookup n-gram index).
@@ -52,7 +52,7 @@ class Sequence:
     rng_key: Any = None
     output_text: Any = None  # cluster.detokenizer.OutputText
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
-    spec: Any = None
+    speculation: Any = None
     num_draft_computed: int = 0
     draft_state: Any = None
     remote_decode: bool = False

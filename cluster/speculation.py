@@ -52,7 +52,7 @@ class Speculator(Protocol):
     """What the engine asks about speculative decoding; every call comes from the engine's thread.
 
     `methods`: the speculative methods it can run (`SamplingParams.speculative_method` values).
-    `state_for(request)`: the per-sequence state of a new sequence (kept in `Sequence.spec`, opaque to the
+    `state_for(request)`: the per-sequence state of a new sequence (kept in `Sequence.speculation`, opaque to the
     engine), None when the request does not speculate. `lookahead(seq)`: draft tokens to reserve blocks for in
     this decode step (asked once per step). `propose(items)`: the drafts of a decode step's (sequence, tokens
     scheduled) items by request id; a sequence gets at most tokens - 1 draft tokens. `verify(seqs, drafts,

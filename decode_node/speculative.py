@@ -18,7 +18,7 @@ after d1..di. Each sequence of the batch then accepts its own number of drafts:
 So a step emits 1..k+1 tokens per sequence. p_i is what `cluster.sampling.sample` would draw from at that
 position: logit_bias, penalties (over the output plus the drafts before it), temperature, top-k/p, min-p.
 
-The number of drafts adapts per sequence (`SpecState`): with per-token acceptance rate a, a step with k drafts
+The number of drafts adapts per sequence (`SpeculationState`): with per-token acceptance rate a, a step with k drafts
 emits E(k) = (1 - a^(k+1)) / (1 - a) tokens on average (Leviathan et al. 2023, eq. 1) and costs about
 1 + c*k plain steps (c = the drafter's `cost_per_token`: drafting plus verifying one more token), so each
 sequence uses the k in [0, its maximum] that maximizes E(k) / (1 + c*k) for its recent acceptance rate
@@ -88,7 +88,7 @@ def best_draft_length(acceptance: float, max_tokens: int, cost_per_token: float)
 
 
 @dataclass
-class SpecState:
+class SpeculationState:
     """Speculative decoding state of one sequence: its method, its maximum draft length and its recent
     acceptance. `accepted` / `trials` are decayed counts of accepted drafts and of drafts whose fate was
     decided (accepted ones plus the first rejected one); their ratio estimates the per-token acceptance
@@ -215,28 +215,28 @@ class DecodeSpeculator:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
 
-    def state_for(self, request: GenerateRequest) -> Optional[SpecState]:
+    def state_for(self, request: GenerateRequest) -> Optional[SpeculationState]:
         """The request's speculation (its own choice, else the engine's default); None when it is off."""
         sp = request.sampling
         method = sp.speculative_method or self.config.speculative_method
         k = self.config.num_draft_tokens if sp.num_draft_tokens is None else sp.num_draft_tokens
         if method is None or k == 0 or method not in self.drafters:
             return None
-        return SpecState(method, k)
+        return SpeculationState(method, k)
 
     def lookahead(self, seq: Sequence) -> int:
-        drafter = self.drafters.get(seq.spec.method) if seq.spec is not None else None
+        drafter = self.drafters.get(seq.speculation.method) if seq.speculation is not None else None
         if drafter is None:
             return 0
         left = seq.max_tokens - seq.num_output_tokens - 1  # the corrected or bonus token comes on top
-        return max(0, min(seq.spec.num_draft_tokens(drafter.cost_per_token), left))
+        return max(0, min(seq.speculation.num_draft_tokens(drafter.cost_per_token), left))
 
     def propose(self, items: list[tuple[Sequence, int]]) -> dict[str, Draft]:
         """Each drafter is called once, for its sequences."""
         by_method: dict[str, list[tuple[Sequence, int]]] = {}
         for seq, n in items:
-            if n > 1 and seq.spec is not None:
-                by_method.setdefault(seq.spec.method, []).append((seq, n))
+            if n > 1 and seq.speculation is not None:
+                by_method.setdefault(seq.speculation.method, []).append((seq, n))
         drafts = {}
         for method, group in by_method.items():
             proposed = self.drafters[method].propose([seq for seq, _ in group], [n - 1 for _, n in group])
@@ -252,11 +252,11 @@ class DecodeSpeculator:
     def record(self, seq: Sequence, draft: Draft, verified: Verified) -> None:
         self.num_draft_tokens += len(draft.tokens)
         self.num_accepted_tokens += verified.num_accepted
-        seq.spec.update(len(draft.tokens), verified.num_accepted)
+        seq.speculation.update(len(draft.tokens), verified.num_accepted)
 
     def release(self, seq: Sequence) -> None:
-        if seq.spec is not None and seq.spec.method in self.drafters:
-            self.drafters[seq.spec.method].release(seq)
+        if seq.speculation is not None and seq.speculation.method in self.drafters:
+            self.drafters[seq.speculation.method].release(seq)
 
     def reset(self) -> None:
         for drafter in self.drafters.values():

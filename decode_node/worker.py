@@ -105,11 +105,11 @@ class DecodeWorker(Worker):
 
     def _role_stats(self) -> dict:
         s = self.engine.speculator
-        spec = {"spec_draft_tokens": s.num_draft_tokens, "spec_accepted_tokens": s.num_accepted_tokens}
+        drafts = {"num_draft_tokens": s.num_draft_tokens, "num_accepted_tokens": s.num_accepted_tokens}
         if self.receiver is None:
-            return spec
+            return drafts
         m = self.receiver.metrics
-        return {**spec, "transfers_inflight": len(self.receiver.live), "awaiting_kv": len(self.admissions.awaiting),
+        return {**drafts, "transfers_inflight": len(self.receiver.live), "awaiting_kv": len(self.admissions.awaiting),
                 "orphans": len(self.admissions.orphans), "kv_bytes_received": m.value("bytes_total"),
                 "kv_blocks_received": m.value("blocks_total"), "transfer_timeouts": m.value("timeouts_total"),
                 "reservations_busy": m.value("reservations_total", outcome="busy")}

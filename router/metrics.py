@@ -69,16 +69,16 @@ class EngineStatsCollector(Collector):
             "engine_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache",
                                             s.prefix_cache_queries),
             "engine_prefix_cache_hits": ("Prompt tokens served from the prefix cache", s.prefix_cache_hits),
-            "engine_spec_draft_tokens": ("Speculative decoding: draft tokens proposed and verified",
-                                         s.spec_draft_tokens),
-            "engine_spec_accepted_tokens": ("Speculative decoding: draft tokens accepted",
-                                            s.spec_accepted_tokens),
+            "engine_draft_tokens": ("Speculative decoding: draft tokens proposed and verified",
+                                    s.num_draft_tokens),
+            "engine_draft_accepted_tokens": ("Speculative decoding: draft tokens accepted",
+                                             s.num_accepted_tokens),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
-        yield GaugeMetricFamily(PREFIX + "engine_spec_acceptance_rate",
+        yield GaugeMetricFamily(PREFIX + "engine_draft_acceptance_rate",
                                 "Speculative decoding: accepted / proposed draft tokens since start (0 before any)",
-                                value=s.spec_acceptance_rate)
+                                value=s.draft_acceptance_rate)
 
 
 class RouterMetrics:

@@ -49,7 +49,7 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(504, f"{exc}; the request was aborted", code="timeout")
     if isinstance(exc, ClientDisconnected):
         return APIError(CLIENT_CLOSED, "the client disconnected", code="client_disconnected")
-    if isinstance(exc, ValueError):  # the engine's own request check (e.g. LocalEngineClient.check_request)
+    if isinstance(exc, ValueError):  # the engine's own request check (e.g. InProcessEngineClient.check_request)
         return APIError(400, f"the engine rejected this request: {exc}")
     if isinstance(exc, EngineStreamEnded):
         return APIError(500, str(exc), code="engine_error")

@@ -19,14 +19,14 @@ def free_port() -> int:
 @contextmanager
 def live_server(api_key: str | None = None, **engine_config):
     """Yield (base_url, client) for a server over the shared real model with `engine_config`."""
-    from cluster.launch.single_node import start_local_worker
+    from cluster.launch.single_node import start_in_process_worker
     from cluster.model import DEFAULT_MODEL
     from router.app import create_app
     from router.tokenizer import RouterTokenizer
     from tests.engine_helpers import make_engine
 
     core = make_engine(**engine_config)
-    client = start_local_worker(core, model_name=DEFAULT_MODEL)
+    client = start_in_process_worker(core, model_name=DEFAULT_MODEL)
     tokenizer = RouterTokenizer(core.tokenizer)
     app = create_app(client, tokenizer, served_model_names=[DEFAULT_MODEL], api_key=api_key)
     try:

@@ -332,10 +332,10 @@ def test_router_metrics_sum_the_decode_workers_speculative_counters():
             "model": MODEL, "prompt": "Repeat exactly: " + text, "max_tokens": 24, "temperature": 0,
             "speculative": {"method": "prompt_lookup", "num_draft_tokens": 4}})
         assert r.status_code == 200, r.text
-        per_worker = lambda: sum(w.stats().get("spec_draft_tokens", 0) for w in workers.values())  # noqa: E731
-        assert wait_until(lambda: per_worker() > 0 and client.stats().spec_draft_tokens == per_worker())
+        per_worker = lambda: sum(w.stats().get("num_draft_tokens", 0) for w in workers.values())  # noqa: E731
+        assert wait_until(lambda: per_worker() > 0 and client.stats().num_draft_tokens == per_worker())
         metrics = httpx.get(base + "/metrics", timeout=10).text
         drafted = [float(line.split()[-1]) for line in metrics.splitlines()
-                   if line.startswith(PREFIX + "engine_spec_draft_tokens_total")]
-        assert drafted and drafted[0] == per_worker(), [ln for ln in metrics.splitlines() if "spec" in ln]
+                   if line.startswith(PREFIX + "engine_draft_tokens_total")]
+        assert drafted and drafted[0] == per_worker(), [ln for ln in metrics.splitlines() if "draft" in ln]
 

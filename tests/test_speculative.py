@@ -14,8 +14,8 @@ from cluster.request import FinishReason, GenerateRequest, SamplingParams
 from cluster.runner import BatchItem, Logits, ModelRunner
 from decode_node.drafters import check_same_tokenizer
 from tests.engine_helpers import chat_prompt, make_engine, real_model, run
-from tests.spec_helpers import (DRAFTERS, REPEAT, REWRITE, draft_parts, plain, prompts, run_checked, spec_engine,
-                                spec_greedy)
+from tests.speculation_helpers import (DRAFTERS, REPEAT, REWRITE, draft_parts, plain, prompts, run_checked,
+                                       speculative_engine, speculative_greedy)
 
 
 class PromptComputedElsewhere(NoConnector):
@@ -46,8 +46,8 @@ def drafted(engine) -> None:
 def test_greedy_equals_plain_at_batch_1(method, k):
     prompt = chat_prompt(REWRITE)
     ref = plain([prompt], 32)[0]
-    engine = spec_engine()
-    got = run_checked(engine, [spec_greedy("a", prompt, 32, method, k)])["a"]
+    engine = speculative_engine()
+    got = run_checked(engine, [speculative_greedy("a", prompt, 32, method, k)])["a"]
     assert_same(got, ref)
     drafted(engine)
     assert max(n for n, _ in got.steps) > 1  # some steps emitted several tokens
@@ -59,12 +59,13 @@ def test_greedy_equals_plain_at_batch_4_with_per_sequence_lengths(method):
     """Four sequences in one batch, each with its own maximum draft length (2, 4, 8, 4) and acceptance."""
     ps = prompts(4)
     refs = plain(ps, 24)
-    engine = spec_engine()
-    got = run_checked(engine, [spec_greedy(f"b{i}", p, 24, method, k) for i, (p, k) in enumerate(zip(ps, (2, 4, 8, 4)))])
+    engine = speculative_engine()
+    requests = [speculative_greedy(f"b{i}", p, 24, method, k) for i, (p, k) in enumerate(zip(ps, (2, 4, 8, 4)))]
+    got = run_checked(engine, requests)
     for i, ref in enumerate(refs):
         assert_same(got[f"b{i}"], ref)
     drafted(engine)
-    accepted = [got[f"b{i}"].seq.spec.accepted_total for i in range(4)]
+    accepted = [got[f"b{i}"].seq.speculation.accepted_total for i in range(4)]
     assert len(set(accepted)) > 1  # each sequence accepts its own number of tokens
 
 
@@ -75,8 +76,8 @@ def test_second_chat_turn_from_the_prefix_cache(method):
     _, tokenizer, _ = real_model()
     messages = [{"role": "user", "content": REWRITE}]
     turn1 = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    engine = spec_engine()
-    first = run_checked(engine, [spec_greedy("t1", turn1, 40, method, 4)])["t1"]
+    engine = speculative_engine()
+    first = run_checked(engine, [speculative_greedy("t1", turn1, 40, method, 4)])["t1"]
     assert_same(first, plain([turn1], 40)[0])
     messages += [{"role": "assistant", "content": first.text},
                  {"role": "user", "content": "Now repeat your answer word for word."}]
@@ -85,7 +86,7 @@ def test_second_chat_turn_from_the_prefix_cache(method):
     draft = engine.speculator.drafters["draft_model"]
     forward = draft.runner.forward
     draft.runner.forward = lambda items: fed.append(sum(len(it.token_ids) for it in items)) or forward(items)
-    second = run_checked(engine, [spec_greedy("t2", turn2, 40, method, 4)])["t2"]
+    second = run_checked(engine, [speculative_greedy("t2", turn2, 40, method, 4)])["t2"]
     ref = plain([turn2], 40, config={"enable_prefix_caching": False})[0]
     assert_same(second, ref)
     assert second.final.num_cached_tokens >= len(turn1) // 32 * 32 > 0
@@ -103,10 +104,10 @@ def test_stops_inside_accepted_blocks(method):
     assert eos_ref.final.finish_reason is FinishReason.STOP and len(eos_ref.token_ids) < 32
     stop = " next Tuesday"
     assert stop in full_ref.text
-    requests = [spec_greedy("eos", repeat, 32, method, 8, logprobs=1),
-                spec_greedy("stop", rewrite, 40, method, 8, logprobs=1, stop=(stop,))]
-    requests += [spec_greedy(f"m{m}", rewrite, m, method, 4, logprobs=1) for m in range(1, 9)]
-    engine = spec_engine()
+    requests = [speculative_greedy("eos", repeat, 32, method, 8, logprobs=1),
+                speculative_greedy("stop", rewrite, 40, method, 8, logprobs=1, stop=(stop,))]
+    requests += [speculative_greedy(f"m{m}", rewrite, m, method, 4, logprobs=1) for m in range(1, 9)]
+    engine = speculative_engine()
     got = run_checked(engine, requests)
     assert_same(got["eos"], eos_ref)
     stopped = got["stop"]
@@ -132,8 +133,8 @@ def test_penalties_and_logit_bias_see_the_drafts_before_them(method):
     prompt = chat_prompt(REPEAT)
     kw = dict(repetition_penalty=1.2, frequency_penalty=0.5, logit_bias=((578, 5.0),))
     ref = plain([prompt], 24, **kw)[0]
-    engine = spec_engine()
-    got = run_checked(engine, [spec_greedy("r", prompt, 24, method, 4, **kw)])["r"]
+    engine = speculative_engine()
+    got = run_checked(engine, [speculative_greedy("r", prompt, 24, method, 4, **kw)])["r"]
     assert_same(got, ref)
     drafted(engine)
 
@@ -146,9 +147,9 @@ def test_quantized_kv_with_prefix_caching(method):
     ps = [tokenizer.apply_chat_template([system, {"role": "user", "content": t}], add_generation_prompt=True)
           for t in (REWRITE, REPEAT)]
     refs = [plain([p], 24, config={"kv_bits": 8, "enable_prefix_caching": False})[0] for p in ps]
-    engine = spec_engine(kv_bits=8)
-    first = run_checked(engine, [spec_greedy("q0", ps[0], 24, method, 4)])["q0"]
-    second = run_checked(engine, [spec_greedy("q1", ps[1], 24, method, 4)])["q1"]
+    engine = speculative_engine(kv_bits=8)
+    first = run_checked(engine, [speculative_greedy("q0", ps[0], 24, method, 4)])["q0"]
+    second = run_checked(engine, [speculative_greedy("q1", ps[1], 24, method, 4)])["q1"]
     assert_same(first, refs[0])
     assert_same(second, refs[1])
     assert second.final.num_cached_tokens > 0
@@ -162,8 +163,9 @@ def test_preemption_with_speculation(method):
     _, tokenizer, _ = real_model()
     ps = [tokenizer.encode(f"Story number {i}: once upon a time, once upon a time") for i in range(4)]
     refs = plain(ps, 40, ignore_eos=True)
-    engine = spec_engine(block_size=8, num_blocks=24)
-    got = run_checked(engine, [spec_greedy(f"p{i}", p, 40, method, 4, ignore_eos=True) for i, p in enumerate(ps)])
+    engine = speculative_engine(block_size=8, num_blocks=24)
+    requests = [speculative_greedy(f"p{i}", p, 40, method, 4, ignore_eos=True) for i, p in enumerate(ps)]
+    got = run_checked(engine, requests)
     assert engine.scheduler.num_preemptions > 0
     for i, ref in enumerate(refs):
         assert got[f"p{i}"].token_ids == ref.token_ids
@@ -177,16 +179,16 @@ def test_prefilled_sequence_gets_its_draft_prefill_here():
     KV then equals a fresh draft-model prefill of the same tokens."""
     prompt = chat_prompt(REWRITE)
     ref = plain([prompt], 24)[0]
-    engine = spec_engine(prefill_chunk_size=16)
+    engine = speculative_engine(prefill_chunk_size=16)
     table = list(engine.kv.reserve("h", [], -(-(len(prompt) + 1) // engine.block_size), 0).block_table)
     logits = engine.runner.forward([BatchItem(table, 0, prompt, Logits.LAST)])[0]
     first = int(mx.argmax(logits).item())
     engine.connector = PromptComputedElsewhere({"h": first})
-    request = spec_greedy("h", prompt, 24, "draft_model", 4)
+    request = speculative_greedy("h", prompt, 24, "draft_model", 4)
     assert engine.add_request(request, remote_prefill=True) is None
     seq = engine.sequences["h"]
     outputs = []
-    while seq.spec.proposed_total == 0:  # the draft prefill takes ceil(prompt / 16) steps, then it drafts
+    while seq.speculation.proposed_total == 0:  # the draft prefill takes ceil(prompt / 16) steps, then it drafts
         outputs += engine.step()
     assert not seq.finished and 1 < len(outputs) <= -(-len(prompt) // 16)  # in chunks of at most 16
     assert [first] + [t for o in outputs for t in o.token_ids] == ref.token_ids[:seq.num_output_tokens]
@@ -207,18 +209,18 @@ def test_sampling_with_speculation_is_seeded_and_well_formed(method):
     prompt = chat_prompt(REWRITE)
     sp = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=5, logprobs=0, speculative_method=method,
                         num_draft_tokens=4)
-    first = run_checked(spec_engine(), [GenerateRequest("s", tuple(prompt), sp)])["s"]
-    again = run_checked(spec_engine(), [GenerateRequest("s", tuple(prompt), sp)])["s"]
+    first = run_checked(speculative_engine(), [GenerateRequest("s", tuple(prompt), sp)])["s"]
+    again = run_checked(speculative_engine(), [GenerateRequest("s", tuple(prompt), sp)])["s"]
     assert first.token_ids == again.token_ids and first.text == again.text
     assert len(first.token_ids) == first.final.num_output_tokens == len(first.logprobs)
-    assert first.seq.spec.proposed_total > 0
+    assert first.seq.speculation.proposed_total > 0
 
 
 def test_requests_for_a_missing_drafter_are_refused_and_tokenizers_checked():
     engine = make_engine()
     with pytest.raises(ValueError, match="draft_model.*not available"):
-        engine.add_request(spec_greedy("x", [5, 6, 7], 4, "draft_model", 4))
-    assert run(engine, [spec_greedy("y", [5, 6, 7], 4, "draft_model", 0)])["y"].final.num_output_tokens == 4
+        engine.add_request(speculative_greedy("x", [5, 6, 7], 4, "draft_model", 4))
+    assert run(engine, [speculative_greedy("y", [5, 6, 7], 4, "draft_model", 0)])["y"].final.num_output_tokens == 4
     _, tokenizer, _ = real_model()
 
     class Other:

@@ -7,18 +7,18 @@ import httpx
 import pytest
 
 from tests.live_server import serve_app
-from tests.spec_helpers import DRAFTERS, REPEAT, REWRITE, spec_engine
+from tests.speculation_helpers import DRAFTERS, REPEAT, REWRITE, speculative_engine
 from tests.test_api_real import MODEL, post, stream_events
 
 
 @pytest.fixture(scope="module")
 def server():
-    from cluster.launch.single_node import start_local_worker
+    from cluster.launch.single_node import start_in_process_worker
     from router.app import create_app
     from router.tokenizer import RouterTokenizer
 
-    core = spec_engine(max_num_seqs=4)
-    client = start_local_worker(core, model_name=MODEL)
+    core = speculative_engine(max_num_seqs=4)
+    client = start_in_process_worker(core, model_name=MODEL)
     app = create_app(client, RouterTokenizer(core.tokenizer), served_model_names=[MODEL])
     try:
         with serve_app(app) as base:
@@ -85,23 +85,23 @@ def test_metrics_and_refusals(server):
     post(base, "/v1/chat/completions", chat(REPEAT, 16, speculative={"method": "prompt_lookup"}))
     text = httpx.get(base + "/metrics").text
     values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-              if line.startswith("mlxpd_router_engine_spec")}
-    assert values["mlxpd_router_engine_spec_draft_tokens_total"] == core.speculator.num_draft_tokens > 0
-    assert values["mlxpd_router_engine_spec_accepted_tokens_total"] == core.speculator.num_accepted_tokens > 0
-    assert 0 < values["mlxpd_router_engine_spec_acceptance_rate"] <= 1
+              if line.startswith("mlxpd_router_engine_draft")}
+    assert values["mlxpd_router_engine_draft_tokens_total"] == core.speculator.num_draft_tokens > 0
+    assert values["mlxpd_router_engine_draft_accepted_tokens_total"] == core.speculator.num_accepted_tokens > 0
+    assert 0 < values["mlxpd_router_engine_draft_acceptance_rate"] <= 1
     for bad in ({"method": "medusa"}, {"method": "prompt_lookup", "num_draft_tokens": 17}, {"num_draft_tokens": 2}):
         r = post(base, "/v1/chat/completions", chat("Hi", 4, speculative=bad))
         assert r.status_code == 400 and "speculative" in r.json()["error"]["message"], r.text
 
 
 def test_a_missing_draft_model_is_a_400():
-    from cluster.launch.single_node import start_local_worker
+    from cluster.launch.single_node import start_in_process_worker
     from router.app import create_app
     from router.tokenizer import RouterTokenizer
     from tests.engine_helpers import make_engine
 
     core = make_engine()
-    client = start_local_worker(core, model_name=MODEL)
+    client = start_in_process_worker(core, model_name=MODEL)
     app = create_app(client, RouterTokenizer(core.tokenizer), served_model_names=[MODEL])
     try:
         with serve_app(app) as base:

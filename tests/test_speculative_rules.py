@@ -14,7 +14,7 @@ from cluster.protocol import from_wire, to_wire
 from cluster.request import GenerateRequest, SamplingParams
 from cluster.sampling import probabilities
 from decode_node.drafters import NgramIndex
-from decode_node.speculative import (PROBE_EVERY, SpecState, accept_greedy, accept_sampled, best_draft_length,
+from decode_node.speculative import (PROBE_EVERY, SpeculationState, accept_greedy, accept_sampled, best_draft_length,
                                      expected_tokens)
 
 V = 8  # vocabulary of the statistical test
@@ -120,7 +120,7 @@ def test_draft_length_follows_acceptance_and_cost():
     assert best_draft_length(0.05, 8, 0.1) == 0  # a hopeless drafter: off
     assert 0 < best_draft_length(0.7, 8, 0.1) < 8
     assert best_draft_length(0.9, 8, 1.0) == 0  # drafts as dear as the target: never worth it
-    state = SpecState("prompt_lookup", 8)
+    state = SpeculationState("prompt_lookup", 8)
     start = state.num_draft_tokens(0.1)
     for _ in range(10):
         state.update(start, 0)  # everything rejected: the length falls to 0 ...
@@ -130,7 +130,7 @@ def test_draft_length_follows_acceptance_and_cost():
     for _ in range(10):
         state.update(4, 4)
     assert state.num_draft_tokens(0.1) >= 4 and state.proposed_total == start * 10 + 40
-    dear = SpecState("draft_model", 8)  # a draft slower than the target: off, and never probed
+    dear = SpeculationState("draft_model", 8)  # a draft slower than the target: off, and never probed
     assert [dear.num_draft_tokens(1.8) for _ in range(2 * PROBE_EVERY)] == [0] * 2 * PROBE_EVERY
 
 

@@ -2,7 +2,7 @@
 
     cli.py          the `mlx-pd` command (serve, generate, keys, up/status/down, worker/router; bench and
                     profile hand over to the benchmarks tool when it is installed)
-    single_node.py  single-node mode: a decode worker over an in-process channel behind `LocalEngineClient`
+    single_node.py  single-node mode: a decode worker over an in-process channel behind `InProcessEngineClient`
                     (`mlx-pd serve`)
     processes.py    cluster mode without Ray: one worker or the router in this process
     ray_up.py       cluster mode on Ray: `up`, `status`, `down` of a topology

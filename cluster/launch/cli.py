@@ -86,13 +86,13 @@ def _start(args: argparse.Namespace):
     """Load the model with a progress bar; returns (client, model folder)."""
     from tqdm import tqdm
 
-    from cluster.launch.single_node import start_local_engine
+    from cluster.launch.single_node import start_single_node_engine
 
     topology = _topology(args)
     model = args.model or topology.model.source
     name = args.served_model_name or topology.model.served_name
     with tqdm(total=1, desc="loading model", unit="model", file=sys.stderr, leave=False) as bar:
-        client, path = start_local_engine(model, _engine_config(args, topology), name)
+        client, path = start_single_node_engine(model, _engine_config(args, topology), name)
         bar.update(1)
     return client, path
 

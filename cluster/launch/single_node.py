@@ -2,7 +2,7 @@
 
 Single-node mode is a `decode_node.worker.DecodeWorker` with no KV socket and no network socket: its loop
 thread owns the engine (every model call happens on it), and its control channel is
-`cluster.control.InProcessControl`. `LocalEngineClient` implements `cluster.engine_client.EngineClient` for the
+`cluster.control.InProcessControl`. `InProcessEngineClient` implements `cluster.engine_client.EngineClient` for the
 router over that channel, with the same messages a router sends a worker over ZeroMQ: so a request meets the
 same admission (400 / 503 with Retry-After / admitted) as in cluster mode, the stats are the worker's report,
 and outputs come back, unpacked, through `loop.call_soon_threadsafe` into a per-request asyncio queue.
@@ -27,8 +27,8 @@ logger = logging.getLogger(__name__)
 HEALTH_CHECK_S = 1.0  # a request waiting for its next output checks this often that the loop still runs
 
 
-class LocalEngineClient:
-    """`EngineClient` over a `DecodeWorker` running in this process (`start_local_worker`)."""
+class InProcessEngineClient:
+    """`EngineClient` over a `DecodeWorker` running in this process (`start_in_process_worker`)."""
 
     def __init__(self, worker, channel: InProcessControl, model_name: str):
         self.worker, self.channel, self.model_name = worker, channel, model_name
@@ -94,9 +94,9 @@ def _ignore(item) -> None:
     return None
 
 
-def start_local_worker(engine, model_source: Optional[str] = None, model_name: Optional[str] = None):
+def start_in_process_worker(engine, model_source: Optional[str] = None, model_name: Optional[str] = None):
     """Run `engine` (a `cluster.engine.EngineCore`, its drafters injected or not) in a single-node decode
-    worker's loop; returns its `LocalEngineClient`. `model_source` is what a draft model defaults to (the
+    worker's loop; returns its `InProcessEngineClient`. `model_source` is what a draft model defaults to (the
     target, quantized). The loop thread owns the engine from here on."""
     from decode_node.worker import DecodeWorker  # the roof may import the roles
 
@@ -105,14 +105,14 @@ def start_local_worker(engine, model_source: Optional[str] = None, model_name: O
     channel = InProcessControl()
     worker = DecodeWorker(topology, spec, engine=engine, channel=channel)
     worker.start()
-    return LocalEngineClient(worker, channel, model_name or engine.spec.model_id)
+    return InProcessEngineClient(worker, channel, model_name or engine.spec.model_id)
 
 
-def start_local_engine(model: Optional[str] = None, config: Optional[EngineConfig] = None,
+def start_single_node_engine(model: Optional[str] = None, config: Optional[EngineConfig] = None,
                        model_name: Optional[str] = None):
     """Load the model and start the single-node worker.
 
-    Returns (LocalEngineClient, tokenizer_path). `model` is anything `cluster.model.resolve_model_path`
+    Returns (InProcessEngineClient, tokenizer_path). `model` is anything `cluster.model.resolve_model_path`
     accepts (None = the default SmolLM2). Runs the model load on the calling thread, then hands the
     engine to the worker's loop thread.
     """
@@ -122,6 +122,6 @@ def start_local_engine(model: Optional[str] = None, config: Optional[EngineConfi
     config = config or EngineConfig()
     path, spec = served_model(model, model_name, config.dtype)
     model_obj, tokenizer = load_model(path, dtype=config.dtype)
-    client = start_local_worker(EngineCore(model_obj, tokenizer, spec, config), model, spec.model_id)
+    client = start_in_process_worker(EngineCore(model_obj, tokenizer, spec, config), model, spec.model_id)
     atexit.register(client.stop)  # stop stepping before the interpreter tears MLX down
     return client, path

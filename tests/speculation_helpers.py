@@ -31,7 +31,7 @@ def draft_parts():
     return load_draft_model(str(ensure_default_model(progress=False)), "float32", 4, keep_float=True)
 
 
-def spec_engine(**config):
+def speculative_engine(**config):
     """A fresh engine over the real model with both drafters. The draft model's cost is set low (0.05) so
     that its adaptive draft length stays above 0 here (its real CPU cost would turn it off)."""
     engine = make_engine(**config)
@@ -54,46 +54,47 @@ def plain(prompts, max_tokens: int, config: dict | None = None, **kwargs) -> lis
                        tuple(sorted((config or {}).items()))))
 
 
-def spec_greedy(rid: str, prompt, max_tokens: int, method: str, k: int, **kw) -> GenerateRequest:
+def speculative_greedy(rid: str, prompt, max_tokens: int, method: str, k: int, **kw) -> GenerateRequest:
     return greedy(rid, prompt, max_tokens, speculative_method=method, num_draft_tokens=k, **kw)
 
 
 @dataclass
-class SpecResult(Result):
+class SpeculativeResult(Result):
     """A Result plus, per delta, (tokens in it, drafts accepted in its step) and the sequence itself."""
 
     steps: list = field(default_factory=list)
     seq: object = None
 
 
-def run_checked(engine, requests: list[GenerateRequest]) -> dict[str, SpecResult]:
+def run_checked(engine, requests: list[GenerateRequest]) -> dict[str, SpeculativeResult]:
     """Add all requests, step until done, and after every step check each live decoding sequence's KV:
 
     - target: `num_computed_tokens == len(token_ids) - 1` (prompt + generated, less the newest token, which the
       next step feeds), i.e. rejected drafts were rolled back;
     - draft model, after a step that verified its draft: `num_draft_computed` equals that too, or is one less
       when every draft was accepted (the last draft token is fed to the draft model in the next step)."""
-    results = {r.request_id: SpecResult() for r in requests}
+    results = {r.request_id: SpeculativeResult() for r in requests}
     for r in requests:
         out = engine.add_request(r)
         results[r.request_id].seq = engine.sequences.get(r.request_id)
         if out is not None:
             results[r.request_id].outputs.append(out)
     while engine.has_work():
-        before = {rid: (res.seq.spec.proposed_total, res.seq.spec.accepted_total)
-                  for rid, res in results.items() if res.seq is not None and res.seq.spec is not None}
+        before = {rid: (res.seq.speculation.proposed_total, res.seq.speculation.accepted_total)
+                  for rid, res in results.items() if res.seq is not None and res.seq.speculation is not None}
         for out in engine.step():
             res = results[out.request_id]
             res.add(out)
-            accepted = res.seq.spec.accepted_total - before[out.request_id][1] if out.request_id in before else 0
+            accepted = res.seq.speculation.accepted_total - before[out.request_id][1] if out.request_id in before else 0
             res.steps.append((len(out.token_ids), accepted))
         for rid, (proposed, accepted) in before.items():
             seq = results[rid].seq
             if seq.finished or seq.is_prefilling:
                 continue
             assert seq.num_computed_tokens == len(seq.token_ids) - 1, rid
-            new_proposed, new_accepted = seq.spec.proposed_total - proposed, seq.spec.accepted_total - accepted
-            if seq.spec.method == "draft_model" and new_proposed:
+            state = seq.speculation
+            new_proposed, new_accepted = state.proposed_total - proposed, state.accepted_total - accepted
+            if state.method == "draft_model" and new_proposed:
                 full = new_accepted == new_proposed
                 assert seq.num_draft_computed == seq.num_computed_tokens - (1 if full else 0), rid
     return results

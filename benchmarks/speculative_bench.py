@@ -1,7 +1,7 @@
 """Speculative decoding: plain decoding vs prompt lookup vs a draft model, on a workload whose answers
 repeat their prompts (repeat, reformat, correct, summarize a paragraph), at several concurrency levels.
 
-    mlx-pd bench spec --concurrency 1,4 --num-requests 16 --out spec.json --markdown spec.md
+    mlx-pd bench speculative --concurrency 1,4 --num-requests 16 --out speculative.json --markdown speculative.md
 
 One mlx-pd server serves all three modes: it loads a draft model (default: a 4-bit copy of the target) and
 each request picks its mode with the `speculative` field ({"method": ..., "num_draft_tokens": k}, none for
@@ -34,7 +34,7 @@ from benchmarks.servers import ServerProcess, free_port, mlx_pd_command
 from benchmarks.stats import merge_rounds
 
 MODES = ("plain", "prompt_lookup", "draft_model")
-SPEC_COUNTERS = ("mlxpd_router_engine_spec_draft_tokens", "mlxpd_router_engine_spec_accepted_tokens")
+DRAFT_COUNTERS = ("mlxpd_router_engine_draft_tokens", "mlxpd_router_engine_draft_accepted_tokens")
 
 PARAGRAPHS = (
     "The old lighthouse stood at the edge of the cliff for more than two hundred years. Every night its keeper "
@@ -79,7 +79,7 @@ def workload(n: int, offset: int = 0) -> list[str]:
 
 
 @dataclass(frozen=True)
-class SpecWorkload(WorkloadConfig):
+class SpeculativeWorkload(WorkloadConfig):
     """A WorkloadConfig whose requests carry `speculative` (None = plain decoding)."""
 
     speculative: Optional[dict] = None
@@ -132,7 +132,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 async def _level(url: str, modes: list[str], concurrency: int, args, log) -> dict:
-    cfgs = {m: SpecWorkload(url=url, max_tokens=args.max_tokens, ignore_eos=False,
+    cfgs = {m: SpeculativeWorkload(url=url, max_tokens=args.max_tokens, ignore_eos=False,
                             speculative=None if m == "plain" else {"method": m, "num_draft_tokens": args.num_draft_tokens})
             for m in modes}
     for m in modes:  # warm-up, unmeasured
@@ -144,11 +144,11 @@ async def _level(url: str, modes: list[str], concurrency: int, args, log) -> dic
     for r in range(args.rounds):
         prompts = workload(per_round, offset=r * per_round)
         for m in (modes if r % 2 == 0 else modes[::-1]):
-            before = prom_counters(url, SPEC_COUNTERS)
+            before = prom_counters(url, DRAFT_COUNTERS)
             recs, duration = await run_load(cfgs[m], prompts, concurrency=concurrency, progress=not args.no_progress,
                                             desc=f"c={concurrency} round {r + 1}/{args.rounds} {m}")
-            after = prom_counters(url, SPEC_COUNTERS)
-            for i, name in enumerate(SPEC_COUNTERS):
+            after = prom_counters(url, DRAFT_COUNTERS)
+            for i, name in enumerate(DRAFT_COUNTERS):
                 counters[m][i] += (after[name] or 0.0) - (before[name] or 0.0)
             done[m].append((recs, duration))
             texts[m].update({f"{r}:{i}": rec.text for i, rec in enumerate(recs)})
