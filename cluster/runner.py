@@ -20,7 +20,7 @@ from cluster.kv_layout import BatchLayout
 from cluster.kv_store import KVStore
 from cluster.model_families import VerifiedModel, verify_model
 from cluster.request import TokenLogprob
-from cluster.sampling import sample
+from cluster.sampling import prompt_logprobs, sample
 from cluster.sequence import Sequence
 from cluster.speculation import Draft, Verified
 
@@ -106,6 +106,9 @@ class ModelRunner:
         if drafts and self.store.mirror is not None:
             self.store.mirror.reset()  # a verify step gathers; the next plain decode step rebuilds the mirror
         self._sample([row for row in rows if row.samples])
+        for row in rows:
+            if row.prompt_logits is not None:
+                row.prompt_logprobs = _prompt_logprobs(row)
         verifying = [row for row in rows if row.draft is not None]
         if verifying:
             results = verify([r.seq for r in verifying], [r.draft for r in verifying], [r.logits for r in verifying])
@@ -133,7 +136,10 @@ class RowResult:
     The step computed the KV of `seq.token_ids[start:start + num_fed]` (a verified draft's accepted tokens are
     counted by the engine). `wanted`/`logits`: the logits it asked for and got (float32 [vocab] for LAST,
     [T, vocab] for ALL). `samples`: the step reached the end of its tokens, so `token`/`logprob` hold the next
-    token sampled. `draft`/`verified`: the draft fed after the last token and what verification accepted."""
+    token sampled. `draft`/`verified`: the draft fed after the last token and what verification accepted.
+    `prompt_logprobs`: for a request that wants them, the entries of the prompt positions this chunk predicted
+    (positions start + 1 .. start + num_fed, within the prompt), unless the sequence already has them (a
+    recompute after preemption)."""
 
     seq: Sequence
     start: int
@@ -145,11 +151,21 @@ class RowResult:
     logprob: Optional[TokenLogprob] = None
     draft: Optional[Draft] = None
     verified: Optional[Verified] = None
+    prompt_logprobs: Optional[list[TokenLogprob]] = None
 
     @property
     def prompt_logits(self) -> Optional[mx.array]:
         """[num_fed, vocab] over a chunk of a request that wants prompt logprobs, else None."""
         return self.logits if self.draft is None and self.wanted is Logits.ALL else None
+
+
+def _prompt_logprobs(row: RowResult) -> Optional[list[TokenLogprob]]:
+    seq = row.seq
+    start, end = row.start, min(row.start + row.num_fed, seq.num_prompt_tokens - 1)
+    if end <= start or len(seq.prompt_logprobs) != start:
+        return None
+    return prompt_logprobs(row.prompt_logits[:end - start], seq.token_ids[start + 1:end + 1],
+                           seq.request.sampling.prompt_logprobs)
 
 
 def plan_row(seq: Sequence, num_tokens: int, is_prefill: bool,

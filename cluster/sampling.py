@@ -25,6 +25,11 @@ def make_key(seed: Optional[int]) -> mx.array:
     return mx.random.key(seed & 0xFFFFFFFFFFFFFFFF)
 
 
+def advance_key(key: mx.array) -> mx.array:
+    """`key` as it is after one draw by `sample` (the first half of its split), for a token sampled elsewhere."""
+    return mx.random.split(key)[0]
+
+
 def _penalize(row: mx.array, params: SamplingParams, prompt: Sequence[int], output: Sequence[int]) -> mx.array:
     if params.logit_bias:
         ids = mx.array([t for t, _ in params.logit_bias if t < row.shape[0]], dtype=mx.int32)

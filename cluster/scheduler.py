@@ -1,4 +1,5 @@
-"""Continuous batching: which sequences compute how many tokens in the next engine step.
+"""The sequences' lifecycle: continuous batching (which sequences compute how many tokens in the next engine
+step) and the bookkeeping after each step (appending tokens, finishing, caching computed blocks).
 
 Each step is either a prefill step (prompt chunks of one or more sequences, at most
 `prefill_chunk_size` tokens including padding) or a decode step (one token for every sequence that has
@@ -12,18 +13,32 @@ Speculative decoding is "schedule k+1" (nano-vllm's counters): `lookahead(seq)` 
 a decoding sequence wants this step; the decode item is then (seq, 1 + k), with blocks for all k+1
 positions. Only the one token every decoding sequence needs may preempt others; draft room is taken from
 free blocks only (k drops to 0 when there are none).
+
+After the step, `update_from_output` takes the runner's typed `RowResult`s (the shape of vLLM v1's
+`Scheduler.update_from_output` and nano-vllm's `Scheduler.postprocess`): it counts what was computed, caches the
+blocks that filled up, appends the sampled or accepted tokens, applies the stop rules (EOS, stop ids, stop
+strings, max_tokens) and finishes sequences. Accepted draft tokens are appended one at a time through the same
+`_append_token` as plain decoding, so every stop rule ends a sequence where plain decoding would. `finish` is the
+one way a sequence leaves: the speculator forgets it, the connector says whether its blocks are kept for the
+role (`Connector.request_finished`, called exactly once), and the `KVManager` frees or holds them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 from cluster.config import EngineConfig
+from cluster.connector import Connector, NoConnector
 from cluster.hashing import block_hashes
 from cluster.kv_manager import KVManager
+from cluster.request import FinishReason, RequestOutput
+from cluster.runner import RowResult
+from cluster.sampling import advance_key
 from cluster.sequence import Sequence, SequenceStatus
+from cluster.speculation import Draft, NoSpeculator, Speculator, Verified
 
 
 @dataclass
@@ -36,17 +51,24 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Owns the waiting queue, the sequences awaiting their prompt KV from another worker and the running
-    batch; allocates and frees their blocks through the `KVManager`.
+    """Owns the live sequences by request id (`sequences`), the waiting queue, the sequences awaiting their
+    prompt KV from another worker and the running batch; allocates and frees their blocks through the
+    `KVManager`, and updates them from each step's results.
 
-    `extra_key(cache_salt)` gives the first block's hash key (model, revision, KV format, salt);
-    `lookahead(seq)` the draft tokens a decoding sequence wants this step (None: never any).
+    `extra_key(cache_salt)` gives the first block's hash key (model, revision, KV format, salt); `eos_ids` the
+    model's end-of-sequence token ids. `speculator` (how many drafts a decoding sequence wants, what
+    verification accepted) and `connector` (the role seam) are the engine's, set through it.
     """
 
     def __init__(self, config: EngineConfig, kv: KVManager, extra_key: Callable[[Optional[str]], int],
-                 lookahead: Optional[Callable[[Sequence], int]] = None):
-        self.config, self.kv, self.pool, self.extra_key, self.lookahead = config, kv, kv.pool, extra_key, lookahead
+                 eos_ids: Iterable[int] = (), speculator: Optional[Speculator] = None,
+                 connector: Optional[Connector] = None):
+        self.config, self.kv, self.pool, self.extra_key = config, kv, kv.pool, extra_key
+        self.eos_ids = frozenset(eos_ids)
+        self.speculator: Speculator = speculator or NoSpeculator()
+        self.connector: Connector = connector or NoConnector()
         self.block_size = config.block_size
+        self.sequences: dict[str, Sequence] = {}
         self.waiting: deque[Sequence] = deque()
         self.awaiting_kv: dict[str, Sequence] = {}  # remote prefill: the prompt is computed elsewhere
         self.running: list[Sequence] = []
@@ -56,31 +78,57 @@ class Scheduler:
         self.prefix_hits = 0
         self._last_was_prefill = False
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a new sequence."""
-        self.waiting.append(seq)
-
-    def add_awaiting_kv(self, seq: Sequence) -> None:
-        """Queue a sequence whose prompt KV is being computed elsewhere (it holds no blocks yet)."""
-        self.awaiting_kv[seq.request_id] = seq
-
-    def admit_prefilled(self, seq: Sequence) -> None:
-        """Move an awaiting sequence whose prompt KV is now in its blocks into the running batch when there
-        is room, else to the back of the queue (still holding its blocks)."""
-        del self.awaiting_kv[seq.request_id]
-        if len(self.running) < self.config.max_num_seqs:
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+    def add(self, seq: Sequence, remote_prefill: bool = False) -> None:
+        """Register and queue a new sequence. `remote_prefill`: its prompt KV is being computed elsewhere (it
+        holds no blocks yet) and it waits until the connector's `external_prefix` says the KV is here."""
+        self.sequences[seq.request_id] = seq
+        if remote_prefill:
+            self.awaiting_kv[seq.request_id] = seq
         else:
             self.waiting.append(seq)
 
-    def expired(self, arrived_before: float) -> list[Sequence]:
-        """Waiting sequences never admitted yet that arrived before `arrived_before` (time.monotonic())."""
-        return [s for s in self.waiting if s.arrival < arrived_before and s.num_output_tokens == 0]
+    def expire(self, now: float) -> list[RequestOutput]:
+        """Abort the waiting sequences never admitted that arrived more than `queue_timeout_s` before `now`
+        (time.monotonic()); returns their final outputs."""
+        timeout = self.config.queue_timeout_s
+        waited = f"it waited {timeout:g} s for KV blocks (the server is at capacity); retry later"
+        expired = [s for s in self.waiting if s.arrival < now - timeout and s.num_output_tokens == 0]
+        return [self.finish_with_output(s, FinishReason.ABORT, waited) for s in expired]
+
+    def admit_prefilled(self) -> list[RequestOutput]:
+        """Admit the sequences awaiting KV whose prompt the connector now holds: the held blocks become their
+        block table, the first token (sampled, checked for stops and streamed where the prompt ran) their first
+        output token; decoding continues from the second. They join the running batch when there is room, else
+        the back of the queue (holding their blocks). Returns the outputs of those that finish at once."""
+        outputs = []
+        for seq in list(self.awaiting_kv.values()):
+            prefix = self.connector.external_prefix(seq)
+            if prefix is None:
+                continue
+            if self.kv.held(seq.request_id) is None:  # the role said ready but holds nothing: a bug
+                outputs.append(self.finish_with_output(seq, FinishReason.ERROR,
+                                                       "its prompt KV arrived without blocks (internal error)"))
+                continue
+            held = self.kv.adopt(seq.request_id, seq)
+            seq.token_ids.append(prefix.first_token)
+            seq.num_computed_tokens, seq.num_cached_tokens = seq.num_prompt_tokens, held.num_cached_tokens
+            seq.output_text.add(prefix.first_token)  # its text went out with the first token
+            if seq.rng_key is not None:
+                seq.rng_key = advance_key(seq.rng_key)  # as after one draw here
+            del self.awaiting_kv[seq.request_id]
+            if len(self.running) < self.config.max_num_seqs:
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+            else:
+                self.waiting.append(seq)
+            if seq.num_output_tokens >= seq.max_tokens:
+                outputs.append(self.finish_with_output(seq, FinishReason.LENGTH))
+        return outputs
 
     def has_work(self) -> bool:
-        """True when a step has something to compute (sequences awaiting KV have not, yet)."""
-        return bool(self.waiting or self.running)
+        """True when a step has something to do: a sequence to compute, or one whose prompt KV arrived."""
+        return bool(self.waiting or self.running) or any(self.connector.external_prefix(seq) is not None
+                                                         for seq in self.awaiting_kv.values())
 
     def queue_full(self) -> bool:
         """True when one more sequence would be queued beyond `max_waiting`: sequences waiting or awaiting
@@ -102,14 +150,35 @@ class Scheduler:
             batch = self._schedule_decode()
         return batch
 
-    def take_preempted(self) -> list[Sequence]:
-        """The sequences preempted since the last call (blocks freed, counters at 0, back in the queue)."""
+    def report_computed(self, batch: Optional[ScheduledBatch]) -> None:
+        """Tell the connector which sequences' computed KV changed in the step that ran `batch`: those still
+        live that it computed, and those preempted since the last report (blocks freed, counters at 0)."""
+        computed = [] if batch is None else [seq for seq, _ in batch.items if not seq.finished]
         preempted, self._preempted = self._preempted, []
-        return preempted
+        self.connector.on_computed(computed + preempted)
 
-    def finish(self, seq: Sequence, keep_blocks: bool = False) -> None:
-        """Drop a sequence from the queues and free its blocks, or with `keep_blocks` move them into a
-        holding under its request id (the role still needs them; `KVManager.release` frees them). Idempotent."""
+    # -- after the step --------------------------------------------------------------------------------
+
+    def update_from_output(self, rows: list[RowResult]) -> list[RequestOutput]:
+        """Bookkeeping after a step, row by row: count what was computed, keep the prompt logprobs, cache the
+        blocks that filled up, append the sampled or accepted tokens (which may finish the sequence). Returns
+        the output deltas, one per row that produced tokens or finished."""
+        return [out for out in map(self._update_row, rows) if out is not None]
+
+    def fail(self, batch: ScheduledBatch, error: str) -> list[RequestOutput]:
+        """A step over `batch` failed: finish every sequence it ran with `FinishReason.ERROR` (those that had
+        already finished in it get a second, error-only final output: their outputs of this step are lost)."""
+        return [self.final_output(seq, FinishReason.ERROR, error) if seq.finished
+                else self.finish_with_output(seq, FinishReason.ERROR, error) for seq, _ in batch.items]
+
+    def finish(self, seq: Sequence, reason: Optional[FinishReason]) -> None:
+        """The one way a sequence leaves (`reason` None: handed on after its first token, with remote decode).
+        The speculator forgets it; its blocks are freed, or held under its request id when the connector
+        still needs them (`KVManager.release` frees them then). Called exactly once per sequence."""
+        if seq.speculation is not None:
+            self.speculator.release(seq)
+        self.sequences.pop(seq.request_id, None)
+        keep_blocks = self.connector.request_finished(seq, reason)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -119,6 +188,71 @@ class Scheduler:
             self.kv.hold(seq)
         self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
+
+    def finish_with_output(self, seq: Sequence, reason: FinishReason, error: Optional[str] = None) -> RequestOutput:
+        """`finish` the sequence and return its final output."""
+        self.finish(seq, reason)
+        return self.final_output(seq, reason, error)
+
+    def final_output(self, seq: Sequence, reason: FinishReason, error: Optional[str] = None) -> RequestOutput:
+        """The last, token-less output delta of a sequence that finished with `reason`."""
+        sp = seq.request.sampling
+        plp = tuple(seq.prompt_logprobs) if sp.prompt_logprobs is not None else None
+        return _output(seq, (), "", () if sp.logprobs is not None else None, reason, plp, error)
+
+    def _update_row(self, row: RowResult) -> Optional[RequestOutput]:
+        seq = row.seq
+        if row.verified is not None:
+            return self._accept(seq, row.draft, row.verified)
+        if row.prompt_logprobs is not None:
+            seq.prompt_logprobs.extend(row.prompt_logprobs)
+        seq.num_computed_tokens += row.num_fed
+        self.cache_computed_blocks(seq)
+        if not row.samples:
+            return None
+        if seq.max_tokens == 0:  # echo-only request: prompt logprobs, no token
+            return self.finish_with_output(seq, FinishReason.LENGTH)
+        return self._append_token(seq, row.token, row.logprob)
+
+    def _accept(self, seq: Sequence, draft: Draft, result: Verified) -> RequestOutput:
+        """Append the verified tokens one by one, as plain decoding would (stopping at the first stop), and
+        roll the counters back to what was accepted; returns one delta with all of them."""
+        self.speculator.record(seq, draft, result)
+        outs = []
+        for token, logprob in zip(result.tokens, result.logprobs):
+            seq.num_computed_tokens = len(seq.token_ids)  # every token before this one is in the KV now
+            self.cache_computed_blocks(seq)
+            outs.append(self._append_token(seq, token, logprob))
+            if outs[-1].finished:
+                break
+        seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
+        if len(outs) == 1:
+            return outs[0]
+        logprobs = None if outs[0].logprobs is None else tuple(lp for o in outs for lp in o.logprobs)
+        return dataclasses.replace(outs[-1], token_ids=tuple(t for o in outs for t in o.token_ids),
+                                   text="".join(o.text for o in outs), logprobs=logprobs,
+                                   prompt_logprobs=outs[0].prompt_logprobs)
+
+    def _append_token(self, seq: Sequence, token: int, logprob) -> RequestOutput:
+        """Append one output token, apply the stop rules and finish the sequence if one holds (or if it
+        leaves after its first token, with remote decode); returns its output delta."""
+        seq.token_ids.append(token)
+        sp = seq.request.sampling
+        reason, text = None, ""
+        if (token in self.eos_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
+            reason = FinishReason.STOP
+        else:
+            text, stopped = seq.output_text.add(token)
+            if stopped:
+                reason = FinishReason.STOP
+        if reason is None and seq.num_output_tokens >= seq.max_tokens:
+            reason = FinishReason.LENGTH
+        plp = tuple(seq.prompt_logprobs) if seq.num_output_tokens == 1 and sp.prompt_logprobs is not None else None
+        if reason is not None:
+            text += seq.output_text.finish()
+        if reason is not None or seq.remote_decode:  # remote decode: another worker continues from here
+            self.finish(seq, reason)
+        return _output(seq, (token,), text, (logprob,) if logprob else None, reason, plp)
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Hash and register the blocks that became full and computed in the last step."""
@@ -174,7 +308,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING or seq.is_prefilling:
                 continue
             if self._reserve(seq, 1, allow_preempt=True):
-                k = self.lookahead(seq) if self.lookahead is not None else 0
+                k = self.speculator.lookahead(seq)
                 if k and not self._reserve(seq, 1 + k, allow_preempt=False):
                     k = 0
                 items.append((seq, 1 + k))
@@ -224,3 +358,9 @@ class Scheduler:
             self.prefix_hits -= seq.num_computed_tokens
         self.kv.free(seq)
         seq.block_hashes, seq.num_computed_tokens = [], 0
+
+
+def _output(seq: Sequence, token_ids: tuple, text: str, logprobs, reason: Optional[FinishReason], plp=None,
+            error: Optional[str] = None) -> RequestOutput:
+    return RequestOutput(seq.request_id, token_ids, text, logprobs, plp, reason, seq.num_prompt_tokens,
+                         seq.num_cached_tokens, seq.num_output_tokens, error)

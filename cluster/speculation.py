@@ -3,7 +3,7 @@
 Speculation is "schedule k+1" (nano-vllm's counters): the scheduler reserves blocks for the draft length a
 decoding sequence wants (`Speculator.lookahead`), the step asks for the drafts (`propose`), the runner feeds
 them after the last token with logits at every position and has them verified (`verify`: array work, the
-rules are the speculator's), and the engine appends the accepted tokens one by one through the same
+rules are the speculator's), and the scheduler appends the accepted tokens one by one through the same
 `_append_token` as plain decoding (so EOS, stop strings, max_tokens and logprobs end a sequence exactly where
 plain decoding would; the rest of the accepted block is dropped). Rejected positions are rolled back by the
 counters alone: `num_computed_tokens` ends at the accepted length (their KV slots are overwritten by later
