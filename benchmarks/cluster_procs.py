@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 from benchmarks.compare import REPO_ROOT
-from benchmarks.servers import ServerProcess, free_port
+from benchmarks.servers import ServerProcess, free_ports
 
 
 def _toml(value) -> str:
@@ -51,8 +51,9 @@ def topology_toml(workers: Sequence[dict], router_port: int, *, engine: dict, ro
 
 def make_workers(layout: Sequence[tuple[str, str, Sequence[int]]]) -> list[dict]:
     """[[workers]] tables for (name, role, cpus) entries, each on free ports (kv_port for decode workers)."""
-    return [{"name": name, "role": role, "control_port": free_port(), "events_port": free_port(),
-             "kv_port": free_port() if role == "decode" else None, "cpu_affinity": list(cpus) or None}
+    ports = iter(free_ports(3 * len(layout)))  # at once: distinct
+    return [{"name": name, "role": role, "control_port": next(ports), "events_port": next(ports),
+             "kv_port": next(ports) if role == "decode" else None, "cpu_affinity": list(cpus) or None}
             for name, role, cpus in layout]
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from benchmarks.compare import REPO_ROOT
-from benchmarks.servers import ServerProcess, free_port, process_memory
+from benchmarks.servers import ServerProcess, free_ports, process_memory
 
 ENGINE = {"dtype": "float32", "block_size": 32, "kv_cache_gb": 0.5, "max_num_seqs": 8, "max_waiting": 16,
           "prefill_chunk_size": 256}
@@ -82,10 +82,11 @@ class ReliabilityCluster:
         self.model = model
         self.served_name = served_name or (str(model) if model else DEFAULT_MODEL)
         self.keys_dir = self.workdir / "keys" if curve else None
-        self.workers = [{"name": n, "role": r, "control_port": free_port(),
-                         "kv_port": free_port() if r == "decode" else None, "events_port": free_port()}
+        ports = iter(free_ports(3 * len(LAYOUT) + 2))  # at once: distinct
+        self.workers = [{"name": n, "role": r, "control_port": next(ports),
+                         "kv_port": next(ports) if r == "decode" else None, "events_port": next(ports)}
                         for n, r in LAYOUT]
-        self.router_port, self.reference_port = free_port(), free_port()
+        self.router_port, self.reference_port = next(ports), next(ports)
         self.topology_path = self.workdir / "reliability-1p2d.toml"
         self.procs: dict[str, ServerProcess] = {}
         self.keys = None

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,12 +26,7 @@ from typing import Optional, Sequence
 
 import httpx
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from cluster.ports import free_port, free_ports  # noqa: F401 (free_port: for the benchmarks that import it here)
 
 
 def mlx_pd_command(port: int, model_dir: str, dtype: str = "float32") -> list[str]:
@@ -210,7 +204,7 @@ def one_p_one_d_topology(model_dir: str, dtype: str, router_port: int, prefill_c
     prompt goes through the prefill worker (`local_prefill_max_tokens` 0), so the run measures disaggregation."""
     import json
 
-    ports = [free_port() for _ in range(5)]
+    ports = free_ports(5)
     return ONE_P_ONE_D.format(model=json.dumps(str(model_dir)), dtype=dtype, chunk=prefill_chunk_size,
                               local_prefill=local_prefill_max_tokens, router=router_port, p_ctl=ports[0],
                               p_ev=ports[1], d_ctl=ports[2], d_kv=ports[3], d_ev=ports[4])

@@ -10,7 +10,8 @@ import time
 from contextlib import contextmanager
 
 from cluster.topology import parse_topology
-from tests.live_server import free_port, serve_app
+from cluster.ports import free_ports
+from tests.live_server import serve_app
 
 
 def topology_text(prefill: int = 1, decode: int = 1, engine: str = "", routing: str = "", transfer: str = "",
@@ -22,12 +23,13 @@ def topology_text(prefill: int = 1, decode: int = 1, engine: str = "", routing: 
              '[routing]', 'heartbeat_s = 0.5', 'dead_after_s = 30.0', routing,
              '[transfer]', '' if re.search(r'(?m)^timeout_s', transfer) else 'timeout_s = 120', transfer,
              '[security]', security]
+    ports = iter(free_ports(3 * prefill + 4 * decode))  # at once: distinct
     for i in range(prefill):
-        lines += ['[[workers]]', f'name = "prefill-{i}"', 'role = "prefill"', f'control_port = {free_port()}',
-                  f'events_port = {free_port()}', f'metrics_port = {free_port()}']
+        lines += ['[[workers]]', f'name = "prefill-{i}"', 'role = "prefill"', f'control_port = {next(ports)}',
+                  f'events_port = {next(ports)}', f'metrics_port = {next(ports)}']
     for i in range(decode):
-        lines += ['[[workers]]', f'name = "decode-{i}"', 'role = "decode"', f'control_port = {free_port()}',
-                  f'kv_port = {free_port()}', f'events_port = {free_port()}', f'metrics_port = {free_port()}']
+        lines += ['[[workers]]', f'name = "decode-{i}"', 'role = "decode"', f'control_port = {next(ports)}',
+                  f'kv_port = {next(ports)}', f'events_port = {next(ports)}', f'metrics_port = {next(ports)}']
     return "\n".join(lines) + "\n"
 
 

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from contextlib import contextmanager
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from cluster.ports import free_port
 
 
 @contextmanager

@@ -23,12 +23,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import socket
 import threading
 import time
 from typing import AsyncIterator, Optional
 
 from cluster.engine_client import EngineStats
+from cluster.ports import free_port
 from cluster.request import FinishReason, GenerateRequest, RequestOutput, TokenLogprob
 from router.tokenizer import RouterTokenizer
 
@@ -191,11 +191,6 @@ class FakeEngine:
         return 7
 
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerThread:

@@ -150,8 +150,9 @@ def test_cli_errors_are_clear(tmp_path):
 def _free_port_copy(src: str, dst: Path, **replace: str) -> Path:
     """`src` topology with every port replaced by a free one (and any `key = "value"` in `replace`)."""
     text = (TOPOLOGY_DIR / f"{src}.toml").read_text()
-    text = re.sub(r"^(\s*(?:control_port|kv_port|events_port|port)\s*=\s*)\d+",
-                  lambda m: f"{m.group(1)}{ray_head.free_port()}", text, flags=re.M)
+    port_line = r"^(\s*(?:control_port|kv_port|events_port|port)\s*=\s*)\d+"
+    spare = iter(ray_head.free_ports(len(re.findall(port_line, text, flags=re.M))))  # at once: distinct
+    text = re.sub(port_line, lambda m: f"{m.group(1)}{next(spare)}", text, flags=re.M)
     for key, value in replace.items():
         text = re.sub(rf'^({key}\s*=\s*)"[^"]*"', rf'\g<1>"{value}"', text, flags=re.M)
     parse_topology(text, name=dst.stem)  # still valid

@@ -40,6 +40,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from cluster import ports
+
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
 HEAD_RECORD = "local-head.json"
 PREFERRED_PORTS = {"gcs": 6379, "dashboard": 8265, "client": 10001, "agent": 52365}
@@ -113,13 +115,13 @@ def port_free(port: int) -> bool:
 
 
 def free_port() -> int:
-    """A TCP port nothing listens on now, outside Ray's worker port range."""
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        if not _WORKER_PORT_RANGE[0] <= port <= _WORKER_PORT_RANGE[1]:
-            return port
+    """A TCP port nothing listens on now, on every interface, outside Ray's worker port range."""
+    return ports.free_port("", exclude=_WORKER_PORT_RANGE)
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct such ports, for one configuration (`cluster.ports.free_ports`)."""
+    return ports.free_ports(n, "", exclude=_WORKER_PORT_RANGE)
 
 
 def choose_ports(preferred: Optional[dict[str, int]] = None, is_free=port_free) -> dict[str, int]:
@@ -129,7 +131,7 @@ def choose_ports(preferred: Optional[dict[str, int]] = None, is_free=port_free) 
     """
     chosen: dict[str, int] = {}
     for name, port in {**PREFERRED_PORTS, **(preferred or {})}.items():
-        while not is_free(port) or port in chosen.values():
+        while not is_free(port) or port in chosen.values():  # never the same port twice
             port = free_port()
         chosen[name] = port
     return chosen
