@@ -21,16 +21,25 @@ REFERENCE_BLAS_FACTOR = 4
 
 
 def openblas_loaded() -> bool:
-    """True when OpenBLAS is mapped into this process, or on a platform that does not use the reference BLAS.
+    """True when the OpenBLAS that MLX's matmuls use is mapped into this process, or off Linux.
 
-    Reads /proc/self/maps on Linux (the truth, whatever LD_PRELOAD says); elsewhere (macOS: Accelerate and
-    Metal) returns True.
+    Looks in /proc/self/maps for the library scripts/env.sh preloads (Debian's OpenBLAS, by its resolved path):
+    NumPy's own bundled OpenBLAS (`libscipy_openblas64_`, with renamed symbols that MLX never calls) is mapped in
+    every process that imported NumPy and does not count. Off Linux (macOS: Accelerate and Metal) returns True.
     """
+    from cluster.launch.platform import openblas_preload_path
+
+    if os.uname().sysname != "Linux":
+        return True
+    path = openblas_preload_path()
+    if path is None:
+        return False
+    wanted = {path, os.path.realpath(path)}
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-            return "openblas" in maps.read().lower()
+            return any(line.split()[-1] in wanted for line in maps if "/" in line)
     except OSError:
-        return os.uname().sysname != "Linux"
+        return False
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -144,3 +144,18 @@ def test_mlx_matmul_is_correct_under_the_preload():
     # the control: without the preload MLX uses its bundled BLAS, and is still correct
     out = json.loads(run_python(["-c", MATMUL], clean_env()))
     assert out == {"ok": True, "openblas": False}
+
+
+DETECT = (
+    "import json, numpy, mlx.core\n"
+    "from tests.conftest import openblas_loaded\n"
+    "print(json.dumps(openblas_loaded()))\n"
+)
+
+
+@needs_openblas
+def test_the_suite_knows_which_blas_mlx_uses():
+    """The suite lengthens its per-test timeout when MLX runs on the reference BLAS. Its check must not take
+    NumPy's own bundled OpenBLAS (mapped in every process that imports NumPy) for the preloaded one."""
+    assert json.loads(run_python(["-c", DETECT], clean_env(**preload_env({})))) is True
+    assert json.loads(run_python(["-c", DETECT], clean_env())) is False
