@@ -37,3 +37,18 @@ def test_bench_and_profile_without_the_bench_extra_say_how_to_install_it(monkeyp
         assert cli.main([command, "--help"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "pip install -e '.[bench]'" in err[0] and "matplotlib missing" in err[0], err
+
+
+def test_the_bench_extra_is_what_the_benchmarks_tool_checks_for():
+    """The CLI's install hint is only right if `benchmarks.REQUIRES` names exactly the `[bench]` extra, and
+    the server's own dependencies carry none of them (it serves without the tool)."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    import benchmarks
+
+    project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]
+    name = lambda requirement: re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0].lower()
+    assert sorted(map(name, project["optional-dependencies"]["bench"])) == sorted(benchmarks.REQUIRES)
+    assert not {name(r) for r in project["dependencies"]} & set(benchmarks.REQUIRES)

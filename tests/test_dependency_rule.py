@@ -50,14 +50,33 @@ def rule_folder(folder: str) -> str:
         folder.split("/")[0]
 
 
+def violations_of(folder: str, path: Path) -> list[str]:
+    """The imports of the module at `path` (in `folder`, e.g. "cluster/launch") that the rule forbids: a
+    sibling package its rule folder may not import, or, from the ground floor, the roof (`cluster.launch`),
+    which shares the `cluster` package with it."""
+    rule, own = rule_folder(folder), folder.split("/")[0]
+    found = []
+    for top, full, _ in imports(path):
+        if top in PACKAGES and top != own and top not in ALLOWED[rule]:
+            found.append(f"{path.name} imports {full}")
+        if rule == "cluster" and (full == "cluster.launch" or full.startswith("cluster.launch.")):
+            found.append(f"{path.name} (ground floor) imports the roof, {full}")
+    return found
+
+
 def test_packages_import_only_what_the_rule_allows():
-    violations = []
-    for folder, path, _ in modules():
-        rule, own = rule_folder(folder), folder.split("/")[0]
-        for top, full, _ in imports(path):
-            if top in PACKAGES and top != own and top not in ALLOWED[rule]:
-                violations.append(f"{path.relative_to(ROOT)} imports {full}")
+    violations = [v for folder, path, _ in modules() for v in violations_of(folder, path)]
     assert violations == []
+
+
+def test_a_ground_floor_module_importing_the_roof_is_a_violation(tmp_path):
+    """Both sit in the `cluster` package, so the sibling-package check alone would let it through."""
+    module = tmp_path / "kv_cache.py"
+    module.write_text("from cluster.launch.cli import main\nimport cluster.launch\nimport cluster.pool\n")
+    assert violations_of("cluster", module) == [
+        "kv_cache.py (ground floor) imports the roof, cluster.launch.cli",
+        "kv_cache.py (ground floor) imports the roof, cluster.launch"]
+    assert violations_of("cluster/launch", module) == []
 
 
 def test_no_product_module_imports_benchmarks():
