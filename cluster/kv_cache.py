@@ -55,9 +55,10 @@ class LayerCacheView:
                 self._update(self.store.values, None, _flatten_new(values), ("v", self.layer)))
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
-        """The step's attention mask (see BatchLayout); sliding windows are not supported."""
+        """The step's attention mask (see BatchLayout); with `window_size`, the mask of a sliding-window
+        layer (`BatchLayout.windowed_mask`: the pool keeps every position, attention sees the window)."""
         if window_size is not None:
-            raise NotImplementedError("sliding-window attention is not supported by the paged KV cache")
+            return self.batch.windowed_mask(window_size)
         mask = self.batch.mask
         if return_array and isinstance(mask, str):  # only B == 1 prefill uses "causal", never the mirror
             L = self.batch.gather_slots.shape[1]

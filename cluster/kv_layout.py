@@ -32,6 +32,7 @@ class BatchLayout:
     [B, 1, 1, T, L], for attention that splits queries into [B, kv_heads, repeats, T, head_dim] (a [B, 1, T, L]
     mask would broadcast sequence b's row onto KV head b there).
     mirror: set for decode steps served from the DecodeMirror (then gather_slots is None).
+    mask_rank: the rank `mask` was built at (4 or 5), which `windowed_mask` keeps.
     """
 
     write_slots: mx.array
@@ -39,6 +40,33 @@ class BatchLayout:
     offset: Union[int, mx.array]
     mask: Union[None, str, mx.array]
     mirror: Optional[MirrorStep] = None
+    mask_rank: int = 4
+
+    def windowed_mask(self, window: int) -> mx.array:
+        """The step's mask for a sliding-window layer of `window` positions: bool, broadcastable against the
+        scores (rank `mask_rank`). The query at position q sees key position k when q - window < k <= q, as
+        mlx-lm's `create_causal_mask(..., window_size=window)` (mlx_lm/models/base.py), on top of the padding
+        that `mask` hides. Every context position is still in the pool; the window is applied here.
+
+        Mirror steps: row b's context sits left-aligned so that every row's new token is column `width`
+        (cluster/decode_mirror.py), so the window is the columns > width - window for every row."""
+        if window < 1:
+            raise ValueError(f"a sliding window must hold at least one position, got {window}")
+        if self.mirror is not None:
+            width = self.mirror.width
+            term = (mx.arange(width + 1) > width - window)[None, None, None]
+        elif isinstance(self.offset, int):  # one sequence: "causal" or None, positions offset.. on keys 0..L-1
+            T, L = self.write_slots.shape[0], self.gather_slots.shape[1]
+            q = mx.arange(self.offset, self.offset + T)[:, None]
+            k = mx.arange(L)[None]
+            return _at_rank(((k <= q) & (k > q - window))[None, None], self.mask_rank)
+        else:
+            B, L = self.gather_slots.shape
+            T = self.write_slots.shape[0] // B
+            q = self.offset[:, None, None, None] + mx.arange(T)[None, None, :, None]
+            term = mx.arange(L)[None, None, None, :] > q - window
+        term = _at_rank(term, self.mask_rank)
+        return term if self.mask is None else self.mask & term
 
     @classmethod
     def build_decode(cls, store: "KVStore", rows: Sequence[str], block_tables: Sequence[Sequence[int]],
@@ -49,7 +77,8 @@ class BatchLayout:
         if step is None:
             return cls.build(block_tables, starts, [1] * len(starts), bs, mask_rank)
         write = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, starts)]
-        return cls(mx.array(write, dtype=mx.int32), None, step.offset, _at_rank(step.mask, mask_rank), step)
+        return cls(mx.array(write, dtype=mx.int32), None, step.offset, _at_rank(step.mask, mask_rank), step,
+                   mask_rank)
 
     @classmethod
     def build(cls, block_tables: Sequence[Sequence[int]], starts: Sequence[int], num_new: Sequence[int],
@@ -76,7 +105,7 @@ class BatchLayout:
             k = mx.arange(L)[None, None, None, :]
             ctx_arr = mx.array([s + n for s, n in zip(starts, num_new)], dtype=mx.int32)[:, None, None, None]
             mask = _at_rank((k <= start_arr + q) & (k < ctx_arr), mask_rank)
-        return cls(mx.array(write.ravel()), mx.array(gather), offset, mask)
+        return cls(mx.array(write.ravel()), mx.array(gather), offset, mask, None, mask_rank)
 
 
 def _at_rank(mask: Union[None, mx.array], rank: int) -> Union[None, mx.array]:

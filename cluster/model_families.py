@@ -6,9 +6,10 @@ generation only when three things hold, so a model is served only when all three
 
 - the family (`model_type`) is in `FAMILIES`: its mlx-lm `Model.__call__` was read and its output head is
   written down here (`Family.head`), and its attention's score layout is known (`Family.mask_rank`);
-- every layer is full attention over a plain KV cache (`make_cache` gives `KVCache` only: no sliding
-  window, no recurrent state) with a position-only rotary embedding (batched steps give rope one offset per
-  row);
+- every layer is full attention over a plain KV cache (`make_cache` gives `KVCache`), or, in a family whose
+  body was read to ask the cache for a windowed mask (`Family.sliding_windows`), a sliding window
+  (`RotatingKVCache` of the model's `sliding_window`, no kept prefix), never recurrent state; each with a
+  position-only rotary embedding (batched steps give rope one offset per row);
 - the model object is the verified mlx-lm class, and the head's weights are where that class reads them.
 
 Anything else raises ValueError at load (config.json: `check_config`; the model object: `verify_model`,
@@ -60,6 +61,19 @@ def gemma2_head(model) -> Callable[[mx.array], mx.array]:
     return head
 
 
+def gemma3_head(model) -> Callable[[mx.array], mx.array]:
+    """gemma3_text: the tied embedding's `as_linear` when the model's own `tie_word_embeddings` attribute is
+    set (its `sanitize` sets it when the checkpoint has no lm_head), else `lm_head`; no soft cap."""
+    if getattr(model, "tie_word_embeddings", False):
+        embed = getattr(model.model, "embed_tokens", None)
+        if not hasattr(embed, "as_linear"):
+            raise ValueError("the output head is tied to embed_tokens, which has no as_linear")
+        return embed.as_linear
+    if not hasattr(model, "lm_head"):
+        raise ValueError("the output head is untied but the model has no lm_head")
+    return model.lm_head
+
+
 def _four_d(model) -> int:
     return 4
 
@@ -80,17 +94,22 @@ class Family:
     for [B, 1, T, L] over scores [B, heads, T, L]; 5 for [B, 1, 1, T, L] over [B, kv_heads, repeats, T, L].
     `reads_quantized_kv`: the attention goes through mlx-lm's `scaled_dot_product_attention`, which reads
     quantized caches (`bits`/`group_size`); when False, quantized KV is dequantized for attention.
+    `sliding_windows`: the model's body asks the cache of a sliding-window layer for its mask with
+    `window_size` equal to that layer's `RotatingKVCache.max_size` (read in its `__call__`), so the paged
+    cache can serve those layers (cluster/kv_layout.py `windowed_mask`); when False, such a layer is refused.
     """
 
     module: str
     head: Callable[[Any], Callable[[mx.array], mx.array]] = linear_head
     mask_rank: Callable[[Any], int] = _four_d
     reads_quantized_kv: bool = True
+    sliding_windows: bool = False
 
 
 FAMILIES: dict[str, Family] = {
-    "llama": Family("llama"),
-    "mistral": Family("llama"),  # mlx-lm runs mistral checkpoints with its llama classes
+    # llama's body masks its "sliding_attention" layers (layer_types) with window_size = sliding_window
+    "llama": Family("llama", sliding_windows=True),
+    "mistral": Family("llama", sliding_windows=True),  # mlx-lm runs mistral checkpoints with its llama classes
     "qwen2": Family("qwen2"),
     "qwen3": Family("qwen3"),
     "qwen3_moe": Family("qwen3_moe"),
@@ -100,6 +119,10 @@ FAMILIES: dict[str, Family] = {
     # gemma2 computes attention itself: scores [B, kv_heads, repeats, T, L] when repeats > 1, float K/V only
     "gemma2": Family("gemma2", head=gemma2_head, mask_rank=_split_heads_when_grouped, reads_quantized_kv=False),
     "granite": Family("granite", head=granite_head),
+    # sliding-window layers (every layer but each sliding_window_pattern-th) and global ones
+    "gemma3_text": Family("gemma3_text", head=gemma3_head, sliding_windows=True),
+    # sliding-window and full layers (layer_types), attention sinks: mlx-lm's quantized attention has no sinks
+    "gpt_oss": Family("gpt_oss", reads_quantized_kv=False, sliding_windows=True),
 }
 
 # rotary embeddings that depend on the position only (mx.fast.rope with per-row offsets)
@@ -134,6 +157,7 @@ class VerifiedModel:
     `body(tokens int32 [B, T], cache=[per-layer caches]) -> hidden [B, T, hidden_size]`;
     `head(hidden [..., hidden_size]) -> logits [..., vocab]` (the family's exact head);
     `mask_rank`: 4 or 5 (see `Family.mask_rank`); `reads_quantized_kv` as in `Family`.
+    `layer_windows`: per layer, None for full attention or the sliding window in positions.
     """
 
     model_type: str
@@ -141,6 +165,7 @@ class VerifiedModel:
     head: Callable[[mx.array], mx.array]
     mask_rank: int
     reads_quantized_kv: bool
+    layer_windows: tuple[Optional[int], ...] = ()
 
 
 def verify_model(model) -> VerifiedModel:
@@ -159,17 +184,25 @@ def verify_model(model) -> VerifiedModel:
 
     def refuse(what: str) -> ValueError:
         return ValueError(f"{model_type} model: {what}; this engine serves full attention over a plain KV "
-                          f"cache with a position-only rotary embedding, for the families {supported()}")
+                          f"cache (and sliding windows in {_windowed()}) with a position-only rotary "
+                          f"embedding, for the families {supported()}")
 
-    from mlx_lm.models.cache import KVCache
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
 
     layers = list(model.layers)
     caches = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in layers]
     if len(caches) != len(layers):
         raise refuse(f"make_cache gives {len(caches)} caches for {len(layers)} layers")
+    windows: list[Optional[int]] = []
     for i, (layer, cache) in enumerate(zip(layers, caches)):
-        if type(cache) is not KVCache:
-            raise refuse(f"layer {i} uses {type(cache).__name__} (sliding-window or recurrent state)")
+        if type(cache) is RotatingKVCache and family.sliding_windows and cache.keep == 0 \
+                and cache.max_size == getattr(args, "sliding_window", None):
+            windows.append(cache.max_size)
+        elif type(cache) is KVCache:
+            windows.append(None)
+        else:
+            raise refuse(f"layer {i} uses {type(cache).__name__}{_cache_detail(cache)} (a sliding window this "
+                         "family's code was not read for, or recurrent state)")
         attn = getattr(layer, "self_attn", None)
         if attn is None or type(attn).__module__ != module:
             raise refuse(f"layer {i} has attention {type(attn).__name__} not from {module}")
@@ -180,4 +213,16 @@ def verify_model(model) -> VerifiedModel:
         head = family.head(model)
     except (AttributeError, ValueError) as exc:
         raise refuse(f"output head: {exc}") from None
-    return VerifiedModel(model_type, model.model, head, family.mask_rank(model), family.reads_quantized_kv)
+    return VerifiedModel(model_type, model.model, head, family.mask_rank(model), family.reads_quantized_kv,
+                         tuple(windows))
+
+
+def _windowed() -> str:
+    return ", ".join(name for name, f in FAMILIES.items() if f.sliding_windows)
+
+
+def _cache_detail(cache) -> str:
+    """` (max_size W, keep K)` for a rotating cache, for the refusal message; else empty."""
+    if hasattr(cache, "max_size"):
+        return f" (max_size {cache.max_size}, keep {getattr(cache, 'keep', 0)})"
+    return ""

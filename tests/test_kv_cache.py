@@ -42,6 +42,43 @@ def test_padding_writes_only_into_the_null_block():
     assert mask[0, 0, 0].tolist() == [True] + [False] * 39
 
 
+@pytest.mark.parametrize("mask_rank", [4, 5])
+def test_windowed_mask_is_mlx_lms_sliding_window_mask_row_by_row(mask_rank):
+    """A sliding-window layer's mask (window 3) for one sequence, for two rows of different starts and
+    lengths (padding hidden as well), and for a decode step over the mirror: each row's visible keys are
+    exactly those of mlx-lm's `create_causal_mask(N, offset, window_size=3)` at that row's positions."""
+    from mlx_lm.models.base import create_causal_mask
+
+    from cluster.decode_mirror import DecodeMirror
+
+    def visible(mask, b, rows, cols):
+        m = np.array(mask.tolist(), dtype=bool).reshape(mask.shape[0] if mask.ndim > 2 else 1, -1, *mask.shape[-2:])
+        return m[min(b, m.shape[0] - 1), 0][:rows, :cols]
+
+    def want(n, offset):
+        return np.array(create_causal_mask(n, offset, window_size=3).tolist(), dtype=bool)
+
+    one = BatchLayout.build([[7, 2]], [2], [5], block_size=4, mask_rank=mask_rank)
+    assert visible(one.windowed_mask(3), 0, 5, 7).tolist() == want(5, 2).tolist()
+    two = BatchLayout.build([[7, 2], [3, 4, 5]], [0, 6], [6, 3], block_size=4, mask_rank=mask_rank)
+    got = two.windowed_mask(3)
+    assert got.ndim == mask_rank
+    assert visible(got, 0, 6, 6).tolist() == want(6, 0).tolist()
+    assert not visible(got, 0, 6, 9)[:, 6:].any()  # row 0's context ends at 6
+    assert visible(got, 1, 3, 9).tolist() == want(3, 6).tolist()
+
+    store = KVStore(ModelSpec("tiny", "r0", 2, 4, 2, 32, 97, 512, (1,)), num_blocks=16, block_size=4,
+                    mirror_budget_bytes=1 << 24)
+    step = BatchLayout.build_decode(store, ["a", "b"], [[7, 2], [3, 4]], [5, 3], mask_rank=mask_rank)
+    assert step.mirror is not None and isinstance(store.mirror, DecodeMirror)
+    mirrored = step.windowed_mask(3)
+    # width 5: row a's positions 0..5 are columns 0..5; row b's positions 0..3 are columns 2..5
+    assert visible(mirrored, 0, 1, 6).tolist() == [[False, False, False, True, True, True]]
+    assert visible(mirrored, 1, 1, 6).tolist() == [[False, False, False, True, True, True]]
+    with pytest.raises(ValueError, match="at least one position"):
+        one.windowed_mask(0)
+
+
 def reference_logits(model, tokens: list[int]) -> mx.array:
     cache = [KVCache() for _ in model.layers]
     return model(mx.array([tokens]), cache=cache)[0, -1]

@@ -31,6 +31,7 @@ VOCAB = 49152  # SmolLM2's tokenizer
 NEW_TOKENS = 6
 PROMPT_LENGTHS = (5, 19, 11, 26)  # different lengths, across 8-token blocks
 TOL = 1e-3
+WINDOW = 8  # the sliding window of the sliding-window families' test models, in positions
 
 COMMON = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, vocab_size=VOCAB,
@@ -50,9 +51,13 @@ CONFIGS = {
     "gemma2": dict(query_pre_attn_scalar=16.0, attn_logit_softcapping=50.0, final_logit_softcapping=5.0),
     "granite": dict(logits_scaling=4.0, attention_multiplier=0.25, embedding_multiplier=2.0,
                     residual_multiplier=0.5, attention_bias=False, mlp_bias=False, tie_word_embeddings=True),
+    # sliding-window layers with a window of 8 positions, shorter than three of the four prompts: layer 0
+    # slides, layer 1 is global (gemma3's pattern 2; gpt_oss's default layer_types)
+    "gemma3_text": dict(sliding_window=WINDOW, sliding_window_pattern=2, query_pre_attn_scalar=16.0,
+                        rope_local_base_freq=10000.0),
+    "gpt_oss": dict(sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2),
 }
-UNVERIFIED = ("gemma3_text", "gpt_oss", "deepseek_v3", "qwen3_next", "falcon_h1", "mamba2", "granitemoe",
-              "minicpm", "gemma3", "llava")
+UNVERIFIED = ("deepseek_v3", "qwen3_next", "falcon_h1", "mamba2", "granitemoe", "minicpm", "gemma3", "llava")
 
 
 def test_every_verified_family_is_covered_here():
@@ -81,6 +86,9 @@ def build(model_type: str, config: dict, seed: int = 0):
     Model, Args = model_class(model_type)
     mx.random.seed(seed)
     model = Model(Args.from_dict({"model_type": model_type, **config}))
+    if model_type == "gpt_oss":  # attention sinks start at zero; random ones make them matter
+        for layer in model.layers:
+            layer.self_attn.sinks = mx.random.normal(layer.self_attn.sinks.shape)
     mx.eval(model.parameters())
     return model
 
@@ -134,10 +142,15 @@ class Sampler:
 
 @functools.lru_cache(maxsize=None)
 def reference(model_type: str, prompt: tuple[int, ...], temperature: float = 0.0, seed: int = 0):
-    """mlx-lm's own generation: (tokens, logprobs of those tokens), NEW_TOKENS of them."""
+    """mlx-lm's own generation of the family's test model: (tokens, logprobs of those tokens)."""
+    return reference_of(family(model_type)[0], prompt, temperature, seed)
+
+
+def reference_of(model, prompt: tuple[int, ...], temperature: float = 0.0, seed: int = 0):
+    """mlx-lm's own generation (`generate_step` over the model's own `make_cache`): (tokens, logprobs of
+    those tokens), NEW_TOKENS of them."""
     from mlx_lm.generate import generate_step
 
-    model, _ = family(model_type)
     sampler = Sampler(temperature, seed) if temperature else None
     tokens, logprobs = [], []
     for token, lp in generate_step(mx.array(prompt), model, max_tokens=NEW_TOKENS, sampler=sampler):
@@ -177,7 +190,7 @@ def test_greedy_generation_matches_mlx_lm_alone_and_in_batches_of_every_size(mod
                            f"{model_type}: prompt {i} in a batch of {len(batch)}")
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "llama", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["gemma2", "llama", "qwen3_moe", "gemma3_text", "gpt_oss"])
 def test_batched_decode_that_gathers_from_the_pool_matches_mlx_lm(model_type):
     """With the decode mirror off, batched decode steps gather their contexts (another mask path) and still
     give mlx-lm's tokens and logprobs."""
@@ -238,6 +251,92 @@ def test_speculative_verification_keeps_mlx_lms_greedy_output(model_type):
         assert_matches(results[r.request_id], *reference(model_type, tuple(p)), f"{model_type}: {r.request_id}")
 
 
+class ReferenceDrafter:
+    """Drafts mlx-lm's own next tokens for each prompt, with the last draft token of each proposal wrong, so
+    that verification accepts some rows and rejects one in every step (prompt lookup drafts nothing on a
+    random-weight model whose output never repeats its prompt)."""
+
+    method = "prompt_lookup"
+    cost_per_token = 0.0
+
+    def __init__(self, continuations: dict):
+        self.continuations = continuations  # prompt tuple -> reference tokens
+
+    def propose(self, seqs, num_tokens):
+        from cluster.speculation import Draft
+
+        out = []
+        for seq, k in zip(seqs, num_tokens):
+            ref = self.continuations[tuple(seq.request.prompt_token_ids)]
+            draft = list(ref[seq.num_output_tokens:seq.num_output_tokens + k])
+            if draft:
+                draft[-1] = (draft[-1] + 1) % VOCAB
+            out.append(Draft(tuple(draft)))
+        return out
+
+    def release(self, seq) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "gpt_oss"])
+def test_draft_verification_over_sliding_windows_keeps_mlx_lms_greedy_output(model_type):
+    """Draft verification feeds several rows per sequence through the sliding layers' windowed mask (accepted
+    and rejected drafts alike): tokens and logprobs stay mlx-lm's, for a prompt past the window batched with
+    a shorter one."""
+    from decode_node.speculative import DecodeSpeculator
+
+    core, ps = make_engine(model_type), prompts()
+    chosen = (ps[3], ps[0])
+    refs = {tuple(p): reference(model_type, tuple(p)) for p in chosen}
+    drafter = ReferenceDrafter({p: r[0] for p, r in refs.items()})
+    core.speculator = DecodeSpeculator({"prompt_lookup": drafter}, core.config)
+    reqs = [request(f"draft-{i}", p, speculative_method="prompt_lookup", num_draft_tokens=3)
+            for i, p in enumerate(chosen)]
+    results = run(core, reqs)
+    assert core.speculator.num_draft_tokens > 0 and 0 < core.speculator.num_accepted_tokens
+    for p, r in zip(chosen, reqs):
+        assert_matches(results[r.request_id], *refs[tuple(p)], f"{model_type}: {r.request_id}")
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "gpt_oss"])
+def test_sliding_window_families_after_a_prefix_hit_and_across_chunk_boundaries(model_type):
+    """A 45-token prompt (over five windows) prefilled in 7-token chunks, so chunks start mid-block and
+    mid-window, then the same prompt again: the second run restores its full blocks from the prefix cache
+    (`num_cached_tokens` is the whole-block prefix, so a disabled cache cannot pass) and both equal mlx-lm's
+    generation, alone and beside a shorter prompt."""
+    core = make_engine(model_type, enable_prefix_caching=True, prefill_chunk_size=7)
+    long = np.random.RandomState(11).randint(100, VOCAB, size=45).tolist()
+    want = reference(model_type, tuple(long))
+    first = run(core, [request("cold", long)])["cold"]
+    assert_matches(first, *want, f"{model_type}: cold, in 7-token chunks")
+    assert first.outputs[-1].num_cached_tokens == 0
+    results = run(core, [request("warm", long), request("beside", prompts()[1])])
+    assert_matches(results["warm"], *want, f"{model_type}: after a prefix hit")
+    assert results["warm"].outputs[-1].num_cached_tokens == (len(long) - 1) // 8 * 8
+    assert_matches(results["beside"], *reference(model_type, tuple(prompts()[1])), f"{model_type}: beside it")
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "gpt_oss"])
+def test_sliding_window_families_over_quantized_kv_stay_close_to_mlx_lm(model_type, tmp_path):
+    """8-bit KV (group 32): the sliding layers' windowed mask applies over quantized blocks too; gpt_oss's
+    attention sinks need float attention, so the engine dequantizes for it. The output stays within
+    quantization error of mlx-lm's float generation (the first token equal, logprobs within 0.05)."""
+    config = {"model_type": model_type, **COMMON, **CONFIGS[model_type], "head_dim": 32}
+    model = build(model_type, config)
+    spec = read_model_spec(write_config(tmp_path, config))
+    core = EngineCore(model, tokenizer(), spec, EngineConfig(dtype="float32", num_blocks=32, block_size=8,
+                                                             kv_bits=8, kv_group_size=32))
+    assert core.store.dequantize_for_attention or model_type != "gpt_oss"
+    long = prompts()[3]
+    got = run(core, [request("q8", long)])["q8"]
+    tokens, logprobs = reference_of(model, tuple(long))
+    assert got.token_ids[0] == tokens[0]
+    assert abs(got.logprobs[0].logprob - logprobs[0]) < 0.05
+
+
 # -- the gate ------------------------------------------------------------------------------------------
 
 
@@ -256,20 +355,57 @@ def test_unverified_families_are_refused_at_load_by_name(model_type, tmp_path):
 
 
 def test_an_unverified_model_object_is_refused_when_the_engine_is_built():
-    """A gemma3_text model handed to the engine directly (its spec read elsewhere) is refused by name when
-    the engine is constructed, before any request."""
-    model = build("gemma3_text", dict(COMMON, sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=16.0))
+    """A gemma (first generation) model handed to the engine directly (its spec read elsewhere) is refused by
+    name when the engine is constructed, before any request."""
+    model = build("gemma", dict(COMMON))
     _, spec = family("llama")
-    with pytest.raises(ValueError, match="'gemma3_text'.*served: llama"):
+    with pytest.raises(ValueError, match="'gemma'.*served: llama"):
         EngineCore(model, tokenizer(), spec, EngineConfig(dtype="float32", num_blocks=8, block_size=8))
 
 
-def test_a_verified_family_with_sliding_window_layers_is_refused():
-    """A llama whose second layer uses sliding-window attention (a RotatingKVCache in mlx-lm) is refused,
-    naming the layer and its cache kind."""
-    model = build("llama", dict(COMMON, layer_types=["full_attention", "sliding_attention"], sliding_window=4))
-    with pytest.raises(ValueError, match="layer 1 uses RotatingKVCache"):
+def test_a_sliding_window_layer_in_a_family_not_read_for_windows_is_refused():
+    """qwen3's body was not read to ask its caches for windowed masks: a qwen3 model whose caches include a
+    RotatingKVCache is refused, naming the layer and the cache."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    model = build("qwen3", dict(COMMON, **CONFIGS["qwen3"]))
+    model.make_cache = lambda: [KVCache(), RotatingKVCache(max_size=WINDOW)]
+    with pytest.raises(ValueError, match="layer 1 uses RotatingKVCache \\(max_size 8, keep 0\\)"):
         verify_model(model)
+
+
+def test_a_sliding_window_that_keeps_a_prefix_or_differs_from_the_config_is_refused():
+    """A rotating cache that keeps its first tokens (an attention-sink window) or whose size is not the
+    model's `sliding_window` is not the window the engine's mask applies: refused by layer."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    model = build("llama", dict(COMMON, layer_types=["full_attention", "sliding_attention"], sliding_window=WINDOW))
+    assert verify_model(model).layer_windows == (None, WINDOW)
+    for cache in (RotatingKVCache(max_size=WINDOW, keep=4), RotatingKVCache(max_size=2 * WINDOW)):
+        model.make_cache = lambda cache=cache: [KVCache(), cache]
+        with pytest.raises(ValueError, match="layer 1 uses RotatingKVCache"):
+            verify_model(model)
+
+
+def test_a_llama_with_sliding_window_layers_matches_mlx_lm():
+    """llama's `layer_types` with "sliding_attention" layers (mlx-lm gives them a RotatingKVCache): served,
+    and every prompt, alone and in a batch of four, equals mlx-lm's generation past the window."""
+    import tempfile
+    from pathlib import Path
+
+    config = {"model_type": "llama", **COMMON, **CONFIGS["llama"],
+              "layer_types": ["sliding_attention", "full_attention"], "sliding_window": WINDOW}
+    model = build("llama", config, seed=3)
+    spec = read_model_spec(write_config(Path(tempfile.mkdtemp(prefix="family-llama-swa-")), config))
+    core = EngineCore(model, tokenizer(), spec, EngineConfig(dtype="float32", num_blocks=96, block_size=8,
+                                                             enable_prefix_caching=False))
+    ps = prompts()
+    for batch in ([1], [0, 1, 2, 3]):
+        reqs = [request(f"swa-{len(batch)}-{i}", ps[i]) for i in batch]
+        results = run(core, reqs)
+        for i, r in zip(batch, reqs):
+            assert_matches(results[r.request_id], *reference_of(model, tuple(ps[i])),
+                           f"llama with a sliding layer: prompt {i} in a batch of {len(batch)}")
 
 
 def test_a_length_dependent_rotary_embedding_is_refused():
@@ -312,3 +448,39 @@ def test_serve_reports_a_refused_family_as_an_error_not_a_traceback(tmp_path, mo
     assert cli.main(["serve", "--model", str(folder)]) == 2
     err = capsys.readouterr().err
     assert "mlx-pd: error: model_type 'qwen3_next'" in err and "Traceback" not in err
+
+
+# -- through a prefill/decode transfer -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "gpt_oss"])
+def test_sliding_window_families_through_a_1p1d_transfer_match_mlx_lm(model_type, tmp_path):
+    """A 45-token prompt (over five windows) prefilled by a prefill worker in 16-token chunks, its KV shipped
+    to a decode worker in 8-token blocks (the prefill worker's sent-block count proves it crossed the wire),
+    answers with mlx-lm's tokens and logprobs through the OpenAI completions endpoint."""
+    import time
+
+    import httpx
+
+    from cluster.model import DEFAULT_MODEL
+    from tests.cluster_helpers import running_cluster
+
+    model, _ = family(model_type)
+    config = {"model_type": model_type, **COMMON, **CONFIGS[model_type]}
+    spec = read_model_spec(write_config(tmp_path, config), model_id=DEFAULT_MODEL)
+    long = np.random.RandomState(11).randint(100, VOCAB, size=45).tolist()
+    tokens, logprobs = reference(model_type, tuple(long))
+    engine = "block_size = 8\nprefill_chunk_size = 16"
+    with running_cluster(1, 1, loaded=(model, tokenizer(), spec), engine=engine,
+                         routing="local_prefill_max_tokens = 0") as (base, _, workers):
+        r = httpx.post(base + "/v1/completions", timeout=300, json={
+            "model": DEFAULT_MODEL, "prompt": long, "max_tokens": NEW_TOKENS, "temperature": 0, "logprobs": 0,
+            "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["text"] == tokenizer().decode(tokens)
+        assert np.allclose(choice["logprobs"]["token_logprobs"], logprobs, atol=TOL, rtol=0)
+        deadline = time.monotonic() + 60  # stats refresh between steps
+        while workers["prefill-0"].stats()["kv_blocks_sent"] < len(long) // 8 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert workers["prefill-0"].stats()["kv_blocks_sent"] >= len(long) // 8
