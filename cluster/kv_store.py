@@ -2,7 +2,8 @@
 copies for transfer (kv_transfer/).
 
 Memory layout (token-major "slots"): for each layer, keys and values are arrays of shape
-[num_blocks * block_size, num_kv_heads, head_dim]; token `p` of a sequence with `block_table` lives in slot
+[num_blocks * block_size, num_kv_heads, head_dim] (values: `spec.v_dim` on the last axis, which differs from
+head_dim for latent attention); token `p` of a sequence with `block_table` lives in slot
 `block_table[p // block_size] * block_size + p % block_size`. Example, block_size 4, block_table [7, 2]:
 positions 0..3 are slots 28..31 and positions 4..5 are slots 8..9. A block is the contiguous slot range
 [block_id * block_size, (block_id + 1) * block_size), which is what transfer and prefix reuse move.
@@ -33,11 +34,11 @@ def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: str, kv_bits: Op
                        kv_group_size: int) -> int:
     """Bytes one block occupies across all layers, K and V.
 
-    Unquantized: layers x 2 x block_size x kv_heads x head_dim x dtype bytes. Quantized: packed values
+    Unquantized: layers x block_size x kv_heads x (head_dim + v_dim) x dtype bytes. Quantized: packed values
     (bits / 8 bytes each) plus one scale and one bias of `dtype` per `kv_group_size` values.
     """
     per_value = mx.zeros((), getattr(mx, dtype)).itemsize
-    values = spec.num_layers * 2 * block_size * spec.num_kv_heads * spec.head_dim
+    values = spec.num_layers * block_size * spec.num_kv_heads * (spec.head_dim + spec.v_dim)
     if kv_bits is None:
         return values * per_value
     return values * kv_bits // 8 + 2 * (values // kv_group_size) * per_value
@@ -55,22 +56,23 @@ class KVStore:
     def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: str = "float32",
                  kv_bits: Optional[int] = None, kv_group_size: int = 64, mirror_budget_bytes: int = 0,
                  dequantize_for_attention: Optional[bool] = None, owner: Optional[ThreadOwner] = None):
-        if kv_bits is not None and spec.head_dim % kv_group_size:
-            raise ValueError(f"kv_group_size={kv_group_size} does not divide head_dim={spec.head_dim}")
+        for what, width in (("head_dim", spec.head_dim), ("the value width", spec.v_dim)):
+            if kv_bits is not None and width % kv_group_size:
+                raise ValueError(f"kv_group_size={kv_group_size} does not divide {what}={width}")
         self.spec, self.num_blocks, self.block_size = spec, num_blocks, block_size
         self.owner = owner or ThreadOwner("the KV store")
         self.dtype, self.kv_bits, self.kv_group_size = getattr(mx, dtype), kv_bits, kv_group_size
-        slots, heads, dim = num_blocks * block_size, spec.num_kv_heads, spec.head_dim
+        slots, heads = num_blocks * block_size, spec.num_kv_heads
 
-        def make():
+        def make(dim: int):
             if kv_bits is None:
                 return mx.zeros((slots, heads, dim), self.dtype)
             return (mx.zeros((slots, heads, dim * kv_bits // 32), mx.uint32),
                     mx.zeros((slots, heads, dim // kv_group_size), self.dtype),
                     mx.zeros((slots, heads, dim // kv_group_size), self.dtype))
 
-        self.keys = [make() for _ in range(spec.num_layers)]
-        self.values = [make() for _ in range(spec.num_layers)]
+        self.keys = [make(spec.head_dim) for _ in range(spec.num_layers)]
+        self.values = [make(spec.v_dim) for _ in range(spec.num_layers)]
         mx.eval(self.keys, self.values)
         if dequantize_for_attention is None:  # auto: float attention on the CPU backend (cluster/cpu_backend.py)
             dequantize_for_attention = attend_in_float()
@@ -97,17 +99,20 @@ class KVStore:
 
     def block_array_specs(self, num_blocks: int, num_layers: int) -> list[tuple[str, str, tuple[int, ...]]]:
         """(name, dtype name, shape) of each array `read_blocks` returns for `num_blocks` blocks and
-        `num_layers` layers: shape [num_layers, num_blocks * block_size, kv_heads, d] with d = head_dim,
-        or head_dim * kv_bits / 32 (uint32 packed) and head_dim / kv_group_size (scales, biases)."""
-        slots, heads, dim = num_blocks * self.block_size, self.spec.num_kv_heads, self.spec.head_dim
+        `num_layers` layers: shape [num_layers, num_blocks * block_size, kv_heads, d] with d = the width w
+        (head_dim for keys, the spec's v_dim for values), or w * kv_bits / 32 (uint32 packed) and
+        w / kv_group_size (scales, biases)."""
+        slots, heads = num_blocks * self.block_size, self.spec.num_kv_heads
         dtype = str(self.dtype).removeprefix("mlx.core.")
-        if self.kv_bits is None:
-            parts = [(dtype, dim)]
-        else:
+
+        def parts(dim: int) -> list[tuple[str, int]]:
+            if self.kv_bits is None:
+                return [(dtype, dim)]
             groups = dim // self.kv_group_size
-            parts = [("uint32", dim * self.kv_bits // 32), (dtype, groups), (dtype, groups)]
+            return [("uint32", dim * self.kv_bits // 32), (dtype, groups), (dtype, groups)]
+
         return [(name, dt, (num_layers, slots, heads, d))
-                for name, (dt, d) in zip(self.array_names, parts * 2)]
+                for name, (dt, d) in zip(self.array_names, parts(self.spec.head_dim) + parts(self.spec.v_dim))]
 
     def _leaves(self, layer: int) -> list[mx.array]:
         """The layer's pool arrays in `array_names` order."""

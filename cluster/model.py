@@ -22,7 +22,10 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 class ModelSpec:
     """Architecture facts read from the model's config.json.
 
-    `num_layers` attention layers, `num_kv_heads` KV heads of `head_dim` each; `max_model_len` is the
+    `num_layers` attention layers, each caching `num_kv_heads` heads per token: a key of `head_dim` values and
+    a value of `value_dim` values (`value_dim` None: `head_dim`, as in every family but latent attention,
+    whose cache holds the compressed latent as its key and the rope key as its value: one head of
+    kv_lora_rank and qk_rope_head_dim; `cluster.model_families.Family.cache_dims`). `max_model_len` is the
     context limit in tokens (`max_position_embeddings`); `model_id` names the model in the API and in block
     hashes; `revision` is a content hash of the weights' index so that two workers can check they run
     the same weights.
@@ -37,10 +40,16 @@ class ModelSpec:
     vocab_size: int
     max_model_len: int
     eos_token_ids: tuple[int, ...]
+    value_dim: Optional[int] = None
+
+    @property
+    def v_dim(self) -> int:
+        """The width of one cached value head (`value_dim`, else `head_dim`)."""
+        return self.value_dim or self.head_dim
 
     def kv_bytes_per_token(self, dtype_bytes: float) -> float:
-        """Bytes of K and V for one token across all layers: layers x 2 x kv_heads x head_dim x bytes."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
+        """Bytes of K and V for one token across all layers: layers x kv_heads x (head_dim + v_dim) x bytes."""
+        return self.num_layers * self.num_kv_heads * (self.head_dim + self.v_dim) * dtype_bytes
 
 
 def resolve_model_path(model: Optional[str], dtype: str = "float32") -> Path:
@@ -90,12 +99,12 @@ def read_model_spec(path: Path, model_id: Optional[str] = None) -> ModelSpec:
     from cluster.model_families import check_config
 
     config: dict[str, Any] = json.loads((path / "config.json").read_text())
-    check_config(config)
+    family = check_config(config)
     text = config.get("text_config", config)
     heads = text.get("num_attention_heads")
     if not heads:
         raise ValueError(f"{path}/config.json has no num_attention_heads")
-    head_dim = text.get("head_dim") or text["hidden_size"] // heads
+    kv_heads, head_dim, value_dim = family.cache_dims(text)
     eos = config.get("eos_token_id", text.get("eos_token_id", []))
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     digest = hashlib.sha256()
@@ -107,11 +116,12 @@ def read_model_spec(path: Path, model_id: Optional[str] = None) -> ModelSpec:
         revision=digest.hexdigest()[:16],
         num_layers=text["num_hidden_layers"],
         num_heads=heads,
-        num_kv_heads=text.get("num_key_value_heads") or heads,
+        num_kv_heads=kv_heads,
         head_dim=head_dim,
         vocab_size=text["vocab_size"],
         max_model_len=int(text.get("max_position_embeddings") or 4096),
         eos_token_ids=eos_ids,
+        value_dim=value_dim,
     )
 
 

@@ -74,6 +74,21 @@ def gemma3_head(model) -> Callable[[mx.array], mx.array]:
     return model.lm_head
 
 
+def attention_cache_dims(config: dict) -> tuple[int, int, Optional[int]]:
+    """(KV heads, key width, value width or None for the key's) of one token's cache in a layer of
+    multi-head or grouped-query attention, from config.json: num_key_value_heads (else num_attention_heads)
+    heads of head_dim (else hidden_size / num_attention_heads)."""
+    heads = config["num_attention_heads"]
+    return config.get("num_key_value_heads") or heads, config.get("head_dim") or config["hidden_size"] // heads, None
+
+
+def latent_cache_dims(config: dict) -> tuple[int, int, Optional[int]]:
+    """Multi-head latent attention as mlx-lm's deepseek_v3 caches it (`cache.update_and_fetch(kv_latent,
+    k_pe)`): one head per token, the normalized latent (kv_lora_rank values) as its key and the rotary key
+    (qk_rope_head_dim values) as its value."""
+    return 1, config["kv_lora_rank"], config["qk_rope_head_dim"]
+
+
 def _four_d(model) -> int:
     return 4
 
@@ -94,6 +109,8 @@ class Family:
     for [B, 1, T, L] over scores [B, heads, T, L]; 5 for [B, 1, 1, T, L] over [B, kv_heads, repeats, T, L].
     `reads_quantized_kv`: the attention goes through mlx-lm's `scaled_dot_product_attention`, which reads
     quantized caches (`bits`/`group_size`); when False, quantized KV is dequantized for attention.
+    `cache_dims(config)`: (heads, key width, value width or None) of one token's cached K/V in a layer, from
+    config.json's fields (`attention_cache_dims`; latent attention: `latent_cache_dims`).
     `sliding_windows`: the model's body asks the cache of a sliding-window layer for its mask with
     `window_size` equal to that layer's `RotatingKVCache.max_size` (read in its `__call__`), so the paged
     cache can serve those layers (cluster/kv_layout.py `windowed_mask`); when False, such a layer is refused.
@@ -104,6 +121,7 @@ class Family:
     mask_rank: Callable[[Any], int] = _four_d
     reads_quantized_kv: bool = True
     sliding_windows: bool = False
+    cache_dims: Callable[[dict], tuple[int, int, Optional[int]]] = attention_cache_dims
 
 
 FAMILIES: dict[str, Family] = {
@@ -123,6 +141,9 @@ FAMILIES: dict[str, Family] = {
     "gemma3_text": Family("gemma3_text", head=gemma3_head, sliding_windows=True),
     # sliding-window and full layers (layer_types), attention sinks: mlx-lm's quantized attention has no sinks
     "gpt_oss": Family("gpt_oss", reads_quantized_kv=False, sliding_windows=True),
+    # multi-head latent attention: the cache holds the latent and the rope key; the attention computes with
+    # them itself (expanding the latent for prompts, absorbing the projections for one-token steps)
+    "deepseek_v3": Family("deepseek_v3", reads_quantized_kv=False, cache_dims=latent_cache_dims),
 }
 
 # rotary embeddings that depend on the position only (mx.fast.rope with per-row offsets)

@@ -28,14 +28,16 @@ from cluster.kv_manager import KVManager
 
 # Fields whose mismatch makes transferred KV meaningless, in the order a refusal names them.
 _CHECKED = ("model_id", "revision", "dtype", "kv_bits", "kv_group_size", "block_size", "num_layers",
-            "num_kv_heads", "head_dim", "speculative_kv")
+            "num_kv_heads", "head_dim", "value_dim", "speculative_kv")
 
 
 class KVFormat(BaseModel):
     """What a block's bytes mean: model weights, dtype and quantization, geometry.
 
-    `revision` is the weights' content hash (cluster.model.ModelSpec.revision); `speculative_kv` is True when
-    the worker's speculative decoding keeps KV of its own (a draft model) that transfers must carry too.
+    `revision` is the weights' content hash (cluster.model.ModelSpec.revision); `value_dim` is the width of a
+    cached value head where it differs from the key's `head_dim` (latent attention), else None;
+    `speculative_kv` is True when the worker's speculative decoding keeps KV of its own (a draft model) that
+    transfers must carry too.
     """
 
     model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
@@ -49,6 +51,7 @@ class KVFormat(BaseModel):
     num_layers: int = Field(ge=1, le=1024)
     num_kv_heads: int = Field(ge=1, le=1024)
     head_dim: int = Field(ge=1, le=4096)
+    value_dim: Optional[int] = Field(default=None, ge=1, le=4096)
     speculative_kv: bool = False
 
     @classmethod
@@ -56,7 +59,8 @@ class KVFormat(BaseModel):
         """The format of an engine with `spec` (cluster.model.ModelSpec) and `config` (EngineConfig)."""
         return cls(model_id=spec.model_id, revision=spec.revision, dtype=config.dtype, kv_bits=config.kv_bits,
                    kv_group_size=config.kv_group_size, block_size=config.block_size, num_layers=spec.num_layers,
-                   num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, speculative_kv=speculative_kv)
+                   num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, value_dim=spec.value_dim,
+                   speculative_kv=speculative_kv)
 
     def mismatches(self, other: "KVFormat") -> list[str]:
         """Human-readable differences, e.g. ["kv_bits: sender 4, receiver 8"] (self = the receiver)."""

@@ -56,8 +56,16 @@ CONFIGS = {
     "gemma3_text": dict(sliding_window=WINDOW, sliding_window_pattern=2, query_pre_attn_scalar=16.0,
                         rope_local_base_freq=10000.0),
     "gpt_oss": dict(sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2),
+    # multi-head latent attention (a 32-wide latent and a 16-wide rope key cached per token), a dense first
+    # layer and a routed-expert second one with a shared expert
+    "deepseek_v3": dict(kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=16,
+                        v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                        moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1,
+                        tie_word_embeddings=False),
 }
-UNVERIFIED = ("deepseek_v3", "qwen3_next", "falcon_h1", "mamba2", "granitemoe", "minicpm", "gemma3", "llava")
+# families whose layers are not all plain full attention: sliding windows, attention sinks, latent attention
+OTHER_LAYER_KINDS = ["gemma3_text", "gpt_oss", "deepseek_v3"]
+UNVERIFIED = ("qwen3_next", "falcon_h1", "mamba2", "granitemoe", "minicpm", "gemma3", "llava")
 
 
 def test_every_verified_family_is_covered_here():
@@ -190,7 +198,7 @@ def test_greedy_generation_matches_mlx_lm_alone_and_in_batches_of_every_size(mod
                            f"{model_type}: prompt {i} in a batch of {len(batch)}")
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "llama", "qwen3_moe", "gemma3_text", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["gemma2", "llama", "qwen3_moe", *OTHER_LAYER_KINDS])
 def test_batched_decode_that_gathers_from_the_pool_matches_mlx_lm(model_type):
     """With the decode mirror off, batched decode steps gather their contexts (another mask path) and still
     give mlx-lm's tokens and logprobs."""
@@ -281,11 +289,11 @@ class ReferenceDrafter:
         pass
 
 
-@pytest.mark.parametrize("model_type", ["gemma3_text", "gpt_oss"])
-def test_draft_verification_over_sliding_windows_keeps_mlx_lms_greedy_output(model_type):
-    """Draft verification feeds several rows per sequence through the sliding layers' windowed mask (accepted
-    and rejected drafts alike): tokens and logprobs stay mlx-lm's, for a prompt past the window batched with
-    a shorter one."""
+@pytest.mark.parametrize("model_type", OTHER_LAYER_KINDS)
+def test_draft_verification_over_other_layer_kinds_keeps_mlx_lms_greedy_output(model_type):
+    """Draft verification feeds several rows per sequence through the sliding layers' windowed mask, or
+    latent attention's prompt path (accepted and rejected drafts alike): tokens and logprobs stay mlx-lm's,
+    for a prompt past the window batched with a shorter one."""
     from decode_node.speculative import DecodeSpeculator
 
     core, ps = make_engine(model_type), prompts()
@@ -301,8 +309,8 @@ def test_draft_verification_over_sliding_windows_keeps_mlx_lms_greedy_output(mod
         assert_matches(results[r.request_id], *refs[tuple(p)], f"{model_type}: {r.request_id}")
 
 
-@pytest.mark.parametrize("model_type", ["gemma3_text", "gpt_oss"])
-def test_sliding_window_families_after_a_prefix_hit_and_across_chunk_boundaries(model_type):
+@pytest.mark.parametrize("model_type", OTHER_LAYER_KINDS)
+def test_other_layer_kinds_after_a_prefix_hit_and_across_chunk_boundaries(model_type):
     """A 45-token prompt (over five windows) prefilled in 7-token chunks, so chunks start mid-block and
     mid-window, then the same prompt again: the second run restores its full blocks from the prefix cache
     (`num_cached_tokens` is the whole-block prefix, so a disabled cache cannot pass) and both equal mlx-lm's
@@ -319,22 +327,47 @@ def test_sliding_window_families_after_a_prefix_hit_and_across_chunk_boundaries(
     assert_matches(results["beside"], *reference(model_type, tuple(prompts()[1])), f"{model_type}: beside it")
 
 
-@pytest.mark.parametrize("model_type", ["gemma3_text", "gpt_oss"])
-def test_sliding_window_families_over_quantized_kv_stay_close_to_mlx_lm(model_type, tmp_path):
+@pytest.mark.parametrize("model_type", OTHER_LAYER_KINDS)
+def test_other_layer_kinds_over_quantized_kv_stay_close_to_mlx_lm(model_type, tmp_path):
     """8-bit KV (group 32): the sliding layers' windowed mask applies over quantized blocks too; gpt_oss's
-    attention sinks need float attention, so the engine dequantizes for it. The output stays within
-    quantization error of mlx-lm's float generation (the first token equal, logprobs within 0.05)."""
+    attention sinks and latent attention compute over float K/V, so the engine dequantizes for them. The
+    output stays within quantization error of mlx-lm's float generation (the first token equal, logprobs
+    within 0.05)."""
     config = {"model_type": model_type, **COMMON, **CONFIGS[model_type], "head_dim": 32}
+    if model_type == "deepseek_v3":  # both cached widths must hold whole quantization groups
+        config["qk_rope_head_dim"] = 32
     model = build(model_type, config)
     spec = read_model_spec(write_config(tmp_path, config))
     core = EngineCore(model, tokenizer(), spec, EngineConfig(dtype="float32", num_blocks=32, block_size=8,
                                                              kv_bits=8, kv_group_size=32))
-    assert core.store.dequantize_for_attention or model_type != "gpt_oss"
+    assert core.store.dequantize_for_attention or model_type == "gemma3_text"
     long = prompts()[3]
     got = run(core, [request("q8", long)])["q8"]
     tokens, logprobs = reference_of(model, tuple(long))
     assert got.token_ids[0] == tokens[0]
     assert abs(got.logprobs[0].logprob - logprobs[0]) < 0.05
+
+
+def expected_kv_bytes_per_token(config: dict, dtype_bytes: int = 4) -> int:
+    """K/V bytes one token occupies in the pool, from config.json's fields alone: per layer, latent
+    attention caches kv_lora_rank + qk_rope_head_dim values (mlx-lm's deepseek_v3 caches the latent and the
+    rope key); every other family num_key_value_heads x head_dim values for K and as many for V."""
+    if "kv_lora_rank" in config:
+        per_layer = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+    else:
+        per_layer = 2 * config["num_key_value_heads"] * config["head_dim"]
+    return config["num_hidden_layers"] * per_layer * dtype_bytes
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_kv_bytes_per_token_measured_from_the_pool_equal_the_configs_formula(model_type):
+    """The pool's arrays (what the KV budget and the wire count) hold exactly the bytes per token that the
+    family's cache shapes give: measured from the allocated arrays, against a formula from config.json."""
+    core = engine(model_type)
+    config = {"model_type": model_type, **COMMON, **CONFIGS[model_type]}
+    measured = core.store.nbytes / (core.store.num_blocks * core.store.block_size)
+    assert measured == expected_kv_bytes_per_token(config)
+    assert core.spec.kv_bytes_per_token(4) == measured
 
 
 # -- the gate ------------------------------------------------------------------------------------------
@@ -453,8 +486,8 @@ def test_serve_reports_a_refused_family_as_an_error_not_a_traceback(tmp_path, mo
 # -- through a prefill/decode transfer -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model_type", ["gemma3_text", "gpt_oss"])
-def test_sliding_window_families_through_a_1p1d_transfer_match_mlx_lm(model_type, tmp_path):
+@pytest.mark.parametrize("model_type", OTHER_LAYER_KINDS)
+def test_other_layer_kinds_through_a_1p1d_transfer_match_mlx_lm(model_type, tmp_path):
     """A 45-token prompt (over five windows) prefilled by a prefill worker in 16-token chunks, its KV shipped
     to a decode worker in 8-token blocks (the prefill worker's sent-block count proves it crossed the wire),
     answers with mlx-lm's tokens and logprobs through the OpenAI completions endpoint."""
