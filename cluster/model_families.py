@@ -28,7 +28,12 @@ import mlx.core as mx
 def linear_head(model) -> Callable[[mx.array], mx.array]:
     """The plain head of `Model.__call__`: the tied embedding's `as_linear` when `args.tie_word_embeddings`,
     else `lm_head`. Raises ValueError when the weights are not there."""
-    if getattr(model.args, "tie_word_embeddings", False):
+    return _projection(model, getattr(model.args, "tie_word_embeddings", False))
+
+
+def _projection(model, tied: bool) -> Callable[[mx.array], mx.array]:
+    """`model.model.embed_tokens.as_linear` when `tied`, else `model.lm_head`; ValueError when absent."""
+    if tied:
         embed = getattr(model.model, "embed_tokens", None)
         if not hasattr(embed, "as_linear"):
             raise ValueError("the output head is tied to embed_tokens, which has no as_linear")
@@ -64,14 +69,7 @@ def gemma2_head(model) -> Callable[[mx.array], mx.array]:
 def gemma3_head(model) -> Callable[[mx.array], mx.array]:
     """gemma3_text: the tied embedding's `as_linear` when the model's own `tie_word_embeddings` attribute is
     set (its `sanitize` sets it when the checkpoint has no lm_head), else `lm_head`; no soft cap."""
-    if getattr(model, "tie_word_embeddings", False):
-        embed = getattr(model.model, "embed_tokens", None)
-        if not hasattr(embed, "as_linear"):
-            raise ValueError("the output head is tied to embed_tokens, which has no as_linear")
-        return embed.as_linear
-    if not hasattr(model, "lm_head"):
-        raise ValueError("the output head is untied but the model has no lm_head")
-    return model.lm_head
+    return _projection(model, getattr(model, "tie_word_embeddings", False))
 
 
 def attention_cache_dims(config: dict) -> tuple[int, int, Optional[int]]:
