@@ -7,7 +7,10 @@ security rules live in one place (DESIGN §5):
 - with :class:`CurveKeys`, a server socket encrypts (``curve_server``) and accepts only the client
   public keys in ``keys.authorized_clients``, checked by a ZAP handler (one
   ``zmq.auth.thread.ThreadAuthenticator`` per Context, started on first use);
-- every socket has ``LINGER 0``, so closing never blocks on unsent messages.
+- every socket has ``LINGER 0``, so closing never blocks on unsent messages, and a send deadline
+  (``SNDTIMEO`` = :data:`SEND_DEADLINE_MS`), so a blocking send to a peer that refused the handshake, or
+  that is gone, raises ``zmq.Again`` instead of waiting forever (the workers and router send with
+  ``zmq.NOBLOCK`` anyway; tools, benchmarks and tests send blocking).
 
 Key directory layout (made by ``mlx-pd keys DIR``, i.e. :func:`generate_keys`)::
 
@@ -39,6 +42,7 @@ from zmq.auth.thread import ThreadAuthenticator
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+SEND_DEADLINE_MS = 2000  # the longest a blocking send on any socket made here waits for a peer to queue to
 Z85_KEY_LEN = 40  # a 32-byte Curve25519 key, z85-encoded
 _FILES = ("server.key", "server.key_secret", "client.key", "client.key_secret")
 PathLike = Union[str, os.PathLike]
@@ -233,7 +237,7 @@ def server_socket(ctx: zmq.Context, kind: int, host: str = LOOPBACK, port: int =
     ``port`` 0 picks a free port. With ``keys`` the socket is a Curve server that accepts only
     ``keys.authorized_clients``. ``options`` ({zmq.MAXMSGSIZE: n, ...}) are set before binding: the listener
     copies the socket's options when it binds, so an option set afterwards never reaches the connections it
-    accepts (checked in tests/test_transport.py). Returns (socket, "tcp://host:actual_port"). Raises
+    accepts (checked in tests/test_transport.py); they may override the send deadline. Returns (socket, "tcp://host:actual_port"). Raises
     ValueError for a bad host or port, or when binding fails (address in use, no such interface); the socket
     is then closed.
     """
@@ -246,6 +250,7 @@ def server_socket(ctx: zmq.Context, kind: int, host: str = LOOPBACK, port: int =
     sock = ctx.socket(kind)
     try:
         sock.linger = 0
+        sock.sndtimeo = SEND_DEADLINE_MS
         if ipv6:
             sock.ipv6 = True
         if keys is not None:
@@ -274,7 +279,8 @@ def client_socket(ctx: zmq.Context, kind: int, endpoint: str, keys: Optional[Cur
     """Create a ``kind`` socket and connect it to ``endpoint`` (see :func:`check_endpoint`).
 
     With ``keys`` it is a Curve client: it checks the server's public key and presents
-    ``keys.client_public``. Connecting is asynchronous: a refused handshake delivers nothing, it does not raise.
+    ``keys.client_public``. Connecting is asynchronous: a refused handshake delivers nothing, it does not raise;
+    once ZeroMQ drops the refused connection, a blocking send raises ``zmq.Again`` after SEND_DEADLINE_MS.
     ``options`` ({zmq.SNDHWM: 4, zmq.HEARTBEAT_IVL: 1000, ...}) are set before connecting: ZeroMQ applies
     high-water marks and heartbeats to connections made after they are set, never to an existing one
     (libzmq's zmq_setsockopt(3): "subsequent ... connections").
@@ -283,6 +289,7 @@ def client_socket(ctx: zmq.Context, kind: int, endpoint: str, keys: Optional[Cur
     sock = ctx.socket(kind)
     try:
         sock.linger = 0
+        sock.sndtimeo = SEND_DEADLINE_MS
         for option, value in (options or {}).items():
             sock.setsockopt(option, value)
         if endpoint.startswith("tcp://["):

@@ -55,6 +55,16 @@ def keys(tmp_path):
     return generate_keys(tmp_path / "keys")
 
 
+def offer(sock, frames) -> bool:
+    """Send ``frames`` from a peer that may have been refused: True when ZeroMQ queued them, False when the
+    refused connection was already dropped and the send deadline passed (either way nothing may arrive)."""
+    try:
+        sock.send_multipart(frames)
+        return True
+    except zmq.Again:
+        return False
+
+
 def recv(sock, timeout_ms=5000):
     """The next multipart message, or None when none arrives within timeout_ms."""
     if sock.poll(timeout_ms, zmq.POLLIN):
@@ -88,7 +98,7 @@ def test_curve_client_and_server_exchange_both_ways(net, keys):
 def test_plain_client_gets_nothing_through_to_a_curve_server(net, keys):
     srv, endpoint = net.server(keys=keys)
     c = net.client(endpoint)  # no keys: NULL mechanism, the handshake fails
-    c.send_multipart([b"injected"])
+    offer(c, [b"injected"])
     assert recv(srv, WAIT_MS) is None
 
 
@@ -100,7 +110,7 @@ def test_unauthorized_client_key_is_refused_until_its_public_key_is_added(net, k
 
     srv, endpoint = net.server(keys=keys)
     c = net.client(endpoint, keys=stranger)  # knows the server's public key, but is not authorized
-    c.send_multipart([b"let me in"])
+    offer(c, [b"let me in"])
     assert recv(srv, WAIT_MS) is None
 
     shutil.copy(tmp_path / "extra.key", d / "extra.key")  # the admin authorizes it
@@ -110,8 +120,58 @@ def test_unauthorized_client_key_is_refused_until_its_public_key_is_added(net, k
     c2 = net.client(endpoint2, keys=stranger)
     c2.send_multipart([b"let me in"])
     assert recv(srv2)[1:] == [b"let me in"]
-    c.send_multipart([b"still refused"])  # the first server keeps its own, older set
+    offer(c, [b"still refused"])  # the first server keeps its own, older set
     assert recv(srv, WAIT_MS) is None
+
+
+def test_a_blocking_send_with_no_connection_gives_up_at_the_send_deadline(net):
+    """Every socket made here has a send deadline: a blocking send that has no connection to queue to (nothing
+    listens, or the handshake was refused and the connection dropped) raises zmq.Again, it never hangs."""
+    import time
+
+    from cluster.transport import SEND_DEADLINE_MS
+
+    _, endpoint = net.server()
+    net.sockets[-1].close(linger=0)  # the port is free again: nobody will answer
+    c = net.client(endpoint, kind=zmq.PUSH, options={zmq.IMMEDIATE: 1})  # queue only to a finished connection
+    start = time.monotonic()
+    with pytest.raises(zmq.Again):
+        c.send(b"nobody listens")
+    assert SEND_DEADLINE_MS / 1000 * 0.9 <= time.monotonic() - start < SEND_DEADLINE_MS / 1000 + 5
+
+
+def test_probing_a_worker_that_refuses_our_key_answers_none_within_its_timeout(net, keys, tmp_path):
+    """probe_worker (what tools and benchmarks ask a worker with) answers a refused handshake with None inside
+    its timeout, and the same responder answers an authorized probe with its stats."""
+    import time
+
+    from cluster.launch.workers import probe_worker
+    from cluster.protocol import PROTOCOL_VERSION, TO_WORKER, Pong, WorkerStats, pack, unpack
+
+    srv, endpoint = net.server(keys=keys)
+    stop = threading.Event()
+
+    def answer_pings():
+        while not stop.is_set():
+            if srv.poll(50):
+                identity, frame = srv.recv_multipart()
+                ping = unpack(frame, TO_WORKER, PROTOCOL_VERSION)
+                srv.send_multipart([identity, pack(Pong(seq=ping.seq, stats=WorkerStats()))], zmq.NOBLOCK)
+
+    responder = threading.Thread(target=answer_pings, daemon=True)
+    responder.start()
+    try:
+        assert probe_worker(endpoint, keys, timeout_s=3.0) is not None
+        zmq.auth.create_certificates(tmp_path, "stranger")
+        public, secret = zmq.auth.load_certificate(tmp_path / "stranger.key_secret")
+        stranger = CurveKeys(keys.server_public, b"x" * 40, public, secret, (public,))
+        for _ in range(3):  # early (queued before the refusal) and late (the connection already dropped)
+            start = time.monotonic()
+            assert probe_worker(endpoint, stranger, timeout_s=1.0) is None
+            assert time.monotonic() - start < 1.0 + 1.0
+    finally:
+        stop.set()
+        responder.join(timeout=5)
 
 
 def test_generate_keys_protects_secrets_and_refuses_to_overwrite(tmp_path):

@@ -32,8 +32,12 @@ def probe_worker(endpoint: str, keys: Optional[CurveKeys] = None, timeout_s: flo
     ctx = zmq.Context()
     sock = client_socket(ctx, zmq.DEALER, endpoint, keys)
     try:
-        sock.send(pack(Ping(seq=1)))
         deadline = time.monotonic() + timeout_s
+        sock.sndtimeo = max(1, int(timeout_s * 1000))
+        try:
+            sock.send(pack(Ping(seq=1)))
+        except zmq.Again:  # no connection to queue to: the handshake was refused, or nobody listens
+            return None
         while (left := deadline - time.monotonic()) > 0 and sock.poll(int(left * 1000)):
             msg = unpack(sock.recv_multipart()[0], TO_ROUTER, PROTOCOL_VERSION)
             if isinstance(msg, Pong):
