@@ -62,7 +62,9 @@ class EngineCore:
         num_blocks = config.num_blocks or 1 + int(config.kv_cache_gb * 2**30 // per_block)
         if num_blocks < 2:
             raise ValueError(f"kv_cache_gb={config.kv_cache_gb} holds no block of {per_block} bytes")
-        self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
+        # a prefix hit skips computing its tokens, which a recurrent layer's state needs: models with recurrent
+        # layers run without the prefix cache
+        self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching and not verified.num_state_layers)
         self.kv = KVManager(self.pool)  # the one owner that allocates and frees blocks
         # one owner thread for the model calls, the KV arrays and the pool (cluster/ownership.py)
         self.owner = ThreadOwner("this engine")
@@ -71,7 +73,9 @@ class EngineCore:
                              dequantize_for_attention=None if verified.reads_quantized_kv else True, owner=self.owner)
         self.runner = ModelRunner(model, self.store, verified)
         eos_ids = set(spec.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
-        self.scheduler = Scheduler(config, self.kv, self._extra_key, eos_ids, speculator, connector)
+        self.scheduler = Scheduler(config, self.kv, self._extra_key, eos_ids, None, connector)
+        if speculator is not None:
+            self.speculator = speculator
 
     @property
     def speculator(self) -> Speculator:
@@ -80,6 +84,12 @@ class EngineCore:
 
     @speculator.setter
     def speculator(self, speculator: Speculator) -> None:
+        """Raises ValueError for a speculator that drafts over a model with recurrent layers: rejected drafts
+        are rolled back by lowering counters, which cannot undo a recurrent state's update."""
+        if self.runner.verified.num_state_layers and getattr(speculator, "methods", ()):
+            raise ValueError(f"speculative decoding is not available for {self.runner.verified.model_type}: its "
+                             "recurrent layers' state cannot be rolled back past rejected drafts; start the server "
+                             "without --speculative-method / --draft-model")
         self.scheduler.speculator = speculator
 
     @property

@@ -22,7 +22,7 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 class ModelSpec:
     """Architecture facts read from the model's config.json.
 
-    `num_layers` attention layers, each caching `num_kv_heads` heads per token: a key of `head_dim` values and
+    `num_layers` layers that cache KV (every layer but recurrent-only ones, `Family.kv_layers`), each caching `num_kv_heads` heads per token: a key of `head_dim` values and
     a value of `value_dim` values (`value_dim` None: `head_dim`, as in every family but latent attention,
     whose cache holds the compressed latent as its key and the rope key as its value: one head of
     kv_lora_rank and qk_rope_head_dim; `cluster.model_families.Family.cache_dims`). `max_model_len` is the
@@ -114,7 +114,7 @@ def read_model_spec(path: Path, model_id: Optional[str] = None) -> ModelSpec:
     return ModelSpec(
         model_id=model_id or path.name,
         revision=digest.hexdigest()[:16],
-        num_layers=text["num_hidden_layers"],
+        num_layers=family.kv_layers(text),
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,

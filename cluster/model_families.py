@@ -8,8 +8,10 @@ generation only when three things hold, so a model is served only when all three
   written down here (`Family.head`), and its attention's score layout is known (`Family.mask_rank`);
 - every layer is full attention over a plain KV cache (`make_cache` gives `KVCache`), or, in a family whose
   body was read to ask the cache for a windowed mask (`Family.sliding_windows`), a sliding window
-  (`RotatingKVCache` of the model's `sliding_window`, no kept prefix), never recurrent state; each with a
-  position-only rotary embedding (batched steps give rope one offset per row);
+  (`RotatingKVCache` of the model's `sliding_window`, no kept prefix), or, in a family whose recurrent
+  layers were read to honour `ArraysCache.lengths` (`Family.recurrent`), recurrent state (`ArraysCache`),
+  alone or beside a KV cache in one layer (`CacheList(ArraysCache, KVCache)`, falcon_h1); each attention
+  with a position-only rotary embedding (batched steps give rope one offset per row);
 - the model object is the verified mlx-lm class, and the head's weights are where that class reads them.
 
 Anything else raises ValueError at load (config.json: `check_config`; the model object: `verify_model`,
@@ -87,6 +89,32 @@ def latent_cache_dims(config: dict) -> tuple[int, int, Optional[int]]:
     return 1, config["kv_lora_rank"], config["qk_rope_head_dim"]
 
 
+def falcon_h1_head(model) -> Callable[[mx.array], mx.array]:
+    """falcon_h1: the tied embedding's `as_linear` times lm_head_multiplier / embedding_multiplier (its
+    `Model.__call__`), else `lm_head` (whose multiplier `sanitize` folds into the weights)."""
+    args = model.args
+    if not args.tie_word_embeddings:
+        return _projection(model, False)
+    base, scale = _projection(model, True), args.lm_head_multiplier / args.embedding_multiplier
+
+    def head(hidden: mx.array) -> mx.array:
+        return base(hidden) * scale
+
+    return head
+
+
+def every_layer(config: dict) -> int:
+    """The layers that cache KV: all `num_hidden_layers`."""
+    return config["num_hidden_layers"]
+
+
+def qwen3_next_attention_layers(config: dict) -> int:
+    """qwen3_next: layer i is full attention when (i + 1) % full_attention_interval == 0 (its decoder layer's
+    `is_linear`), the rest Gated DeltaNet, which caches no KV."""
+    interval = config.get("full_attention_interval", 4)
+    return sum(1 for i in range(config["num_hidden_layers"]) if (i + 1) % interval == 0)
+
+
 def _four_d(model) -> int:
     return 4
 
@@ -112,6 +140,10 @@ class Family:
     `sliding_windows`: the model's body asks the cache of a sliding-window layer for its mask with
     `window_size` equal to that layer's `RotatingKVCache.max_size` (read in its `__call__`), so the paged
     cache can serve those layers (cluster/kv_layout.py `windowed_mask`); when False, such a layer is refused.
+    `recurrent`: the family's recurrent layers (ArraysCache state) read `lengths` to keep padding out of
+    their state (read in their `__call__`: the conv window is taken at each row's end, the state update is
+    masked), so batched steps keep each row exact (cluster/recurrent_state.py); when False they are refused.
+    `kv_layers(config)`: how many layers cache KV (the pool's layers), from config.json.
     """
 
     module: str
@@ -120,6 +152,8 @@ class Family:
     reads_quantized_kv: bool = True
     sliding_windows: bool = False
     cache_dims: Callable[[dict], tuple[int, int, Optional[int]]] = attention_cache_dims
+    recurrent: bool = False
+    kv_layers: Callable[[dict], int] = every_layer
 
 
 FAMILIES: dict[str, Family] = {
@@ -142,6 +176,10 @@ FAMILIES: dict[str, Family] = {
     # multi-head latent attention: the cache holds the latent and the rope key; the attention computes with
     # them itself (expanding the latent for prompts, absorbing the projections for one-token steps)
     "deepseek_v3": Family("deepseek_v3", reads_quantized_kv=False, cache_dims=latent_cache_dims),
+    # Gated DeltaNet layers (recurrent state) and every full_attention_interval-th layer full attention
+    "qwen3_next": Family("qwen3_next", recurrent=True, kv_layers=qwen3_next_attention_layers),
+    # every layer runs Mamba (recurrent state) and attention side by side
+    "falcon_h1": Family("falcon_h1", head=falcon_h1_head, recurrent=True),
 }
 
 # rotary embeddings that depend on the position only (mx.fast.rope with per-row offsets)
@@ -170,13 +208,23 @@ def check_config(config: dict) -> Family:
 
 
 @dataclass(frozen=True)
+class LayerKind:
+    """What one layer caches: `kv` its index among the pool's KV layers (None: no KV), `window` its sliding
+    window in positions (None: full attention), `state` its index among the recurrent layers (None: none)."""
+
+    kv: Optional[int] = None
+    window: Optional[int] = None
+    state: Optional[int] = None
+
+
+@dataclass(frozen=True)
 class VerifiedModel:
     """What the runner needs of a model that passed `verify_model`.
 
     `body(tokens int32 [B, T], cache=[per-layer caches]) -> hidden [B, T, hidden_size]`;
     `head(hidden [..., hidden_size]) -> logits [..., vocab]` (the family's exact head);
     `mask_rank`: 4 or 5 (see `Family.mask_rank`); `reads_quantized_kv` as in `Family`.
-    `layer_windows`: per layer, None for full attention or the sliding window in positions.
+    `layer_kinds`: per layer, what it caches (`LayerKind`).
     """
 
     model_type: str
@@ -184,12 +232,37 @@ class VerifiedModel:
     head: Callable[[mx.array], mx.array]
     mask_rank: int
     reads_quantized_kv: bool
-    layer_windows: tuple[Optional[int], ...] = ()
+    layer_kinds: tuple[LayerKind, ...] = ()
+
+    @property
+    def layer_windows(self) -> tuple[Optional[int], ...]:
+        """Per KV layer, None for full attention or the sliding window in positions."""
+        return tuple(k.window for k in self.layer_kinds if k.kv is not None)
+
+    @property
+    def num_state_layers(self) -> int:
+        """How many layers carry recurrent state (0: attention only)."""
+        return sum(1 for k in self.layer_kinds if k.state is not None)
+
+    def caches(self, kv_views: list, state_views: list) -> list:
+        """The per-layer cache list the body runs over: layer i gets its KV view, its state view, or both as
+        (state, kv) when it holds both (mlx-lm's `CacheList(ArraysCache, KVCache)` order)."""
+        out = []
+        for kind in self.layer_kinds:
+            kv = None if kind.kv is None else kv_views[kind.kv]
+            state = None if kind.state is None else state_views[kind.state]
+            out.append(kv if state is None else state if kv is None else (state, kv))
+        return out
+
+    def state_caches(self, caches: list) -> list:
+        """The recurrent layers' `ArraysCache`s among mlx-lm's own per-layer caches (`make_cache()`)."""
+        return [c if k.kv is None else c[0] for c, k in zip(caches, self.layer_kinds) if k.state is not None]
 
 
 def verify_model(model) -> VerifiedModel:
-    """Gate on a loaded mlx-lm model: verified family, its own mlx-lm class, every layer full attention of
-    the family's class over a plain `KVCache` with a position-only rope, and the family's head buildable.
+    """Gate on a loaded mlx-lm model: verified family, its own mlx-lm class, every layer's caches of a kind
+    the family was read for (module docstring), each attention the family's class with a position-only rope,
+    each recurrent mixer the family's class, and the family's head buildable.
     Returns the `VerifiedModel`; raises ValueError naming the model type, layer or head at fault and
     listing what is served."""
     args = getattr(model, "args", None)
@@ -203,25 +276,44 @@ def verify_model(model) -> VerifiedModel:
 
     def refuse(what: str) -> ValueError:
         return ValueError(f"{model_type} model: {what}; this engine serves full attention over a plain KV "
-                          f"cache (and sliding windows in {_windowed()}) with a position-only rotary "
-                          f"embedding, for the families {supported()}")
+                          f"cache (and sliding windows in {_windowed()}, recurrent state in {_recurrent()}) with "
+                          f"a position-only rotary embedding, for the families {supported()}")
 
-    from mlx_lm.models.cache import KVCache, RotatingKVCache
+    from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
     layers = list(model.layers)
     caches = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in layers]
     if len(caches) != len(layers):
         raise refuse(f"make_cache gives {len(caches)} caches for {len(layers)} layers")
-    windows: list[Optional[int]] = []
+    kinds: list[LayerKind] = []
+    num_kv = num_state = 0
     for i, (layer, cache) in enumerate(zip(layers, caches)):
-        if type(cache) is RotatingKVCache and family.sliding_windows and cache.keep == 0 \
-                and cache.max_size == getattr(args, "sliding_window", None):
-            windows.append(cache.max_size)
-        elif type(cache) is KVCache:
-            windows.append(None)
-        else:
-            raise refuse(f"layer {i} uses {type(cache).__name__}{_cache_detail(cache)} (a sliding window this "
-                         "family's code was not read for, or recurrent state)")
+        state, kv_cache = None, cache
+        if family.recurrent and type(cache) is ArraysCache:
+            state, kv_cache = cache, None
+        elif family.recurrent and type(cache) is CacheList and len(cache.caches) == 2 \
+                and type(cache[0]) is ArraysCache:
+            state, kv_cache = cache[0], cache[1]
+        if state is not None:
+            mixer = getattr(layer, "linear_attn", None) or getattr(layer, "mamba", None)
+            if mixer is None or type(mixer).__module__ != module or len(state.cache) != 2:
+                raise refuse(f"layer {i} keeps recurrent state in {type(mixer).__name__} with "
+                             f"{len(state.cache)} arrays (read: {module}'s mixer, conv and SSM state)")
+        window = None
+        if kv_cache is None:
+            pass
+        elif type(kv_cache) is RotatingKVCache and family.sliding_windows and kv_cache.keep == 0 \
+                and kv_cache.max_size == getattr(args, "sliding_window", None):
+            window = kv_cache.max_size
+        elif type(kv_cache) is not KVCache:
+            raise refuse(f"layer {i} uses {type(kv_cache).__name__}{_cache_detail(kv_cache)} (a sliding window "
+                         "or recurrent state this family's code was not read for)")
+        kinds.append(LayerKind(kv=None if kv_cache is None else num_kv, window=window,
+                               state=None if state is None else num_state))
+        num_kv += kv_cache is not None
+        num_state += state is not None
+        if kv_cache is None:
+            continue
         attn = getattr(layer, "self_attn", None)
         if attn is None or type(attn).__module__ != module:
             raise refuse(f"layer {i} has attention {type(attn).__name__} not from {module}")
@@ -233,11 +325,15 @@ def verify_model(model) -> VerifiedModel:
     except (AttributeError, ValueError) as exc:
         raise refuse(f"output head: {exc}") from None
     return VerifiedModel(model_type, model.model, head, family.mask_rank(model), family.reads_quantized_kv,
-                         tuple(windows))
+                         tuple(kinds))
 
 
 def _windowed() -> str:
     return ", ".join(name for name, f in FAMILIES.items() if f.sliding_windows)
+
+
+def _recurrent() -> str:
+    return ", ".join(name for name, f in FAMILIES.items() if f.recurrent)
 
 
 def _cache_detail(cache) -> str:

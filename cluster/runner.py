@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence as Seq
+from typing import Any, Callable, Optional, Sequence as Seq
 
 import mlx.core as mx
 
 from cluster.kv_layout import BatchLayout
 from cluster.kv_store import KVStore
 from cluster.model_families import VerifiedModel, verify_model
+from cluster.recurrent_state import State, probe_state_shapes, split_states, stack_states
 from cluster.request import TokenLogprob
 from cluster.sampling import prompt_logprobs, sample
 from cluster.sequence import Sequence
@@ -39,13 +40,16 @@ class Logits(enum.Enum):
 @dataclass(frozen=True)
 class BatchItem:
     """One sequence's share of a step: compute `token_ids` at positions [start, start + len) into the blocks of
-    `block_table`. `mirror_row` names the sequence across decode steps (its row of the decode mirror)."""
+    `block_table`. `mirror_row` names the sequence across decode steps (its row of the decode mirror).
+    `state`: the sequence's recurrent state before the step (cluster/recurrent_state.py; None: nothing
+    computed yet, or a model without recurrent layers)."""
 
     block_table: Seq[int]
     start: int
     token_ids: Seq[int]
     logits: Logits = Logits.LAST
     mirror_row: Optional[str] = None
+    state: Any = None
 
 
 class ModelRunner:
@@ -62,10 +66,17 @@ class ModelRunner:
             raise ValueError(f"{self.verified.model_type} attention reads float KV only: a KV store with "
                              f"kv_bits={store.kv_bits} must dequantize for attention")
         self._body, self._head, self._mask_rank = self.verified.body, self.verified.head, self.verified.mask_rank
+        self.state_shapes = (probe_state_shapes(model, self.verified.state_caches)
+                             if self.verified.num_state_layers else ())
 
     def forward(self, items: Seq[BatchItem]) -> list[Optional[mx.array]]:
         """Run one step; returns per item float32 logits: [vocab] for Logits.LAST, [T_b, vocab] for Logits.ALL,
         None for Logits.NONE. The returned arrays are lazy; if none is returned the KV writes are evaluated here."""
+        return self.forward_with_state(items)[0]
+
+    def forward_with_state(self, items: Seq[BatchItem]) -> tuple[list[Optional[mx.array]], list[Optional[State]]]:
+        """`forward`, plus each item's recurrent state after the step (evaluated; None for every item of a
+        model without recurrent layers)."""
         num_new = [len(it.token_ids) for it in items]
         T = max(num_new)
         tokens = mx.array([list(it.token_ids) + [0] * (T - len(it.token_ids)) for it in items], dtype=mx.int32)
@@ -75,7 +86,10 @@ class ModelRunner:
                                               self._mask_rank)
         else:
             layout = BatchLayout.build(tables, starts, num_new, self.store.block_size, self._mask_rank)
-        hidden = self._body(tokens, cache=self.store.views(layout))
+        kv_views = self.store.views(layout)
+        state_views = stack_states(self.state_shapes, [it.state for it in items], num_new) if self.state_shapes else []
+        caches = self.verified.caches(kv_views, state_views) if self.verified.layer_kinds else kv_views
+        hidden = self._body(tokens, cache=caches)
         out: list[Optional[mx.array]] = [None] * len(items)
         # one [rows, hidden] x [hidden, vocab] product: the head's weights are read once per step
         batch_rows, positions, spans = [], [], []
@@ -92,7 +106,11 @@ class ModelRunner:
                 out[b] = logits[at] if items[b].logits is Logits.LAST else logits[at:at + n]
         else:
             mx.eval(self.store.keys, self.store.values)
-        return out
+        if not state_views:
+            return out, [None] * len(items)
+        states = split_states(state_views, len(items))
+        mx.eval(states)
+        return out, states
 
     def execute(self, batch, drafts: dict[str, Draft], verify: Optional[Verify] = None) -> list["RowResult"]:
         """One step's array work over `batch` (cluster.scheduler.ScheduledBatch): build the inputs, run the
@@ -101,8 +119,8 @@ class ModelRunner:
         except their PRNG keys (advanced by sampling or verification)."""
         planned = [plan_row(seq, n, batch.is_prefill, drafts.get(seq.request_id)) for seq, n in batch.items]
         rows = [row for row, _ in planned]
-        for row, logits in zip(rows, self.forward([item for _, item in planned])):
-            row.logits = logits
+        for row, logits, state in zip(rows, *self.forward_with_state([item for _, item in planned])):
+            row.logits, row.state = logits, state
         if drafts and self.store.mirror is not None:
             self.store.mirror.reset()  # a verify step gathers; the next plain decode step rebuilds the mirror
         self._sample([row for row in rows if row.samples])
@@ -139,7 +157,8 @@ class RowResult:
     token sampled. `draft`/`verified`: the draft fed after the last token and what verification accepted.
     `prompt_logprobs`: for a request that wants them, the entries of the prompt positions this chunk predicted
     (positions start + 1 .. start + num_fed, within the prompt), unless the sequence already has them (a
-    recompute after preemption)."""
+    recompute after preemption). `state`: the sequence's recurrent state after the step (None without
+    recurrent layers)."""
 
     seq: Sequence
     start: int
@@ -152,6 +171,7 @@ class RowResult:
     draft: Optional[Draft] = None
     verified: Optional[Verified] = None
     prompt_logprobs: Optional[list[TokenLogprob]] = None
+    state: Any = None
 
     @property
     def prompt_logits(self) -> Optional[mx.array]:
@@ -176,7 +196,8 @@ def plan_row(seq: Sequence, num_tokens: int, is_prefill: bool,
     mirror_row = None if is_prefill else seq.request_id
     if draft is not None:  # verify: the last token and the drafts, logits at every position
         return (RowResult(seq, start, len(seq.token_ids) - start, Logits.ALL, draft=draft),
-                BatchItem(seq.block_table, start, seq.token_ids[start:] + list(draft.tokens), Logits.ALL, mirror_row))
+                BatchItem(seq.block_table, start, seq.token_ids[start:] + list(draft.tokens), Logits.ALL, mirror_row,
+                          seq.recurrent_state))
     n = num_tokens if is_prefill else len(seq.token_ids) - start  # decode: the reserved rest is for drafts
     samples = start + n == len(seq.token_ids)
     if seq.request.sampling.prompt_logprobs is not None and start < seq.num_prompt_tokens:
@@ -184,4 +205,4 @@ def plan_row(seq: Sequence, num_tokens: int, is_prefill: bool,
     else:
         wanted = Logits.LAST if samples else Logits.NONE
     return (RowResult(seq, start, n, wanted, samples),
-            BatchItem(seq.block_table, start, seq.token_ids[start:start + n], wanted, mirror_row))
+            BatchItem(seq.block_table, start, seq.token_ids[start:start + n], wanted, mirror_row, seq.recurrent_state))

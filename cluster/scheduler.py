@@ -207,6 +207,7 @@ class Scheduler:
         if row.prompt_logprobs is not None:
             seq.prompt_logprobs.extend(row.prompt_logprobs)
         seq.num_computed_tokens += row.num_fed
+        seq.recurrent_state = row.state
         self.cache_computed_blocks(seq)
         if not row.samples:
             return None
@@ -333,6 +334,7 @@ class Scheduler:
         seq.block_hashes = []
         self._preempted.append(seq)
         seq.num_computed_tokens = seq.num_draft_computed = 0
+        seq.recurrent_state = None
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

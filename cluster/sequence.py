@@ -37,6 +37,8 @@ class Sequence:
     num_draft_computed: tokens whose draft-model KV is in the draft pool (same block_table), at most
     num_computed_tokens after every step (the rejected drafts' KV is rolled back by lowering it).
     draft_state: the drafter's own per-sequence state (e.g. the prompt-lookup n-gram index).
+    recurrent_state: its recurrent layers' state after its num_computed_tokens tokens
+        (cluster/recurrent_state.py; None before any, and always for models without recurrent layers).
     remote_decode: the sequence leaves this engine after its first token (a prefill worker's: another worker
     decodes the rest; `cluster.connector`).
     """
@@ -55,6 +57,7 @@ class Sequence:
     speculation: Any = None
     num_draft_computed: int = 0
     draft_state: Any = None
+    recurrent_state: Any = None
     remote_decode: bool = False
     arrival: float = field(default_factory=time.monotonic)
 

@@ -90,6 +90,11 @@ class Worker:
                 self._loaded = (model, tokenizer, model_spec)
             model, tokenizer, model_spec = self._loaded
             self.engine = EngineCore(model, tokenizer, model_spec, self.spec.engine)
+        verified = self.engine.runner.verified
+        if verified.num_state_layers and self.topology.workers_of("prefill"):
+            raise ValueError(f"{verified.model_type} has recurrent layers, whose state the KV transfer does not "
+                             "carry: serve it with decode workers only (each computes its own prompts) or with "
+                             "`mlx-pd serve`, not with prefill workers")
         if self.channel is None:
             sock, endpoint = server_socket(self.ctx, zmq.ROUTER, self.spec.host, self.spec.control_port, self.keys,
                                            options={zmq.MAXMSGSIZE: CONTROL_MAX_MESSAGE_BYTES})

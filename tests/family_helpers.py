@@ -51,10 +51,21 @@ CONFIGS = {
                         v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
                         moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1,
                         tie_word_embeddings=False),
+    # recurrent layers: layer 0 Gated DeltaNet (a 4-tap conv over 96 channels, a 2 x 16 x 16 delta-rule
+    # state), layer 1 full attention with a quarter-width rotary embedding; routed experts
+    "qwen3_next": dict(linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
+                       linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2,
+                       num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                       shared_expert_intermediate_size=32, moe_intermediate_size=32, partial_rotary_factor=0.25,
+                       tie_word_embeddings=False),
+    # every layer Mamba-2 (4 heads of 16, a 16-wide SSM state) beside attention
+    "falcon_h1": dict(mamba_d_conv=4, mamba_d_head=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_state=16,
+                      mamba_n_groups=1, mamba_expand=2, mamba_chunk_size=128, tie_word_embeddings=False),
 }
 # families whose layers are not all plain full attention: sliding windows, attention sinks, latent attention
 OTHER_LAYER_KINDS = ["gemma3_text", "gpt_oss", "deepseek_v3"]
-UNVERIFIED = ("qwen3_next", "falcon_h1", "mamba2", "granitemoe", "minicpm", "gemma3", "llava")
+RECURRENT = ["qwen3_next", "falcon_h1"]  # families with recurrent-state layers
+UNVERIFIED = ("mamba2", "granitemoe", "minicpm", "gemma3", "llava")
 
 @functools.lru_cache(maxsize=1)
 def tokenizer():
@@ -206,7 +217,30 @@ def expected_kv_bytes_per_token(config: dict, dtype_bytes: int = 4) -> int:
         per_layer = config["kv_lora_rank"] + config["qk_rope_head_dim"]
     else:
         per_layer = 2 * config["num_key_value_heads"] * config["head_dim"]
-    return config["num_hidden_layers"] * per_layer * dtype_bytes
+    layers = config["num_hidden_layers"]
+    if "full_attention_interval" in config:  # qwen3_next: only every interval-th layer is attention
+        layers //= config["full_attention_interval"]
+    return layers * per_layer * dtype_bytes
+
+
+def expected_state_bytes_per_sequence(config: dict, dtype_bytes: int = 4) -> int:
+    """Recurrent state bytes of one sequence from config.json's fields alone: per recurrent layer a conv
+    window of (kernel - 1) positions over the conv channels, plus the SSM state (float32 in both families).
+    qwen3_next (Gated DeltaNet layers, all but every full_attention_interval-th): conv channels 2 x key
+    heads x key dim + value heads x value dim; state value heads x value dim x key dim. falcon_h1 (every
+    layer): conv channels d_ssm + 2 x groups x d_state; state heads x head dim x d_state."""
+    if config["model_type"] == "qwen3_next":
+        layers = config["num_hidden_layers"] - config["num_hidden_layers"] // config["full_attention_interval"]
+        key = config["linear_num_key_heads"] * config["linear_key_head_dim"]
+        value = config["linear_num_value_heads"] * config["linear_value_head_dim"]
+        conv = (config["linear_conv_kernel_dim"] - 1) * (2 * key + value)
+        state = config["linear_num_value_heads"] * config["linear_value_head_dim"] * config["linear_key_head_dim"]
+    else:
+        layers = config["num_hidden_layers"]
+        conv = (config["mamba_d_conv"] - 1) * (config["mamba_d_ssm"] + 2 * config["mamba_n_groups"]
+                                               * config["mamba_d_state"])
+        state = config["mamba_n_heads"] * config["mamba_d_head"] * config["mamba_d_state"]
+    return layers * (conv + state) * dtype_bytes
 
 
 def minimal_config(model_type: str) -> dict:

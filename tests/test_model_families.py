@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.engine_helpers import run
-from tests.family_helpers import (TOL, COMMON, CONFIGS, OTHER_LAYER_KINDS, family, make_engine, engine,
+from tests.family_helpers import (TOL, COMMON, CONFIGS, OTHER_LAYER_KINDS, RECURRENT, family, make_engine, engine,
                                    prompts, reference, request, assert_matches, batches,
                                    expected_kv_bytes_per_token)
 
@@ -40,7 +40,7 @@ def test_greedy_generation_matches_mlx_lm_alone_and_in_batches_of_every_size(mod
                            f"{model_type}: prompt {i} in a batch of {len(batch)}")
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "llama", "qwen3_moe", *OTHER_LAYER_KINDS])
+@pytest.mark.parametrize("model_type", ["gemma2", "llama", "qwen3_moe", *OTHER_LAYER_KINDS, *RECURRENT])
 def test_batched_decode_that_gathers_from_the_pool_matches_mlx_lm(model_type):
     """With the decode mirror off, batched decode steps gather their contexts (another mask path) and still
     give mlx-lm's tokens and logprobs."""

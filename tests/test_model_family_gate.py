@@ -96,7 +96,7 @@ def test_serve_reports_a_refused_family_as_an_error_not_a_traceback(tmp_path, mo
     from cluster.launch import cli
 
     monkeypatch.setattr(cluster.launch.platform, "reexec_with_openblas", lambda *a, **k: None)
-    folder = write_config(tmp_path / "qwen3_next", minimal_config("qwen3_next"))
+    folder = write_config(tmp_path / "mamba2", minimal_config("mamba2"))
     assert cli.main(["serve", "--model", str(folder)]) == 2
     err = capsys.readouterr().err
-    assert "mlx-pd: error: model_type 'qwen3_next'" in err and "Traceback" not in err
+    assert "mlx-pd: error: model_type 'mamba2'" in err and "Traceback" not in err
