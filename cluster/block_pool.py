@@ -9,16 +9,23 @@ the same first 8 tokens finds [1, 2] with `find_cached_prefix` and `touch`es the
 free queue). A later `allocate` takes blocks in free-queue order, least recently freed first (3 here:
 uncached, so nothing is evicted); taking a cached block forgets its hash (eviction). The design is vLLM v1's BlockPool (vllm/v1/core/block_pool.py).
 
-Every change to the set of cached hashes is recorded as a KV event with a monotonically increasing
-sequence number, for the router's prefix index; at most 65536 undrained events are kept (a consumer
-that falls behind sees a gap in `seq` and resyncs).
+Restore points (models with recurrent layers): a prefix hit also needs the recurrent state after its last
+block, which only a state snapshot holds (cluster/state_snapshots.py). A pool made with
+`needs_restore_points=True` keeps the set of cached hashes that have one (`mark_restorable`), and
+`find_cached_prefix` cuts a hit back to its last restore point. A restore point lives only as long as its
+block is cached: evicting the block (or resetting the cache) ends it and calls `on_restore_point_lost`, so
+the snapshot's owner drops the state with it.
+
+Every change to the set of cached hashes (and of restore points) is recorded as a KV event with a
+monotonically increasing sequence number, for the router's prefix index; at most 65536 undrained events are
+kept (a consumer that falls behind sees a gap in `seq` and resyncs).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 
 @dataclass
@@ -33,7 +40,8 @@ class Block:
 
 @dataclass(frozen=True)
 class KVEvent:
-    """A change to the cached set: `kind` is "stored", "removed" or "cleared" (all blocks dropped)."""
+    """A change to the cached set: `kind` is "stored", "removed", "cleared" (all blocks dropped), or, in a
+    pool with restore points, "restorable" / "unrestorable" (a block's state snapshot kept / dropped)."""
 
     seq: int
     kind: str
@@ -50,6 +58,8 @@ class BlockPool:
 
     num_blocks: int
     enable_caching: bool = True
+    needs_restore_points: bool = False
+    on_restore_point_lost: Optional[Callable[[int], None]] = None
     blocks: list[Block] = field(init=False)
     _free: "OrderedDict[int, None]" = field(init=False)
     _cached: dict[int, int] = field(init=False)
@@ -63,6 +73,7 @@ class BlockPool:
         self.blocks[0].ref_cnt = 1  # the null block is never freed
         self._free = OrderedDict((i, None) for i in range(1, self.num_blocks))
         self._cached = {}
+        self._restorable: set[int] = set()
 
     @property
     def num_free_blocks(self) -> int:
@@ -110,7 +121,8 @@ class BlockPool:
             block.ref_cnt += 1
 
     def find_cached_prefix(self, hashes: Sequence[int], token_ids: Sequence[int], block_size: int) -> list[int]:
-        """The longest run of cached blocks from block 0 whose hashes AND token ids match the prompt."""
+        """The longest run of cached blocks from block 0 whose hashes AND token ids match the prompt; with
+        restore points, cut back to the last block that has one."""
         if not self.enable_caching:
             return []
         hit: list[int] = []
@@ -121,7 +133,30 @@ class BlockPool:
             if self.blocks[block_id].token_ids != tuple(token_ids[i * block_size:(i + 1) * block_size]):
                 break  # a hash collision: a miss, never a wrong answer
             hit.append(block_id)
+        if self.needs_restore_points:
+            while hit and hashes[len(hit) - 1] not in self._restorable:
+                hit.pop()
         return hit
+
+    def mark_restorable(self, block_hash: int) -> bool:
+        """Make the cached block `block_hash` a restore point (its state snapshot is kept). False when no
+        block is cached under that hash (nothing to restore onto)."""
+        if block_hash not in self._cached:
+            return False
+        if block_hash not in self._restorable:
+            self._restorable.add(block_hash)
+            self._emit("restorable", (block_hash,))
+        return True
+
+    def unmark_restorable(self, block_hash: int) -> None:
+        """End the restore point `block_hash`, if any (its snapshot was dropped)."""
+        if block_hash in self._restorable:
+            self._restorable.discard(block_hash)
+            self._emit("unrestorable", (block_hash,))
+
+    def restorable_hashes(self) -> Optional[list[int]]:
+        """Every restore point (for a consumer that lost events); None in a pool without restore points."""
+        return list(self._restorable) if self.needs_restore_points else None
 
     def cache_block(self, block_id: int, block_hash: int, token_ids: Sequence[int]) -> None:
         """Register a full, computed block under its chained hash (first holder of a hash wins)."""
@@ -142,7 +177,10 @@ class BlockPool:
             block = self.blocks[block_id]
             block.block_hash, block.token_ids = None, ()
         self._cached.clear()
+        lost, self._restorable = self._restorable, set()
         self._emit("cleared", ())
+        for block_hash in lost:
+            self._lose_restore_point(block_hash)
         return n
 
     @property
@@ -163,8 +201,15 @@ class BlockPool:
     def _evict(self, block: Block) -> None:
         if block.block_hash is not None:
             del self._cached[block.block_hash]
-            self._emit("removed", (block.block_hash,))
+            if block.block_hash in self._restorable:
+                self._restorable.discard(block.block_hash)
+                self._lose_restore_point(block.block_hash)
+            self._emit("removed", (block.block_hash,))  # a removed block is no restore point either
             block.block_hash, block.token_ids = None, ()
+
+    def _lose_restore_point(self, block_hash: int) -> None:
+        if self.on_restore_point_lost is not None:
+            self.on_restore_point_lost(block_hash)
 
     def _emit(self, kind: str, hashes: tuple[int, ...]) -> None:
         self._event_seq += 1

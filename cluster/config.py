@@ -29,6 +29,7 @@ class EngineConfig:
     - `block_size`: tokens per KV block, the unit of hashing, prefix reuse, transfer and quantization.
     - `kv_cache_gb`: the KV pool's byte budget in GiB (2**30 bytes); the number of blocks follows from the
       model's bytes per block (see `cluster.kv_store.kv_bytes_per_block`). `num_blocks`, when set, wins.
+      For a model with recurrent layers it also holds the `state_cache_gb` of state snapshots.
     - `max_num_seqs`: sequences in the running batch at most.
     - `prefill_chunk_size`: tokens of one prompt computed per engine step at most (2048 as in the seeds);
       it is also the step's token budget for prefill, so one long prompt never freezes running streams.
@@ -37,6 +38,10 @@ class EngineConfig:
       fp16 ~4x slower), bfloat16 is the usual choice on a Mac.
     - `kv_bits` / `kv_group_size`: quantized KV (mlx-lm's names); None = unquantized.
     - `enable_prefix_caching`: reuse cached full blocks across requests.
+    - `state_cache_gb`: GiB for recurrent-state snapshots, the prefix cache of models with recurrent layers
+      (cluster/state_snapshots.py; LRU by bytes). Taken from `kv_cache_gb` (the pool gets the rest; with
+      `num_blocks` set, on top of it); None = half of `kv_cache_gb`; 0 keeps none, so such a model recomputes every prompt in full. Unused
+      by models without recurrent layers or with the prefix cache off.
     - `max_waiting`: requests queued (beyond those the next step admits into free running slots) before new
       ones get 503 with Retry-After; a request whose `n` exceeds `max_num_seqs + max_waiting` gets 400.
     - `decode_mirror_gb`: GiB for contiguous copies of the decode batch's contexts kept between decode
@@ -71,6 +76,7 @@ class EngineConfig:
     kv_bits: Optional[int] = None
     kv_group_size: int = 64
     enable_prefix_caching: bool = True
+    state_cache_gb: Optional[float] = None
     max_waiting: int = 256
     queue_timeout_s: float = 120.0
     decode_mirror_gb: Optional[float] = None
@@ -104,6 +110,8 @@ class EngineConfig:
             raise bad("kv_group_size", "must be 32, 64 or 128 (the group sizes mx.quantize accepts)")
         if self.decode_mirror_gb is not None and not self.decode_mirror_gb >= 0:
             raise bad("decode_mirror_gb", "must be >= 0 (0 disables the decode mirror)")
+        if self.state_cache_gb is not None and not self.state_cache_gb >= 0:
+            raise bad("state_cache_gb", "must be >= 0 GiB (0 keeps no recurrent-state snapshots)")
         if not self.queue_timeout_s > 0:
             raise bad("queue_timeout_s", "must be > 0 seconds")
         if self.max_waiting < 1:

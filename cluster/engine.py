@@ -34,6 +34,7 @@ from cluster.sampling import make_key
 from cluster.sequence import Sequence
 from cluster.scheduler import ScheduledBatch, Scheduler
 from cluster.speculation import Speculator
+from cluster.state_snapshots import StateSnapshots
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +60,18 @@ class EngineCore:
         self.block_size = config.block_size
         self.max_model_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
         per_block = kv_bytes_per_block(spec, config.block_size, config.dtype, config.kv_bits, config.kv_group_size)
-        num_blocks = config.num_blocks or 1 + int(config.kv_cache_gb * 2**30 // per_block)
+        # recurrent layers: a prefix hit restores their state from a snapshot (cluster/state_snapshots.py), kept
+        # in `state_cache_gb` of the `kv_cache_gb` budget
+        state_gb = config.kv_cache_gb / 2 if config.state_cache_gb is None else config.state_cache_gb
+        snapshot_bytes = int(state_gb * 2**30) if verified.num_state_layers else 0
+        snapshot_bytes = snapshot_bytes if config.enable_prefix_caching else 0
+        num_blocks = config.num_blocks or 1 + int((config.kv_cache_gb * 2**30 - snapshot_bytes) // per_block)
         if num_blocks < 2:
-            raise ValueError(f"kv_cache_gb={config.kv_cache_gb} holds no block of {per_block} bytes")
-        # a prefix hit skips computing its tokens, which a recurrent layer's state needs: models with recurrent
-        # layers run without the prefix cache
-        self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching and not verified.num_state_layers)
+            raise ValueError(f"kv_cache_gb={config.kv_cache_gb} holds no block of {per_block} bytes"
+                             + (f" beside state_cache_gb={state_gb} of recurrent-state snapshots: "
+                                "raise kv_cache_gb or lower state_cache_gb" if snapshot_bytes else ""))
+        self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching,
+                              needs_restore_points=bool(verified.num_state_layers))
         self.kv = KVManager(self.pool)  # the one owner that allocates and frees blocks
         # one owner thread for the model calls, the KV arrays and the pool (cluster/ownership.py)
         self.owner = ThreadOwner("this engine")
@@ -73,7 +80,8 @@ class EngineCore:
                              dequantize_for_attention=None if verified.reads_quantized_kv else True, owner=self.owner)
         self.runner = ModelRunner(model, self.store, verified)
         eos_ids = set(spec.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
-        self.scheduler = Scheduler(config, self.kv, self._extra_key, eos_ids, None, connector)
+        snapshots = StateSnapshots(snapshot_bytes, self.pool) if verified.num_state_layers else None
+        self.scheduler = Scheduler(config, self.kv, self._extra_key, eos_ids, None, connector, snapshots)
         if speculator is not None:
             self.speculator = speculator
 

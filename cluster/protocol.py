@@ -18,9 +18,12 @@ Worker -> router:
                                                        503: not now); nothing of it is left on the worker
     pong      {seq, stats}
     reset_done {seq, count}
-    kv_snapshot_reply {seq, boot_id, last_event_seq, block_hashes}
+    kv_snapshot_reply {seq, boot_id, last_event_seq, block_hashes, restore_points?}
+              restore_points: for a model with recurrent layers, the cached blocks that have a state
+              snapshot (a prefix is restorable only up to one); absent otherwise
 Worker -> anyone subscribed (its PUB socket, `events_port`):
     kv_events {worker, boot_id, events: [{seq, kind, block_hashes}, ...]}   kind: stored | removed | cleared
+              | restorable | unrestorable (restore points, with recurrent layers)
               sequence numbers are consecutive per boot; a gap or a new boot_id means resync from a snapshot
 
 `generate.request` is a `GenerateRequest`, `output.output` a `RequestOutput` and `pong.stats` a `WorkerStats`: typed
@@ -303,6 +306,7 @@ class Snapshot(_Message):
     boot_id: str = Field(max_length=64)
     last_event_seq: int = Field(ge=0)
     block_hashes: list[Annotated[int, Field(ge=0, lt=2**64)]]
+    restore_points: Optional[list[Annotated[int, Field(ge=0, lt=2**64)]]] = None
 
 
 class KVEvent(BaseModel):
@@ -311,7 +315,7 @@ class KVEvent(BaseModel):
     model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
 
     seq: int = Field(ge=1)
-    kind: Literal["stored", "removed", "cleared"]
+    kind: Literal["stored", "removed", "cleared", "restorable", "unrestorable"]
     block_hashes: list[Annotated[int, Field(ge=0, lt=2**64)]] = []
 
 

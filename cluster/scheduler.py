@@ -39,6 +39,7 @@ from cluster.runner import RowResult
 from cluster.sampling import advance_key
 from cluster.sequence import Sequence, SequenceStatus
 from cluster.speculation import Draft, NoSpeculator, Speculator, Verified
+from cluster.state_snapshots import StateSnapshots
 
 
 @dataclass
@@ -57,16 +58,21 @@ class Scheduler:
 
     `extra_key(cache_salt)` gives the first block's hash key (model, revision, KV format, salt); `eos_ids` the
     model's end-of-sequence token ids. `speculator` (how many drafts a decoding sequence wants, what
-    verification accepted) and `connector` (the role seam) are the engine's, set through it.
+    verification accepted) and `connector` (the role seam) are the engine's, set through it. `snapshots`:
+    for a model with recurrent layers, its state snapshots (cluster/state_snapshots.py); then prefill chunks
+    end on block boundaries, the state is saved at each block-aligned chunk end, at the prompt's last whole
+    block and (the latest one reached while decoding) when the sequence finishes, and a prefix hit is cut
+    back to the longest prefix with a snapshot, which it restores.
     """
 
     def __init__(self, config: EngineConfig, kv: KVManager, extra_key: Callable[[Optional[str]], int],
                  eos_ids: Iterable[int] = (), speculator: Optional[Speculator] = None,
-                 connector: Optional[Connector] = None):
+                 connector: Optional[Connector] = None, snapshots: Optional[StateSnapshots] = None):
         self.config, self.kv, self.pool, self.extra_key = config, kv, kv.pool, extra_key
         self.eos_ids = frozenset(eos_ids)
         self.speculator: Speculator = speculator or NoSpeculator()
         self.connector: Connector = connector or NoConnector()
+        self.snapshots = snapshots
         self.block_size = config.block_size
         self.sequences: dict[str, Sequence] = {}
         self.waiting: deque[Sequence] = deque()
@@ -177,6 +183,8 @@ class Scheduler:
         still needs them (`KVManager.release` frees them then). Called exactly once per sequence."""
         if seq.speculation is not None:
             self.speculator.release(seq)
+        if self.snapshots is not None:
+            self._keep_final_state(seq, reason)
         self.sequences.pop(seq.request_id, None)
         keep_blocks = self.connector.request_finished(seq, reason)
         if seq.status is SequenceStatus.RUNNING:
@@ -209,6 +217,8 @@ class Scheduler:
         seq.num_computed_tokens += row.num_fed
         seq.recurrent_state = row.state
         self.cache_computed_blocks(seq)
+        if self.snapshots is not None:
+            self._save_state(seq)
         if not row.samples:
             return None
         if seq.max_tokens == 0:  # echo-only request: prompt logprobs, no token
@@ -268,6 +278,48 @@ class Scheduler:
             self.pool.cache_block(seq.block_table[i], h, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
         seq.block_hashes.extend(new)
 
+    def _save_state(self, seq: Sequence) -> None:
+        """At a block boundary, keep the state as the snapshot of the block ending there: at once while the
+        prompt is computed (a chunk end is remembered for thinning, the prompt's last whole block is not),
+        else as the sequence's pending snapshot (the latest replaces the one before, so a long answer holds
+        one, kept when the sequence finishes)."""
+        done = seq.num_computed_tokens
+        if done == 0 or done % self.block_size or len(seq.block_hashes) < done // self.block_size:
+            return
+        block_hash = seq.block_hashes[done // self.block_size - 1]
+        if done > seq.num_prompt_tokens:
+            seq.pending_snapshot = (block_hash, seq.recurrent_state)
+        elif block_hash in self.snapshots:
+            self.snapshots.get(block_hash)  # the same tokens' state is kept already: mark it used
+        elif self.snapshots.put(block_hash, seq.recurrent_state) and \
+                done != (seq.num_prompt_tokens - 1) // self.block_size * self.block_size:
+            seq.chunk_snapshots.append(block_hash)
+
+    def _keep_final_state(self, seq: Sequence, reason: Optional[FinishReason]) -> None:
+        """As `seq` finishes: keep its pending snapshot (prompt + answer: where the next turn of a conversation
+        continues) unless it failed, and thin the chunk-end snapshots it made while its prompt was computed."""
+        if seq.pending_snapshot is not None and reason is not FinishReason.ERROR:
+            self.snapshots.put(*seq.pending_snapshot)
+        for block_hash in seq.chunk_snapshots:
+            self.snapshots.drop(block_hash)
+        seq.pending_snapshot, seq.chunk_snapshots = None, []
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of `seq` to compute in this prefill step: up to `budget`. With recurrent state, a chunk
+        that does not finish the sequence's tokens ends on a block boundary when one lies inside it, and one
+        that passes the prompt's last whole block stops there, so both positions get a snapshot."""
+        start, total = seq.num_computed_tokens, len(seq.token_ids)
+        end = start + min(total - start, budget)
+        if self.snapshots is None:
+            return end - start
+        bs = self.block_size
+        if end < total and end // bs * bs > start:
+            end = end // bs * bs
+        last = (total - 1) // bs * bs  # the longest prefix a later prompt can restore from this one
+        if start < last < end:
+            end = last
+        return end - start
+
     # -- internals ---------------------------------------------------------------------------------
 
     def _blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
@@ -285,14 +337,14 @@ class Scheduler:
             return (len(items) + 1) * longest <= budget
 
         for seq in [s for s in self.running if s.is_prefilling]:
-            n = min(seq.num_uncomputed, budget)
+            n = self._chunk(seq, budget)
             if not fits(n) or not self._reserve(seq, n, allow_preempt=not items):
                 break
             items.append((seq, n))
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             self._match_prefix(seq)
-            n = min(seq.num_uncomputed, budget)
+            n = self._chunk(seq, budget)
             if not fits(n) or self._blocks_needed(seq, n) > self.pool.num_free_blocks:
                 self._unmatch_prefix(seq)
                 break
@@ -334,7 +386,7 @@ class Scheduler:
         seq.block_hashes = []
         self._preempted.append(seq)
         seq.num_computed_tokens = seq.num_draft_computed = 0
-        seq.recurrent_state = None
+        seq.recurrent_state = seq.pending_snapshot = None
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -346,6 +398,9 @@ class Scheduler:
         hashes = block_hashes(seq.token_ids, self.block_size, self.extra_key(seq.request.cache_salt))
         hashes = hashes[:(len(seq.token_ids) - 1) // self.block_size]
         hit = self.pool.find_cached_prefix(hashes, seq.token_ids, self.block_size)
+        if self.snapshots is not None:  # the pool cut the hit back to its last restore point: restore from it
+            seq.recurrent_state = self.snapshots.get(hashes[len(hit) - 1]) if hit else None
+            assert not hit or seq.recurrent_state is not None, "a restore point without its snapshot"
         self.kv.take_prefix(seq, hit)
         seq.block_hashes = hashes[:len(hit)]
         seq.num_computed_tokens = len(hit) * self.block_size
@@ -359,7 +414,7 @@ class Scheduler:
             self.prefix_queries -= seq.num_prompt_tokens
             self.prefix_hits -= seq.num_computed_tokens
         self.kv.free(seq)
-        seq.block_hashes, seq.num_computed_tokens = [], 0
+        seq.block_hashes, seq.num_computed_tokens, seq.recurrent_state = [], 0, None
 
 
 def _output(seq: Sequence, token_ids: tuple, text: str, logprobs, reason: Optional[FinishReason], plp=None,

@@ -235,7 +235,8 @@ class Worker:
             self._publish_events()  # so the snapshot's last_event_seq covers everything published
             pool = self.engine.pool
             self._send(peer, Snapshot(seq=msg.seq, boot_id=self.boot_id, last_event_seq=pool.last_event_seq,
-                                          block_hashes=pool.cached_hashes()))
+                                          block_hashes=pool.cached_hashes(),
+                                          restore_points=pool.restorable_hashes()))
 
     # -- to the router ---------------------------------------------------------------------------------------
 

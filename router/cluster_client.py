@@ -259,7 +259,8 @@ class ClusterEngineClient(ClusterLiveness):
             w.alive = True
             return
         if isinstance(msg, Snapshot):
-            self.index.apply_snapshot(w.spec.name, msg.boot_id, msg.last_event_seq, msg.block_hashes)
+            self.index.apply_snapshot(w.spec.name, msg.boot_id, msg.last_event_seq, msg.block_hashes,
+                                      msg.restore_points)
             w.snapshot_asked = 0.0
             return
         if isinstance(msg, ResetDone):

@@ -6,6 +6,11 @@ AND-ing the masks, and gives every worker the number of leading blocks it holds:
 the number of workers or indexed blocks. Example: workers 0 and 1 hold blocks [a, b] and [a] of a prompt
 [a, b, c]: masks a=0b11, b=0b01, c=0 -> worker 0 matches 2 blocks, worker 1 matches 1.
 
+Restore points: a worker serving a model with recurrent layers can restore a prefix only up to a block with a
+state snapshot (cluster/state_snapshots.py). Its snapshot reply lists those blocks (`restore_points`) and its
+events add and drop them ("restorable" / "unrestorable"; a removed block is none either); `match` cuts such a
+worker's count back to its last restore point, so routing counts only prefixes the worker can restore.
+
 Consistency: each worker numbers its events consecutively per boot (`boot_id`). A batch from a new boot, or
 one whose first sequence number is not the next expected, marks the worker stale: its entries stay until a
 snapshot (`apply_snapshot`) replaces them; `needs_snapshot()` lists who to ask. Events at or below the
@@ -17,7 +22,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 from cluster.hashing import block_hashes
 
@@ -29,6 +34,7 @@ class _WorkerEntries:
     boot_id: str = ""
     last_seq: int = 0
     stale: bool = True  # nothing trustworthy yet: ask for a snapshot
+    restore_points: set = field(default_factory=set)  # used only when the worker needs them
 
 
 class PrefixIndex:
@@ -37,6 +43,8 @@ class PrefixIndex:
     def __init__(self, workers: Sequence[str]):
         self.workers = {name: _WorkerEntries(i) for i, name in enumerate(workers)}
         self.holders: dict[int, int] = defaultdict(int)
+        self.restorers: dict[int, int] = defaultdict(int)  # block hash -> workers with a restore point there
+        self.needs_restore = 0  # bitmask of the workers whose prefixes need a restore point
         self.names = list(workers)
 
     # -- updates -------------------------------------------------------------------------------------------------
@@ -63,13 +71,22 @@ class PrefixIndex:
             elif e.kind == "removed":
                 for h in e.block_hashes:
                     self._drop(w, h)
+            elif e.kind == "restorable":
+                for h in e.block_hashes:
+                    w.restore_points.add(h)
+                    self.restorers[h] |= bit
+            elif e.kind == "unrestorable":
+                for h in e.block_hashes:
+                    self._drop_restore_point(w, h)
             else:  # cleared
                 self._clear(w)
             w.last_seq = e.seq
         return True
 
-    def apply_snapshot(self, worker: str, boot_id: str, last_event_seq: int, hashes: Iterable[int]) -> None:
-        """Replace a worker's entries with a snapshot taken at `last_event_seq` of boot `boot_id`."""
+    def apply_snapshot(self, worker: str, boot_id: str, last_event_seq: int, hashes: Iterable[int],
+                       restore_points: Optional[Iterable[int]] = None) -> None:
+        """Replace a worker's entries with a snapshot taken at `last_event_seq` of boot `boot_id`;
+        `restore_points` (None: the worker needs none) are the blocks its prefixes can be restored up to."""
         w = self.workers.get(worker)
         if w is None:
             return
@@ -78,6 +95,10 @@ class PrefixIndex:
         for h in hashes:
             w.hashes.add(h)
             self.holders[h] |= bit
+        self.needs_restore = self.needs_restore & ~bit if restore_points is None else self.needs_restore | bit
+        for h in restore_points or ():
+            w.restore_points.add(h)
+            self.restorers[h] |= bit
         w.boot_id, w.last_seq, w.stale = boot_id, last_event_seq, False
 
     def forget(self, worker: str) -> None:
@@ -93,18 +114,22 @@ class PrefixIndex:
     # -- queries -------------------------------------------------------------------------------------------------
 
     def match(self, hashes: Sequence[int]) -> dict[str, int]:
-        """Leading blocks of `hashes` each worker holds (only workers with at least one)."""
+        """Leading blocks of `hashes` each worker holds (only workers with at least one); for a worker that
+        needs restore points, up to the last held block that is one."""
         out: dict[str, int] = {}
         alive = (1 << len(self.names)) - 1
         for i, h in enumerate(hashes):
             mask = alive & self.holders.get(h, 0)
-            dropped = alive & ~mask
+            dropped = alive & ~mask & ~self.needs_restore
             if dropped and i:
                 self._credit(out, dropped, i)
             alive = mask
             if not alive:
                 return out
-        self._credit(out, alive, len(hashes))
+            restorable = alive & self.needs_restore & self.restorers.get(h, 0)
+            if restorable:
+                self._credit(out, restorable, i + 1)
+        self._credit(out, alive & ~self.needs_restore, len(hashes))
         return out
 
     def match_prompt(self, token_ids: Sequence[int], block_size: int, first_key: int) -> dict[str, int]:
@@ -126,7 +151,17 @@ class PrefixIndex:
             out[self.names[low.bit_length() - 1]] = n
             mask ^= low
 
+    def _drop_restore_point(self, w: _WorkerEntries, h: int) -> None:
+        if h in w.restore_points:
+            w.restore_points.discard(h)
+            left = self.restorers[h] & ~(1 << w.slot)
+            if left:
+                self.restorers[h] = left
+            else:
+                del self.restorers[h]
+
     def _drop(self, w: _WorkerEntries, h: int) -> None:
+        self._drop_restore_point(w, h)
         if h in w.hashes:
             w.hashes.discard(h)
             left = self.holders[h] & ~(1 << w.slot)
@@ -138,3 +173,5 @@ class PrefixIndex:
     def _clear(self, w: _WorkerEntries) -> None:
         for h in list(w.hashes):
             self._drop(w, h)
+        for h in list(w.restore_points):
+            self._drop_restore_point(w, h)

@@ -35,6 +35,27 @@ def test_match_counts_leading_blocks_per_worker():
     assert idx.match([10, 11, 12]) == {"w0": 1} and len(idx) == 2  # 10 and 12 of w0; nothing of w1 left
 
 
+def test_a_worker_with_recurrent_state_counts_only_prefixes_it_can_restore():
+    """A hybrid-model worker holds blocks 10-13 with state snapshots after 11 and (later) 13, beside a plain
+    worker holding 10-12: the hybrid one matches 2 blocks, then 4; when the snapshot after 13 is dropped it
+    is back to 2, and when block 11 is evicted (its snapshot goes with it) to none, while the plain worker
+    keeps counting every held block."""
+    idx = PrefixIndex(["hybrid", "plain"])
+    idx.apply_snapshot("hybrid", "boot", 2, [10, 11, 12, 13], restore_points=[11])
+    idx.apply_snapshot("plain", "boot", 0, [10, 11, 12])
+    assert idx.match([10, 11, 12, 13]) == {"hybrid": 2, "plain": 3}
+    assert idx.apply_events("hybrid", "boot", [ev(3, "restorable", 13)])
+    assert idx.match([10, 11, 12, 13]) == {"hybrid": 4, "plain": 3}
+    assert idx.match([10, 11, 12]) == {"hybrid": 2, "plain": 3}
+    assert idx.apply_events("hybrid", "boot", [ev(4, "unrestorable", 13)])
+    assert idx.match([10, 11, 12, 13]) == {"hybrid": 2, "plain": 3}
+    assert idx.apply_events("hybrid", "boot", [ev(5, "removed", 11)])
+    assert idx.match([10, 11, 12, 13]) == {"plain": 3}
+    assert idx.restorers == {}  # nothing left behind by the dropped restore points
+    idx.apply_snapshot("hybrid", "boot2", 0, [10, 11])  # a restart serving an attention-only model
+    assert idx.match([10, 11]) == {"hybrid": 2, "plain": 2}
+
+
 def test_the_router_and_the_transfer_handshake_key_a_prompt_as_one_function_does():
     """cluster.hashing.first_block_key is the one home of the first block's key: the router's cached-blocks
     lookup (PrefixIndex.match_prompt) and the transfer handshake (KVFormat) hash a prompt with it."""

@@ -1,7 +1,7 @@
 """Families with recurrent-state layers (qwen3_next's Gated DeltaNet beside attention, falcon_h1's Mamba and
 attention in one layer) give exactly mlx-lm's own generation where padding, chunking and preemption could
-corrupt a sequence's state; what the engine cannot yet do for them (prefix hits, draft rollback, moving the
-state between workers) is refused or recomputed, never answered wrongly. Solo and batched generation is in
+corrupt a sequence's state, and after prefix hits restored from state snapshots; what the engine cannot yet
+do for them (draft rollback, moving the state between workers) is refused, never answered wrongly. Solo and batched generation is in
 tests/test_model_families.py with every family."""
 
 from __future__ import annotations
@@ -64,17 +64,112 @@ def test_a_preempted_sequence_recomputes_its_state_from_scratch(model_type):
 
 
 @pytest.mark.parametrize("model_type", RECURRENT)
-def test_with_the_prefix_cache_on_a_repeated_prompt_is_recomputed_exactly(model_type):
-    """A prefix hit would skip tokens the recurrent state needs, so these models run without the prefix
-    cache: the same prompt twice is computed twice (no cached tokens reported) and both answers are
-    mlx-lm's."""
+def test_a_prefix_hit_restores_the_state_snapshot_at_the_prompts_last_whole_block(model_type):
+    """The same 45-token prompt twice (21-token chunks, cut back to 16 so they end on block boundaries): the
+    second run takes 40 tokens from the prefix cache (the KV blocks and the state snapshot at the prompt's
+    last whole block), so a cache that restored nothing cannot pass, and both answers are mlx-lm's, the warm
+    one beside a cold prompt in the same steps."""
+    core = make_engine(model_type, enable_prefix_caching=True, prefill_chunk_size=21)
+    want = reference(model_type, tuple(LONG))
+    cold = run(core, [request("cold", LONG)])["cold"]
+    assert_matches(cold, *want, f"{model_type}: cold")
+    assert cold.outputs[-1].num_cached_tokens == 0
+    results = run(core, [request("warm", LONG), request("beside", prompts()[1])])
+    assert_matches(results["warm"], *want, f"{model_type}: after a prefix hit")
+    assert results["warm"].outputs[-1].num_cached_tokens == 40
+    assert_matches(results["beside"], *reference(model_type, tuple(prompts()[1])), f"{model_type}: beside it")
+
+
+@pytest.mark.parametrize("model_type", RECURRENT)
+def test_the_next_turn_of_a_conversation_restores_the_state_after_the_previous_answer(model_type):
+    """Turn 2 is turn 1's prompt, its answer and new text: it restores the snapshot saved when turn 1
+    finished (at position 48, inside the answer), so it recomputes neither the prompt nor the answer, and it
+    gives mlx-lm's generation of the whole turn-2 prompt."""
     core = make_engine(model_type, enable_prefix_caching=True)
+    first = run(core, [request("turn-1", LONG)])["turn-1"]
+    follow_up = LONG + first.token_ids + np.random.RandomState(3).randint(100, VOCAB, size=10).tolist()
+    second = run(core, [request("turn-2", follow_up)])["turn-2"]
+    assert second.outputs[-1].num_cached_tokens == 48
+    assert_matches(second, *reference(model_type, tuple(follow_up)), f"{model_type}: turn 2")
+
+
+@pytest.mark.parametrize("model_type", RECURRENT)
+def test_without_a_snapshot_budget_a_repeated_prompt_is_recomputed_exactly(model_type):
+    """state_cache_gb = 0 keeps no snapshot: a KV prefix hit alone cannot restore the state, so the repeat
+    is computed in full (no cached tokens) and still equals mlx-lm's generation."""
+    core = make_engine(model_type, enable_prefix_caching=True, state_cache_gb=0.0)
     want = reference(model_type, tuple(LONG))
     for rid in ("first", "again"):
         result = run(core, [request(rid, LONG)])[rid]
         assert_matches(result, *want, f"{model_type}: {rid}")
         assert result.outputs[-1].num_cached_tokens == 0
-    assert core.pool.num_cached_blocks == 0
+    assert core.pool.num_cached_blocks > 0 and len(core.scheduler.snapshots) == 0
+
+
+def _state(kib: int):
+    import mlx.core as mx
+    return ((mx.zeros((1, 256 * kib), mx.float32),),)
+
+
+def _pool_with_snapshots(budget: int, num_blocks: int = 8):
+    from cluster.block_pool import BlockPool
+    from cluster.state_snapshots import StateSnapshots
+
+    pool = BlockPool(num_blocks, needs_restore_points=True)
+    return pool, StateSnapshots(budget, pool)
+
+
+def test_snapshots_are_evicted_least_recently_used_within_a_byte_budget():
+    """The budget is bytes, not a count: a fourth snapshot of 1 KiB in a 3 KiB budget evicts the least
+    recently used (not the oldest one just read), and one larger than the budget is not kept; the pool's
+    restore points follow, so an evicted snapshot is never counted on."""
+    pool, snaps = _pool_with_snapshots(3 * 1024)
+    blocks = pool.allocate(5)
+    for i, block_id in enumerate(blocks, start=1):
+        pool.cache_block(block_id, i, (i,))
+    for h in (1, 2, 3):
+        assert snaps.put(h, _state(1))
+    assert snaps.get(1) is not None  # 2 is now the least recently used
+    assert snaps.put(4, _state(1))
+    assert 2 not in snaps and {1, 3, 4} <= {h for h in (1, 2, 3, 4) if h in snaps}
+    assert snaps.nbytes == 3 * 1024 and snaps.num_evicted == 1
+    assert sorted(pool.restorable_hashes()) == [1, 3, 4]
+    assert not snaps.put(5, _state(4)) and 5 not in snaps and snaps.nbytes == 3 * 1024
+    assert not snaps.put(99, _state(1)), "a snapshot needs its block in the prefix cache"
+    kinds = [(e.kind, e.block_hashes) for e in pool.drain_events() if e.kind.endswith("restorable")]
+    assert ("unrestorable", (2,)) in kinds and ("restorable", (4,)) in kinds
+
+
+def test_a_prefix_hit_is_cut_back_to_the_last_block_with_a_snapshot_and_dies_with_its_block():
+    """Four cached blocks with a snapshot after the second: a lookup of all four finds two (the state after
+    the third and fourth cannot be restored); when the pool evicts the second block for a new allocation,
+    its snapshot goes with it (bytes returned, no restore point, no hit)."""
+    pool, snaps = _pool_with_snapshots(1 << 20, num_blocks=5)
+    table = pool.allocate(4)
+    tokens = list(range(8))
+    for i, block_id in enumerate(table):
+        pool.cache_block(block_id, 100 + i, tokens[2 * i:2 * i + 2])
+    assert snaps.put(101, _state(1))
+    assert pool.find_cached_prefix([100, 101, 102, 103], tokens, 2) == table[:2]
+    pool.free(table)
+    pool.allocate(4)  # every free block is taken: their hashes are evicted
+    assert 101 not in snaps and snaps.nbytes == 0 and pool.restorable_hashes() == []
+    assert pool.find_cached_prefix([100, 101], tokens, 2) == []
+
+
+@pytest.mark.parametrize("model_type", RECURRENT)
+def test_chunk_end_snapshots_are_thinned_when_the_sequence_finishes(model_type):
+    """A 45-token prompt in 16-token chunks saves snapshots at 16 and 32 (chunk ends), 40 (its last whole
+    block) and, when it finishes, 56 (its answer's last whole block): the chunk-end ones are dropped then,
+    so a long conversation keeps two per turn; the next request restores from 40 and answers as mlx-lm."""
+    core = make_engine(model_type, enable_prefix_caching=True, prefill_chunk_size=16)
+    run(core, [request("turn", LONG)])
+    snaps = core.scheduler.snapshots
+    assert snaps.num_saved == 4 and len(snaps) == 2
+    assert len(core.pool.restorable_hashes()) == 2
+    again = run(core, [request("again", LONG)])["again"]
+    assert again.outputs[-1].num_cached_tokens == 40
+    assert_matches(again, *reference(model_type, tuple(LONG)), f"{model_type}: after thinning")
 
 
 @pytest.mark.parametrize("model_type", RECURRENT)

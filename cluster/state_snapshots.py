@@ -1,0 +1,102 @@
+"""The hybrid prefix cache's other half: snapshots of recurrent state at block boundaries (`StateSnapshots`).
+
+A prefix-cache hit gives a sequence the KV of its first k blocks, but a recurrent layer also needs its state
+after those k x block_size tokens, which cannot be rebuilt from KV. So the scheduler saves a copy of a
+sequence's state (cluster/recurrent_state.py) at block-aligned positions, keyed by the chained hash of the
+block that ends there (cluster/hashing.py), and a hit is cut back to the longest prefix whose last block has a
+snapshot: the state is restored from it and the rest computed (llama.cpp's context checkpoints and mlx-lm's
+server prompt cache do the same with whole caches).
+
+Where snapshots are taken (cluster/scheduler.py): at every block-aligned end of a prefill chunk, at the
+prompt's last whole block, and, when a sequence finishes, at the latest block boundary it reached (prompt plus
+answer: where the next turn of a conversation continues). The chunk-end ones only serve the prompt while it is
+computed (a preempted sequence resumes from them), so they are thinned when the sequence finishes: a long
+conversation keeps two snapshots per turn, not one per chunk.
+
+Snapshots are budgeted in bytes, not counts (one snapshot of a 27B hybrid is ~150 MiB), inside the same
+`kv_cache_gb` as the KV blocks: the engine gives `state_cache_gb` of it to snapshots and the rest to the pool.
+`put` evicts the least recently used until the new one fits; one larger than the whole budget is not kept.
+State arrays are immutable MLX arrays (every step makes new ones), so a snapshot shares them with the sequence
+it came from and a restore shares them with the sequence it goes to: no copy either way.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Optional
+
+from cluster.block_pool import BlockPool
+from cluster.recurrent_state import State
+
+
+def state_bytes(state: State) -> int:
+    """Bytes of a sequence's state: every array of every recurrent layer."""
+    return sum(a.nbytes for layer in state for a in layer)
+
+
+class StateSnapshots:
+    """Recurrent-state snapshots by block hash, LRU within `budget_bytes` (0 keeps none), each one a restore
+    point of `pool` while it is kept.
+
+    Kept together with the KV: a snapshot is kept only onto a cached block (`BlockPool.mark_restorable`), and
+    when the pool evicts that block (or resets its cache) the snapshot goes with it (`_lost`, the pool's
+    `on_restore_point_lost`); when a snapshot is evicted or dropped here, its block stops being a restore
+    point, so neither a prefix hit nor the router's prefix index counts on it. Call from the engine's owner
+    thread only.
+    """
+
+    def __init__(self, budget_bytes: int, pool: BlockPool):
+        if budget_bytes < 0:
+            raise ValueError(f"a snapshot budget cannot be negative, got {budget_bytes} bytes")
+        self.budget_bytes, self.pool = budget_bytes, pool
+        pool.on_restore_point_lost = self._lost
+        self.nbytes = 0
+        self._by_hash: OrderedDict[int, tuple[State, int]] = OrderedDict()
+        self.num_saved = self.num_evicted = self.num_restored = 0
+
+    def __len__(self) -> int:
+        return len(self._by_hash)
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._by_hash
+
+    def put(self, block_hash: int, state: State) -> bool:
+        """Keep `state` as the state after the block `block_hash` (replacing an older one), evicting the least
+        recently used snapshots until it fits. False (not kept) when it is larger than the whole budget or
+        no block is cached under `block_hash`."""
+        size = state_bytes(state)
+        self.drop(block_hash)
+        if size > self.budget_bytes or not self.pool.mark_restorable(block_hash):
+            return False
+        while self.nbytes + size > self.budget_bytes:
+            evicted, _ = next(iter(self._by_hash.items()))
+            self.drop(evicted)
+            self.num_evicted += 1
+        self._by_hash[block_hash] = (state, size)
+        self.nbytes += size
+        self.num_saved += 1
+        return True
+
+    def get(self, block_hash: int) -> Optional[State]:
+        """The state after block `block_hash` (now the most recently used), or None."""
+        entry = self._by_hash.get(block_hash)
+        if entry is None:
+            return None
+        self._by_hash.move_to_end(block_hash)
+        self.num_restored += 1
+        return entry[0]
+
+    def drop(self, block_hash: int) -> None:
+        """Forget the snapshot of `block_hash`, if any; its block stops being a restore point."""
+        if self._forget(block_hash):
+            self.pool.unmark_restorable(block_hash)
+
+    def _lost(self, block_hash: int) -> None:
+        """The pool evicted the block `block_hash` (or reset its cache): its snapshot restores nothing now."""
+        self._forget(block_hash)
+
+    def _forget(self, block_hash: int) -> bool:
+        entry = self._by_hash.pop(block_hash, None)
+        if entry is not None:
+            self.nbytes -= entry[1]
+        return entry is not None
