@@ -120,9 +120,11 @@ class BlockPool:
                 del self._free[block_id]
             block.ref_cnt += 1
 
-    def find_cached_prefix(self, hashes: Sequence[int], token_ids: Sequence[int], block_size: int) -> list[int]:
+    def find_cached_prefix(self, hashes: Sequence[int], token_ids: Sequence[int], block_size: int,
+                           restorable_only: bool = True) -> list[int]:
         """The longest run of cached blocks from block 0 whose hashes AND token ids match the prompt; with
-        restore points, cut back to the last block that has one."""
+        restore points, cut back to the last block that has one unless `restorable_only` is False (the
+        caller gets the state after the prompt another way, e.g. with a KV transfer)."""
         if not self.enable_caching:
             return []
         hit: list[int] = []
@@ -133,7 +135,7 @@ class BlockPool:
             if self.blocks[block_id].token_ids != tuple(token_ids[i * block_size:(i + 1) * block_size]):
                 break  # a hash collision: a miss, never a wrong answer
             hit.append(block_id)
-        if self.needs_restore_points:
+        if self.needs_restore_points and restorable_only:
             while hit and hashes[len(hit) - 1] not in self._restorable:
                 hit.pop()
         return hit

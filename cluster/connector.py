@@ -24,7 +24,7 @@ role must not call back into the engine from them; it records what to do and act
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence as Seq
+from typing import Any, Optional, Protocol, Sequence as Seq
 
 from cluster.request import FinishReason
 from cluster.sequence import Sequence
@@ -32,9 +32,11 @@ from cluster.sequence import Sequence
 
 @dataclass(frozen=True)
 class ExternalPrefix:
-    """A prompt computed elsewhere: its KV is the request's holding; `first_token` was sampled there."""
+    """A prompt computed elsewhere: its KV is the request's holding; `first_token` was sampled there;
+    `state`: for a model with recurrent layers, their state after the prompt (cluster/recurrent_state.py)."""
 
     first_token: int
+    state: Any = None
 
 
 class Connector(Protocol):

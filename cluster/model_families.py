@@ -216,6 +216,13 @@ class LayerKind:
     window: Optional[int] = None
     state: Optional[int] = None
 
+    @property
+    def name(self) -> str:
+        """What the layer caches in words, as the KV transfer's handshake compares them: "attention",
+        "window 4096", "state", "state + attention", "state + window 4096"."""
+        kv = None if self.kv is None else "attention" if self.window is None else f"window {self.window}"
+        return " + ".join(p for p in ("state" if self.state is not None else None, kv) if p)
+
 
 @dataclass(frozen=True)
 class VerifiedModel:
@@ -238,6 +245,11 @@ class VerifiedModel:
     def layer_windows(self) -> tuple[Optional[int], ...]:
         """Per KV layer, None for full attention or the sliding window in positions."""
         return tuple(k.window for k in self.layer_kinds if k.kv is not None)
+
+    @property
+    def layer_kind_names(self) -> tuple[str, ...]:
+        """`LayerKind.name` of every layer (empty for a model whose layers are all plain full attention)."""
+        return tuple(k.name for k in self.layer_kinds)
 
     @property
     def num_state_layers(self) -> int:

@@ -184,7 +184,8 @@ WireOutput = _typed(RequestOutput)
 class WorkerStats(TypedDict, total=False):
     """A worker's report (`cluster.worker.Worker.stats`, `Pong.stats`): its identity, engine load and KV pool
     (blocks, tokens per block), prefix-cache counters (tokens), what it sent, and its role's keys (a
-    prefill worker's transfers and handoffs, a decode worker's transfers, admissions and speculation counters).
+    prefill worker's transfers and handoffs, a decode worker's transfers, admissions and speculation counters),
+    and for a model with recurrent layers its state snapshots and the state bytes its transfers moved.
     Counts are ints; byte and block totals from Prometheus counters and `ttft_p50_s` (seconds) are floats."""
 
     __pydantic_config__ = ConfigDict(strict=True, extra="forbid")  # type: ignore[misc]
@@ -218,6 +219,12 @@ class WorkerStats(TypedDict, total=False):
     transfer_timeouts: float
     reservations_busy: float
     ttft_p50_s: Optional[float]
+    state_snapshots: int
+    state_snapshot_bytes: int
+    state_snapshot_budget_bytes: int
+    state_snapshots_restored: int
+    state_bytes_sent: float
+    state_bytes_received: float
 
 
 def generate_request_id(frame) -> Optional[str]:

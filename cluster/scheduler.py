@@ -118,6 +118,7 @@ class Scheduler:
             held = self.kv.adopt(seq.request_id, seq)
             seq.token_ids.append(prefix.first_token)
             seq.num_computed_tokens, seq.num_cached_tokens = seq.num_prompt_tokens, held.num_cached_tokens
+            seq.recurrent_state = prefix.state
             seq.output_text.add(prefix.first_token)  # its text went out with the first token
             if seq.rng_key is not None:
                 seq.rng_key = advance_key(seq.rng_key)  # as after one draw here

@@ -90,11 +90,6 @@ class Worker:
                 self._loaded = (model, tokenizer, model_spec)
             model, tokenizer, model_spec = self._loaded
             self.engine = EngineCore(model, tokenizer, model_spec, self.spec.engine)
-        verified = self.engine.runner.verified
-        if verified.num_state_layers and self.topology.workers_of("prefill"):
-            raise ValueError(f"{verified.model_type} has recurrent layers, whose state the KV transfer does not "
-                             "carry: serve it with decode workers only (each computes its own prompts) or with "
-                             "`mlx-pd serve`, not with prefill workers")
         if self.channel is None:
             sock, endpoint = server_socket(self.ctx, zmq.ROUTER, self.spec.host, self.spec.control_port, self.keys,
                                            options={zmq.MAXMSGSIZE: CONTROL_MAX_MESSAGE_BYTES})
@@ -280,9 +275,18 @@ class Worker:
             "kv_block_size": e.block_size, "num_preemptions": sched.num_preemptions,
             "prefix_cache_queries": sched.prefix_queries, "prefix_cache_hits": sched.prefix_hits,
             "prefix_cache_hit_rate": sched.prefix_hits / sched.prefix_queries if sched.prefix_queries else 0.0,
-            "tokens_out": self.tokens_out, "requests": len(self.routes), **self._role_stats(),
+            "tokens_out": self.tokens_out, "requests": len(self.routes), **self._snapshot_stats(),
+            **self._role_stats(),
         }
         self._stats_at = time.monotonic()
+
+    def _snapshot_stats(self) -> dict:
+        """The recurrent-state snapshots of a model with recurrent layers (none for other models)."""
+        snaps = self.engine.scheduler.snapshots
+        if snaps is None:
+            return {}
+        return {"state_snapshots": len(snaps), "state_snapshot_bytes": snaps.nbytes,
+                "state_snapshot_budget_bytes": snaps.budget_bytes, "state_snapshots_restored": snaps.num_restored}
 
     # -- role hooks --------------------------------------------------------------------------------------------
 

@@ -43,14 +43,16 @@ class DecodeWorker(Worker):
         e = self.engine
         # speculative decoding: prompt lookup, plus a draft model when configured (its prompt KV is computed
         # here, since transfers carry target KV only: KVFormat.speculative_kv stays False); an engine built
-        # with its speculator keeps it
-        if not e.speculator.methods:
+        # with its speculator keeps it. A model with recurrent layers gets none unless configured (then the
+        # engine refuses it by name: a recurrent state cannot be rolled back past rejected drafts)
+        configured = e.config.speculative_method is not None or e.config.uses_draft_model
+        if not e.speculator.methods and (configured or not e.runner.verified.num_state_layers):
             e.speculator = DecodeSpeculator(build_drafters(e, self.topology.model.source), e.config)
         self.receiver: Optional[KVReceiver] = None
         self.admissions: Optional[DecodeAdmissions] = None
         if self.spec.kv_port is None:
             return None  # single-node: nothing arrives from a prefill worker
-        fmt = KVFormat.of(e.spec, self.spec.engine)
+        fmt = KVFormat.of_engine(e)
         self.receiver = KVReceiver(fmt, e.kv, e.store, max_prompt_len=e.max_model_len, config=self.topology.transfer,
                                    host=self.spec.host, port=self.spec.kv_port, keys=self.keys, ctx=self.ctx,
                                    metrics=TransferMetrics("receive", self.registry))
@@ -112,6 +114,7 @@ class DecodeWorker(Worker):
         return {**drafts, "transfers_inflight": len(self.receiver.live), "awaiting_kv": len(self.admissions.awaiting),
                 "orphans": len(self.admissions.orphans), "kv_bytes_received": m.value("bytes_total"),
                 "kv_blocks_received": m.value("blocks_total"), "transfer_timeouts": m.value("timeouts_total"),
+                "state_bytes_received": m.value("state_bytes_total"),
                 "reservations_busy": m.value("reservations_total", outcome="busy")}
 
     def _teardown(self) -> None:

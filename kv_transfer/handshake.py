@@ -5,7 +5,8 @@ prompt's token ids. The decode worker answers with exactly one of:
 
 - `reserved`: it allocated every block the prompt needs (so a burst of transfers can never run it out of
   memory) and says how many leading blocks it already holds in its prefix cache (`num_cached_blocks`);
-  the sender skips those. The reservation carries an `epoch`, which every later message of the transfer
+  the sender skips those. With recurrent layers too: the transfer's last message carries the state after
+  the whole prompt, so any cached KV prefix is reused, restore point or not. The reservation carries an `epoch`, which every later message of the transfer
   repeats: a message whose (request_id, epoch) is no longer live is dropped before it touches memory.
 - `refused`: the transfer can never succeed here (a KV format or model mismatch, named field by field; a
   prompt longer than the context or the whole pool; a duplicate request id).
@@ -19,7 +20,7 @@ sockets).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from typing import Annotated, Callable, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -28,7 +29,16 @@ from cluster.kv_manager import KVManager
 
 # Fields whose mismatch makes transferred KV meaningless, in the order a refusal names them.
 _CHECKED = ("model_id", "revision", "dtype", "kv_bits", "kv_group_size", "block_size", "num_layers",
-            "num_kv_heads", "head_dim", "value_dim", "speculative_kv")
+            "num_kv_heads", "head_dim", "value_dim", "layer_kinds", "state", "speculative_kv")
+
+
+class StateArray(BaseModel):
+    """One array of one recurrent layer's per-sequence state: its dtype and shape without the batch axis."""
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
+
+    dtype: str = Field(pattern="^(float32|float16|bfloat16)$")
+    shape: list[Annotated[int, Field(ge=1, lt=2**31)]] = Field(max_length=8)
 
 
 class KVFormat(BaseModel):
@@ -36,8 +46,11 @@ class KVFormat(BaseModel):
 
     `revision` is the weights' content hash (cluster.model.ModelSpec.revision); `value_dim` is the width of a
     cached value head where it differs from the key's `head_dim` (latent attention), else None;
-    `speculative_kv` is True when the worker's speculative decoding keeps KV of its own (a draft model) that
-    transfers must carry too.
+    `layer_kinds` names what each layer caches (`cluster.model_families.LayerKind.name`: attention, a
+    sliding window, recurrent state, or state beside attention; empty when every layer is plain attention);
+    `state` lists the arrays of one sequence's recurrent state, layer by layer (cluster/recurrent_state.py),
+    which a transfer carries after the blocks, in the model's dtype; `speculative_kv` is True when the
+    worker's speculative decoding keeps KV of its own (a draft model) that transfers must carry too.
     """
 
     model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
@@ -52,19 +65,36 @@ class KVFormat(BaseModel):
     num_kv_heads: int = Field(ge=1, le=1024)
     head_dim: int = Field(ge=1, le=4096)
     value_dim: Optional[int] = Field(default=None, ge=1, le=4096)
+    layer_kinds: list[str] = Field(default=[], max_length=1024)
+    state: list[list[StateArray]] = Field(default=[], max_length=1024)
     speculative_kv: bool = False
 
     @classmethod
-    def of(cls, spec, config, speculative_kv: bool = False) -> "KVFormat":
-        """The format of an engine with `spec` (cluster.model.ModelSpec) and `config` (EngineConfig)."""
+    def of(cls, spec, config, speculative_kv: bool = False, layer_kinds: Sequence[str] = (),
+           state_shapes: Sequence = ()) -> "KVFormat":
+        """The format of an engine with `spec` (cluster.model.ModelSpec) and `config` (EngineConfig);
+        `layer_kinds` (`VerifiedModel.layer_kind_names`) and `state_shapes` (`ModelRunner.state_shapes`:
+        per recurrent layer, per array, (shape, mx.Dtype)) for models with more than full attention."""
+        state = [[StateArray(dtype=str(dtype).removeprefix("mlx.core."), shape=list(shape)) for shape, dtype in layer]
+                 for layer in state_shapes]
         return cls(model_id=spec.model_id, revision=spec.revision, dtype=config.dtype, kv_bits=config.kv_bits,
                    kv_group_size=config.kv_group_size, block_size=config.block_size, num_layers=spec.num_layers,
                    num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, value_dim=spec.value_dim,
-                   speculative_kv=speculative_kv)
+                   layer_kinds=list(layer_kinds), state=state, speculative_kv=speculative_kv)
+
+    @classmethod
+    def of_engine(cls, engine) -> "KVFormat":
+        """The format of the blocks and state of a `cluster.engine.EngineCore` (its model, config, layers)."""
+        return cls.of(engine.spec, engine.config, layer_kinds=engine.runner.verified.layer_kind_names,
+                      state_shapes=engine.runner.state_shapes)
 
     def mismatches(self, other: "KVFormat") -> list[str]:
         """Human-readable differences, e.g. ["kv_bits: sender 4, receiver 8"] (self = the receiver)."""
-        return [f"{name}: sender {getattr(other, name)!r}, receiver {getattr(self, name)!r}"
+        def shown(fmt: "KVFormat", name: str):
+            value = getattr(fmt, name)
+            return [[f"{a.dtype}{a.shape}" for a in layer] for layer in value] if name == "state" else value
+
+        return [f"{name}: sender {shown(other, name)!r}, receiver {shown(self, name)!r}"
                 for name in _CHECKED if getattr(self, name) != getattr(other, name)]
 
     def extra_key(self, cache_salt: Optional[str] = None) -> int:
@@ -124,7 +154,7 @@ def reserve(kv: KVManager, request_id: str, fmt: KVFormat, offered: KVFormat, to
     if needed > pool.num_usable_blocks:
         return Refusal(f"the prompt needs {needed} KV blocks but the receiver's pool has "
                        f"{pool.num_usable_blocks}")
-    cached = pool.find_cached_prefix(hashes, token_ids, fmt.block_size)
+    cached = pool.find_cached_prefix(hashes, token_ids, fmt.block_size, restorable_only=False)
     if kv.free_besides(cached) < needed - len(cached) + watermark_blocks:
         return Busy(retry_after_s())
     held = kv.reserve(request_id, cached, needed - len(cached), len(cached) * fmt.block_size)

@@ -27,6 +27,8 @@ class TransferMetrics:
 
         self._bytes = counter("bytes", "KV payload bytes moved")
         self._blocks = counter("blocks", "KV blocks moved (a block split by layers counts once)")
+        self._state_bytes = counter("state_bytes", "recurrent-state payload bytes moved (hybrid models: one "
+                                    "state per transfer, after its blocks)")
         self._answers = counter("reservations", "handshake answers by outcome (reserved, refused, busy)",
                                 ("outcome",))
         self._aborts = counter("aborts", "transfers aborted, by who asked (local, peer)", ("origin",))
@@ -43,6 +45,9 @@ class TransferMetrics:
     def moved(self, num_bytes: int, num_blocks: int) -> None:
         self._bytes.labels(**self._d).inc(num_bytes)
         self._blocks.labels(**self._d).inc(num_blocks)
+
+    def moved_state(self, num_bytes: int) -> None:
+        self._state_bytes.labels(**self._d).inc(num_bytes)
 
     def answer(self, outcome: str) -> None:
         self._answers.labels(outcome=outcome, **self._d).inc()

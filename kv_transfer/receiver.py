@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import zmq
@@ -36,7 +36,7 @@ from cluster.transport import LOOPBACK, CurveKeys, server_socket
 from kv_transfer.handshake import Busy, KVFormat, Refusal, reserve
 from kv_transfer.metrics import TransferMetrics
 from kv_transfer.wire import (Abort, Ack, Blocks, BusyAnswer, Done, Message, Offer, Refused, Reserved, WireError,
-                              decode_arrays, decode_header, encode)
+                              decode_arrays, decode_header, encode, state_from_frames, state_specs)
 
 logger = logging.getLogger(__name__)
 _MAX_MESSAGES_PER_POLL = 256
@@ -55,6 +55,7 @@ class ReceivedSequence:
     first_token: int
     first_logprob: Optional[float]
     cache_salt: Optional[str]
+    state: Any = None  # the recurrent state after the prompt (models with recurrent layers), else None
 
 
 @dataclass(frozen=True)
@@ -171,12 +172,12 @@ class KVReceiver:
             return
         t.deadline = self.clock() + self.config.timeout_s
         try:
-            if not isinstance(msg, Blocks) and len(frames) != 1:
+            if not isinstance(msg, (Blocks, Done)) and len(frames) != 1:
                 raise WireError(f"a {msg.type!r} message carries no array frames, got {len(frames) - 1}")
             if isinstance(msg, Blocks):
                 self._on_blocks(t, msg, frames[1:])
             elif isinstance(msg, Done):
-                self._on_done(t, msg)
+                self._on_done(t, msg, frames[1:])
             elif isinstance(msg, Abort):
                 self.metrics.aborted("peer")
                 self._fail(t, "aborted", f"the sender aborted: {msg.reason}", notify=False)
@@ -236,10 +237,17 @@ class KVReceiver:
         t.received[start:stop, layers.start:layers.stop] = True
         self.metrics.moved(sum(a.nbytes for a in msg.arrays), msg.num_blocks if layers.start == 0 else 0)
 
-    def _on_done(self, t: _Incoming, msg: Done) -> None:
+    def _on_done(self, t: _Incoming, msg: Done, payload: list) -> None:
         if not t.received.all():
             missing = int((~t.received).any(axis=1).sum())
             raise WireError(f"'done' before every block arrived ({missing} blocks missing)")
+        expected = state_specs(self.fmt)
+        if msg.arrays != expected:
+            raise WireError(f"'done' carries state arrays {[f'{a.dtype}{a.shape}' for a in msg.arrays]} but this "
+                            f"model's recurrent state is {[f'{a.dtype}{a.shape}' for a in expected]}")
+        state = state_from_frames(self.fmt, decode_arrays(msg, payload)) if expected else None
+        if expected:
+            self.metrics.moved_state(sum(a.nbytes for a in msg.arrays))
         bs, tokens = self.fmt.block_size, t.offer.token_ids
         for i in range(t.num_cached_blocks, len(t.hashes)):
             self.pool.cache_block(t.block_table[i], t.hashes[i], tokens[i * bs:(i + 1) * bs])
@@ -248,7 +256,7 @@ class KVReceiver:
         self.metrics.completed(self.clock() - t.started)
         self._events.append(ReceivedSequence(t.offer.request_id, list(tokens), t.block_table,
                                              t.num_cached_blocks * bs, msg.first_token, msg.first_logprob,
-                                             t.offer.cache_salt))
+                                             t.offer.cache_salt, state))
 
     def _fail(self, t: _Incoming, kind: str, reason: str, notify: bool = True) -> None:
         del self.live[t.offer.request_id]

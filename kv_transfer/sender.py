@@ -24,7 +24,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import zmq
 
@@ -34,7 +34,7 @@ from cluster.transport import CurveKeys, client_socket
 from kv_transfer.handshake import KVFormat
 from kv_transfer.metrics import TransferMetrics
 from kv_transfer.wire import (Abort, Ack, ArraySpec, Blocks, BusyAnswer, Done, Offer, Refused, Reserved, WireError,
-                              decode_header, encode)
+                              decode_header, encode, state_frames, state_specs)
 
 logger = logging.getLogger(__name__)
 _SNDHWM = 4  # messages queued per peer at most (a 64-block float32 message of SmolLM2 is ~94 MB)
@@ -74,6 +74,7 @@ class _Outgoing:
     block_table: Sequence[int] = ()
     num_ready_tokens: int = 0
     first: Optional[tuple[int, Optional[float]]] = None
+    recurrent_state: Any = None  # the state after the prompt (models with recurrent layers)
     retry_at: float = 0.0
     backoff_s: float = 0.02
 
@@ -143,11 +144,17 @@ class KVSender:
         if t is not None:
             t.block_table, t.num_ready_tokens = block_table, num_computed_tokens
 
-    def finish(self, request_id: str, first_token: int, first_logprob: Optional[float] = None) -> None:
-        """The prompt is fully computed and `first_token` sampled: `done` follows the last block."""
+    def finish(self, request_id: str, first_token: int, first_logprob: Optional[float] = None,
+               state: Any = None) -> None:
+        """The prompt is fully computed and `first_token` sampled: `done` follows the last block, carrying
+        `state`, the recurrent state after the prompt (per recurrent layer a tuple of MLX arrays [1, *shape]),
+        which a format with recurrent layers requires. Raises ValueError when it is missing there."""
         t = self.transfers.get(request_id)
         if t is not None:
-            t.first = (first_token, first_logprob)
+            if bool(self.fmt.state) != (state is not None):
+                raise ValueError(f"the transfer of {request_id!r} needs {'a' if self.fmt.state else 'no'} "
+                                 "recurrent state")
+            t.first, t.recurrent_state = (first_token, first_logprob), state
 
     def abort(self, request_id: str, reason: str = "aborted by the prefill worker") -> bool:
         """Stop a transfer (e.g. its client left): the receiver is told and frees its blocks."""
@@ -266,8 +273,11 @@ class KVSender:
                 self.metrics.moved(sum(s.nbytes for s in specs), len(ids) if l0 == 0 else 0)
             t.next_block = stop
         if t.next_block >= t.num_blocks and t.first is not None:
+            arrays = state_frames(t.recurrent_state) if t.recurrent_state is not None else []
+            specs = state_specs(self.fmt) if arrays else []
             self._enqueue(t.peer, encode(Done(request_id=t.request_id, epoch=t.epoch, first_token=t.first[0],
-                                              first_logprob=t.first[1])))
+                                              first_logprob=t.first[1], arrays=specs), arrays))
+            self.metrics.moved_state(sum(a.nbytes for a in arrays))
             t.state, t.deadline = "done_sent", self.clock() + self.config.timeout_s
 
     def _enqueue(self, peer: _Peer, frames: list) -> None:

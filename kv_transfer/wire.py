@@ -1,8 +1,11 @@
 """The KV wire: one ZeroMQ multipart message = a msgpack header frame + raw array frames.
 
 Frame 0 is a msgpack map validated into one of the message models below (explicit type registry, no
-pickle); its `version` must equal `WIRE_VERSION`. Only `blocks` messages carry further frames: one raw frame
-per array named in the header, in header order, sent with `copy=False` straight from MLX memory.
+pickle); its `version` must equal `WIRE_VERSION`. Only `blocks` and `done` messages carry further frames: one
+raw frame per array named in the header, in header order, sent with `copy=False` (blocks straight from the
+pool's gather). A `done` of a model with recurrent layers carries the sequence's state after the whole
+prompt (`state_frames`: per recurrent layer its arrays [1, *shape] in the model's dtype, named state.L.I, as
+the format's `state` lists them); for any other model it carries none.
 
     blocks  header {version: 1, type: "blocks", request_id: "r1", epoch: 7,
                     block_start: 2, num_blocks: 64, block_hashes: [<64 uint64>],
@@ -107,12 +110,14 @@ class Blocks(_Message):
 
 
 class Done(_Message):
-    """S->R: every block is sent; the first token sampled from the prompt's last logits."""
+    """S->R: every block is sent; the first token sampled from the prompt's last logits; `arrays`: the
+    recurrent state after the prompt (`state_specs`), empty for a model without recurrent layers."""
 
     type: Literal["done"] = "done"
     epoch: int = Field(ge=0, lt=2**63)
     first_token: int = Field(ge=0, lt=2**31)
     first_logprob: Optional[float] = None
+    arrays: list[ArraySpec] = Field(default=[], max_length=4096)
 
 
 class Ack(_Message):
@@ -134,6 +139,26 @@ Message = Union[Offer, Reserved, Refused, BusyAnswer, Blocks, Done, Ack, Abort]
 _ADAPTER: TypeAdapter = TypeAdapter(Annotated[Message, Field(discriminator="type")])
 
 
+def state_specs(fmt: KVFormat) -> list[ArraySpec]:
+    """The array frames of a `done` message in format `fmt`: each recurrent layer's state arrays [1, *shape]."""
+    return [ArraySpec(name=f"state.{layer}.{i}", dtype=a.dtype, shape=[1, *a.shape])
+            for layer, arrays in enumerate(fmt.state) for i, a in enumerate(arrays)]
+
+
+def state_frames(state) -> list[np.ndarray]:
+    """A sequence's recurrent state (per layer, a tuple of evaluated MLX arrays [1, *shape]) as contiguous
+    NumPy arrays in `state_specs` order (bfloat16 as its 16-bit words). It is small beside the KV (one
+    fixed-size state per sequence), so it is copied out of MLX rather than viewed."""
+    return [np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a) for layer in state for a in layer]
+
+
+def state_from_frames(fmt: KVFormat, arrays: Sequence[np.ndarray]) -> tuple:
+    """The state `state_frames` sent, as MLX arrays grouped by layer (copied out of the frames)."""
+    flat = iter(arrays)
+    return tuple(tuple(mx.array(next(flat)).view(mx.bfloat16) if a.dtype == "bfloat16" else mx.array(next(flat))
+                       for a in layer) for layer in fmt.state)
+
+
 def encode(msg: Message, arrays: Sequence[np.ndarray] = ()) -> list:
     """Frames for `msg`: the msgpack header, then each array (C-contiguous NumPy, or an evaluated MLX array)
     as a zero-copy memoryview."""
@@ -152,10 +177,10 @@ def decode_header(frame) -> Message:
 
 
 def decode_arrays(msg: Message, payload: Sequence) -> list[np.ndarray]:
-    """The arrays of a `blocks` message as zero-copy NumPy views of its payload frames (bfloat16 as
+    """The arrays of a `blocks` or `done` message as zero-copy NumPy views of its payload frames (bfloat16 as
     uint16 words), valid while the frames live. Raises WireError when the frame count or a frame's size does
     not match the header."""
-    specs = msg.arrays if isinstance(msg, Blocks) else []
+    specs = msg.arrays if isinstance(msg, (Blocks, Done)) else []
     if len(payload) != len(specs):
         raise WireError(f"{msg.type} message has {len(payload)} array frames but its header names {len(specs)}")
     out = []

@@ -114,7 +114,7 @@ class PrefillHandoffs:
             return False
         h.state = HandoffState.HANDED_OFF
         self.sender.blocks_ready(rid, seq.block_table, seq.num_computed_tokens)
-        self.sender.finish(rid, seq.token_ids[-1])
+        self.sender.finish(rid, seq.token_ids[-1], state=seq.recurrent_state)
         self.ttft_s.append(time.monotonic() - seq.arrival)
         return True  # the blocks stay until the transfer ends (_on_release)
 

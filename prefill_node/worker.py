@@ -31,7 +31,7 @@ class PrefillWorker(Worker):
     role = "prefill"
 
     def _setup(self) -> Optional[str]:
-        fmt = KVFormat.of(self.engine.spec, self.spec.engine)
+        fmt = KVFormat.of_engine(self.engine)
         transfer = self.topology.transfer.for_prefill_worker(self.spec.engine.queue_timeout_s)
         self.sender = KVSender(fmt, self.engine.store, config=transfer, keys=self.keys, ctx=self.ctx,
                                metrics=TransferMetrics("send", self.registry))
@@ -74,6 +74,7 @@ class PrefillWorker(Worker):
                 "handed_off": self.handoffs.count(HandoffState.HANDED_OFF),
                 "transfers_pending": self.handoffs.count(HandoffState.PENDING),
                 "kv_bytes_sent": m.value("bytes_total"), "kv_blocks_sent": m.value("blocks_total"),
+                "state_bytes_sent": m.value("state_bytes_total"),
                 "transfer_timeouts": m.value("timeouts_total"),
                 "ttft_p50_s": recent[len(recent) // 2] if recent else None}
 

@@ -154,24 +154,25 @@ class PrefixIndex:
     def _drop_restore_point(self, w: _WorkerEntries, h: int) -> None:
         if h in w.restore_points:
             w.restore_points.discard(h)
-            left = self.restorers[h] & ~(1 << w.slot)
-            if left:
-                self.restorers[h] = left
-            else:
-                del self.restorers[h]
+            _unset(self.restorers, h, 1 << w.slot)
 
     def _drop(self, w: _WorkerEntries, h: int) -> None:
         self._drop_restore_point(w, h)
         if h in w.hashes:
             w.hashes.discard(h)
-            left = self.holders[h] & ~(1 << w.slot)
-            if left:
-                self.holders[h] = left
-            else:
-                del self.holders[h]
+            _unset(self.holders, h, 1 << w.slot)
 
     def _clear(self, w: _WorkerEntries) -> None:
         for h in list(w.hashes):
             self._drop(w, h)
         for h in list(w.restore_points):
             self._drop_restore_point(w, h)
+
+
+def _unset(masks: dict[int, int], h: int, bit: int) -> None:
+    """Clear `bit` in `masks[h]`, dropping the entry when no bit is left (the index stays bounded)."""
+    left = masks[h] & ~bit
+    if left:
+        masks[h] = left
+    else:
+        del masks[h]

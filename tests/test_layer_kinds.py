@@ -11,7 +11,7 @@ from cluster.config import EngineConfig
 from cluster.engine import EngineCore
 from cluster.model import read_model_spec
 from tests.engine_helpers import run
-from tests.family_helpers import (VOCAB, NEW_TOKENS, TOL, WINDOW, COMMON, CONFIGS, OTHER_LAYER_KINDS,
+from tests.family_helpers import (VOCAB, NEW_TOKENS, TOL, WINDOW, COMMON, CONFIGS, OTHER_LAYER_KINDS, RECURRENT,
                                    tokenizer, build, write_config, family, make_engine, engine, prompts,
                                    reference, reference_of, request, assert_matches, ReferenceDrafter)
 
@@ -36,12 +36,13 @@ def test_draft_verification_over_other_layer_kinds_keeps_mlx_lms_greedy_output(m
         assert_matches(results[r.request_id], *refs[tuple(p)], f"{model_type}: {r.request_id}")
 
 
-@pytest.mark.parametrize("model_type", OTHER_LAYER_KINDS)
+@pytest.mark.parametrize("model_type", OTHER_LAYER_KINDS + RECURRENT)
 def test_other_layer_kinds_after_a_prefix_hit_and_across_chunk_boundaries(model_type):
     """A 45-token prompt (over five windows) prefilled in 7-token chunks, so chunks start mid-block and
-    mid-window, then the same prompt again: the second run restores its full blocks from the prefix cache
-    (`num_cached_tokens` is the whole-block prefix, so a disabled cache cannot pass) and both equal mlx-lm's
-    generation, alone and beside a shorter prompt."""
+    mid-window (a recurrent model's chunks are cut back to block boundaries, where its state is saved), then
+    the same prompt again: the second run restores its full blocks from the prefix cache, and a recurrent
+    model the state snapshot at the last of them (`num_cached_tokens` is the whole-block prefix, so a
+    disabled cache cannot pass), and both equal mlx-lm's generation, alone and beside a shorter prompt."""
     core = make_engine(model_type, enable_prefix_caching=True, prefill_chunk_size=7)
     long = np.random.RandomState(11).randint(100, VOCAB, size=45).tolist()
     want = reference(model_type, tuple(long))

@@ -64,23 +64,6 @@ def test_a_preempted_sequence_recomputes_its_state_from_scratch(model_type):
 
 
 @pytest.mark.parametrize("model_type", RECURRENT)
-def test_a_prefix_hit_restores_the_state_snapshot_at_the_prompts_last_whole_block(model_type):
-    """The same 45-token prompt twice (21-token chunks, cut back to 16 so they end on block boundaries): the
-    second run takes 40 tokens from the prefix cache (the KV blocks and the state snapshot at the prompt's
-    last whole block), so a cache that restored nothing cannot pass, and both answers are mlx-lm's, the warm
-    one beside a cold prompt in the same steps."""
-    core = make_engine(model_type, enable_prefix_caching=True, prefill_chunk_size=21)
-    want = reference(model_type, tuple(LONG))
-    cold = run(core, [request("cold", LONG)])["cold"]
-    assert_matches(cold, *want, f"{model_type}: cold")
-    assert cold.outputs[-1].num_cached_tokens == 0
-    results = run(core, [request("warm", LONG), request("beside", prompts()[1])])
-    assert_matches(results["warm"], *want, f"{model_type}: after a prefix hit")
-    assert results["warm"].outputs[-1].num_cached_tokens == 40
-    assert_matches(results["beside"], *reference(model_type, tuple(prompts()[1])), f"{model_type}: beside it")
-
-
-@pytest.mark.parametrize("model_type", RECURRENT)
 def test_the_next_turn_of_a_conversation_restores_the_state_after_the_previous_answer(model_type):
     """Turn 2 is turn 1's prompt, its answer and new text: it restores the snapshot saved when turn 1
     finished (at position 48, inside the answer), so it recomputes neither the prompt nor the answer, and it
@@ -186,24 +169,102 @@ def test_speculative_decoding_is_refused_for_recurrent_models(model_type):
         core.add_request(request("spec", prompts()[0], speculative_method="prompt_lookup", num_draft_tokens=3))
 
 
-def test_a_disaggregated_topology_refuses_a_recurrent_model_by_name(tmp_path):
-    """The KV transfer carries no recurrent state, so a worker of a topology with prefill workers refuses a
-    recurrent model when it starts, naming the model type and what to run instead."""
-    from cluster.launch.workers import make_worker
-    from cluster.model import read_model_spec
-    from cluster.topology import parse_topology
-    from tests.cluster_helpers import topology_text
-    from tests.family_helpers import write_config
+@pytest.mark.parametrize("model_type", RECURRENT)
+def test_through_a_1p1d_transfer_the_state_crosses_the_wire_and_the_next_turn_reuses_both_caches(model_type, tmp_path):
+    """A 45-token prompt prefilled by a prefill worker in 16-token chunks: its KV blocks and, after them, its
+    recurrent state after the whole prompt cross the wire (the sent and received state bytes equal one
+    sequence's state, so a decode worker that computed the prompt itself cannot pass), and the decode worker
+    continues from them with mlx-lm's tokens and logprobs. Then two prompts at once, the conversation's next
+    turn (the first prompt, its answer and new text) and an unrelated one: both equal mlx-lm's generation,
+    the next turn restoring 40 tokens from the prefill worker's snapshot and the decode worker skipping the
+    blocks it already holds."""
+    import concurrent.futures
+    import time
 
-    model, _ = family("qwen3_next")
-    config = {"model_type": "qwen3_next", **COMMON, **CONFIGS["qwen3_next"]}
-    spec = read_model_spec(write_config(tmp_path, config))
-    topology = parse_topology(topology_text(1, 1, engine="block_size = 8"), name="hybrid")
-    for name in ("prefill-0", "decode-0"):
-        worker = make_worker(topology, name, loaded=(model, tokenizer(), spec))
-        with pytest.raises(ValueError, match="qwen3_next has recurrent layers.*decode workers only"):
-            worker.start()
-        worker.stop()
+    import httpx
+
+    from cluster.model import DEFAULT_MODEL, read_model_spec
+    from tests.cluster_helpers import running_cluster
+    from tests.family_helpers import NEW_TOKENS, TOL, write_config
+
+    model, _ = family(model_type)
+    config = {"model_type": model_type, **COMMON, **CONFIGS[model_type]}
+    spec = read_model_spec(write_config(tmp_path, config), model_id=DEFAULT_MODEL)
+    engine = "block_size = 8\nprefill_chunk_size = 16"
+
+    def complete(base: str, prompt: list[int]) -> dict:
+        r = httpx.post(base + "/v1/completions", timeout=300, json={
+            "model": DEFAULT_MODEL, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "logprobs": 0,
+            "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def check(body: dict, prompt: list[int], what: str) -> None:
+        tokens, logprobs = reference(model_type, tuple(prompt))
+        choice = body["choices"][0]
+        assert choice["text"] == tokenizer().decode(tokens), what
+        assert np.allclose(choice["logprobs"]["token_logprobs"], logprobs, atol=TOL, rtol=0), what
+
+    def settled(workers, key: str, role: str, want: float) -> float:
+        deadline = time.monotonic() + 60  # stats refresh between steps
+        while workers[role].stats().get(key, 0) < want and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return workers[role].stats().get(key, 0)
+
+    with running_cluster(1, 1, loaded=(model, tokenizer(), spec), engine=engine,
+                         routing="local_prefill_max_tokens = 0") as (base, _, workers):
+        one_state = state_nbytes(workers["decode-0"].engine.runner.state_shapes)
+        first = complete(base, LONG)
+        check(first, LONG, f"{model_type}: 1P1D")
+        assert settled(workers, "kv_blocks_sent", "prefill-0", 6) == 6  # ceil(45 / 8) blocks
+        assert settled(workers, "state_bytes_sent", "prefill-0", one_state) == one_state
+        assert settled(workers, "state_bytes_received", "decode-0", one_state) == one_state
+
+        answer = tokenizer().encode(first["choices"][0]["text"], add_special_tokens=False)
+        follow_up = LONG + answer + np.random.RandomState(3).randint(100, VOCAB, size=10).tolist()
+        other = prompts()[1]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            turn2, beside = pool.map(lambda p: complete(base, p), [follow_up, other])
+        check(turn2, follow_up, f"{model_type}: 1P1D, next turn")
+        check(beside, other, f"{model_type}: 1P1D, beside the next turn")
+        assert turn2["usage"]["prompt_tokens_details"]["cached_tokens"] >= 40
+        sent = workers["prefill-0"].stats()["kv_blocks_sent"] - 6
+        assert sent < -(-len(follow_up) // 8) + -(-len(other) // 8)  # the decode worker held LONG's blocks
+        assert settled(workers, "state_bytes_received", "decode-0", 3 * one_state) == 3 * one_state
+
+
+def test_the_state_crosses_the_wire_in_its_own_dtype_and_shape():
+    """A `done` message carries each recurrent layer's arrays as frames named and shaped in its header
+    (bfloat16 as 16-bit words, float32 as is): what arrives equals what was sent, bit for bit, in the same
+    dtypes, grouped by layer as the format lists them."""
+    import mlx.core as mx
+
+    from kv_transfer.handshake import KVFormat, StateArray
+    from kv_transfer.wire import Done, decode, encode, state_frames, state_from_frames, state_specs
+
+    fmt = KVFormat.of_engine(engine("qwen3_next")).model_copy(update={"state": [
+            [StateArray(dtype="bfloat16", shape=[3, 4]), StateArray(dtype="float32", shape=[2])],
+            [StateArray(dtype="float32", shape=[5])]]})
+    state = ((mx.random.normal((1, 3, 4)).astype(mx.bfloat16), mx.random.normal((1, 2))), (mx.arange(5.0)[None],))
+    msg, arrays = decode(encode(Done(request_id="r", epoch=1, first_token=7, arrays=state_specs(fmt)),
+                                state_frames(state)))
+    assert [a.name for a in msg.arrays] == ["state.0.0", "state.0.1", "state.1.0"]
+    back = state_from_frames(fmt, arrays)
+    assert [[a.dtype for a in layer] for layer in back] == [[mx.bfloat16, mx.float32], [mx.float32]]
+    for sent, got in zip([a for layer in state for a in layer], [a for layer in back for a in layer]):
+        assert got.shape == sent.shape and mx.array_equal(got, sent).item()
+
+
+def test_workers_whose_layer_kinds_differ_are_refused_at_the_handshake_by_name():
+    """A receiver serving a model whose layers cache other kinds than the sender's (here a hybrid against an
+    attention-only format of the same geometry) refuses the transfer naming layer_kinds and state."""
+    from kv_transfer.handshake import KVFormat
+
+    hybrid = KVFormat.of_engine(engine("qwen3_next"))
+    plain = hybrid.model_copy(update={"layer_kinds": [], "state": []})
+    diff = plain.mismatches(hybrid)
+    assert [d.split(":")[0] for d in diff] == ["layer_kinds", "state"]
+    assert "state + attention" not in diff[0] and "'state'" in diff[0] and "float32" in diff[1]
 
 
 def test_recurrent_layers_in_a_family_not_read_for_them_are_refused(monkeypatch):

@@ -33,6 +33,9 @@ GAUGES = {
     "tokens_per_s": ("mlx_pd_tokens_per_second", "output tokens per second over the last interval"),
     "transfers_inflight": ("mlx_pd_kv_transfers_inflight", "KV transfers under way"),
     "ttft_p50_s": ("mlx_pd_ttft_p50_seconds", "median time to first token of recent prefills (s)"),
+    "state_snapshot_bytes": ("mlx_pd_state_snapshot_bytes", "bytes of recurrent-state snapshots kept (hybrid "
+                                                             "models' prefix cache)"),
+    "state_snapshot_budget_bytes": ("mlx_pd_state_snapshot_budget_bytes", "the snapshots' byte budget"),
     "healthy": ("mlx_pd_worker_healthy", "1 while the worker loop runs"),
 }
 COUNTERS = {
@@ -44,6 +47,8 @@ COUNTERS = {
     "kv_bytes_received": ("mlx_pd_kv_bytes_received", "KV bytes received from prefill workers"),
     "kv_blocks_sent": ("mlx_pd_kv_blocks_sent", "KV blocks shipped"),
     "kv_blocks_received": ("mlx_pd_kv_blocks_received", "KV blocks received"),
+    "state_bytes_sent": ("mlx_pd_state_bytes_sent", "recurrent-state bytes shipped with KV (hybrid models)"),
+    "state_bytes_received": ("mlx_pd_state_bytes_received", "recurrent-state bytes received with KV"),
     "transfer_timeouts": ("mlx_pd_kv_transfer_timeouts", "KV transfers that timed out"),
 }
 
