@@ -1,4 +1,5 @@
-"""A real single-node server (router + the single-node worker, real SmolLM2) on a free loopback port, for tests."""
+"""A real single-node server (router + the single-node worker, real SmolLM2, or any model folder as
+`mlx-pd serve --model` loads it) on a free loopback port, for tests."""
 
 from __future__ import annotations
 
@@ -29,6 +30,27 @@ def live_server(api_key: str | None = None, **engine_config):
             yield base, client
     finally:
         client.stop()
+
+
+@contextmanager
+def live_model_server(model, api_key: str | None = None, **engine_config):
+    """Yield (base_url, client) for `mlx-pd serve --model MODEL` with `engine_config` (EngineConfig fields, as
+    the CLI's flags set them), started the way the CLI starts it: `start_single_node_engine` (the folder
+    resolved, `load_model` at the config's dtype, the engine in the single-node worker's loop) and
+    `create_app_for_model` (the folder's tokenizer, the folder's name as the served name), behind uvicorn."""
+    import atexit
+
+    from cluster.config import EngineConfig
+    from cluster.launch.single_node import start_single_node_engine
+    from router.app import create_app_for_model
+
+    client, path = start_single_node_engine(str(model), EngineConfig(**engine_config))
+    try:
+        with serve_app(create_app_for_model(client, path, api_key)) as base:
+            yield base, client
+    finally:
+        client.stop()
+        atexit.unregister(client.stop)  # registered by start_single_node_engine; lets the model be freed
 
 
 @contextmanager
