@@ -212,13 +212,21 @@ def test_through_a_1p1d_transfer_the_state_crosses_the_wire_and_the_next_turn_re
         return workers[role].stats().get(key, 0)
 
     with running_cluster(1, 1, loaded=(model, tokenizer(), spec), engine=engine,
-                         routing="local_prefill_max_tokens = 0") as (base, _, workers):
+                         routing="local_prefill_max_tokens = 0") as (base, client, workers):
         one_state = state_nbytes(workers["decode-0"].engine.runner.state_shapes)
         first = complete(base, LONG)
         check(first, LONG, f"{model_type}: 1P1D")
         assert settled(workers, "kv_blocks_sent", "prefill-0", 6) == 6  # ceil(45 / 8) blocks
         assert settled(workers, "state_bytes_sent", "prefill-0", one_state) == one_state
         assert settled(workers, "state_bytes_received", "decode-0", one_state) == one_state
+        # the router counts the prefill worker's five blocks (its snapshot at position 40 restores them) and
+        # none of the decode worker's, which holds the same five blocks but no snapshot to restore them with
+        from cluster.request import GenerateRequest
+        deadline, cached = time.monotonic() + 30, None
+        while cached != {"prefill-0": 5} and time.monotonic() < deadline:
+            time.sleep(0.05)
+            cached = client.cached_blocks(GenerateRequest("probe", tuple(LONG + [5] * 40)))
+        assert cached == {"prefill-0": 5}
 
         answer = tokenizer().encode(first["choices"][0]["text"], add_special_tokens=False)
         follow_up = LONG + answer + np.random.RandomState(3).randint(100, VOCAB, size=10).tolist()
