@@ -42,6 +42,10 @@ class EngineConfig:
       (cluster/state_snapshots.py; LRU by bytes). Taken from `kv_cache_gb` (the pool gets the rest; with
       `num_blocks` set, on top of it); None = half of `kv_cache_gb`; 0 keeps none, so such a model recomputes every prompt in full. Unused
       by models without recurrent layers or with the prefix cache off.
+    - `state_snapshot_interval`: tokens between the state snapshots taken while a prompt is computed (a
+      multiple of `block_size`; prefill chunks end there); None = `prefill_chunk_size` rounded down to whole
+      blocks. When the sequence finishes, those at 1, 2, 4, 8, ... intervals stay (a later prompt sharing a
+      long prefix, such as a system prompt, restores from one) and the rest are dropped.
     - `max_waiting`: requests queued (beyond those the next step admits into free running slots) before new
       ones get 503 with Retry-After; a request whose `n` exceeds `max_num_seqs + max_waiting` gets 400.
     - `decode_mirror_gb`: GiB for contiguous copies of the decode batch's contexts kept between decode
@@ -77,6 +81,7 @@ class EngineConfig:
     kv_group_size: int = 64
     enable_prefix_caching: bool = True
     state_cache_gb: Optional[float] = None
+    state_snapshot_interval: Optional[int] = None
     max_waiting: int = 256
     queue_timeout_s: float = 120.0
     decode_mirror_gb: Optional[float] = None
@@ -110,6 +115,9 @@ class EngineConfig:
             raise bad("kv_group_size", "must be 32, 64 or 128 (the group sizes mx.quantize accepts)")
         if self.decode_mirror_gb is not None and not self.decode_mirror_gb >= 0:
             raise bad("decode_mirror_gb", "must be >= 0 (0 disables the decode mirror)")
+        if self.state_snapshot_interval is not None and (self.state_snapshot_interval < self.block_size
+                                                         or self.state_snapshot_interval % self.block_size):
+            raise bad("state_snapshot_interval", f"must be a positive multiple of block_size={self.block_size}")
         if self.state_cache_gb is not None and not self.state_cache_gb >= 0:
             raise bad("state_cache_gb", "must be >= 0 GiB (0 keeps no recurrent-state snapshots)")
         if not self.queue_timeout_s > 0:

@@ -73,6 +73,8 @@ class Scheduler:
         self.speculator: Speculator = speculator or NoSpeculator()
         self.connector: Connector = connector or NoConnector()
         self.snapshots = snapshots
+        self.snapshot_interval = config.state_snapshot_interval or max(
+            config.block_size, config.prefill_chunk_size // config.block_size * config.block_size)
         self.block_size = config.block_size
         self.sequences: dict[str, Sequence] = {}
         self.waiting: deque[Sequence] = deque()
@@ -294,26 +296,32 @@ class Scheduler:
             self.snapshots.get(block_hash)  # the same tokens' state is kept already: mark it used
         elif self.snapshots.put(block_hash, seq.recurrent_state) and \
                 done != (seq.num_prompt_tokens - 1) // self.block_size * self.block_size:
-            seq.chunk_snapshots.append(block_hash)
+            seq.chunk_snapshots.append((block_hash, done))
 
     def _keep_final_state(self, seq: Sequence, reason: Optional[FinishReason]) -> None:
         """As `seq` finishes: keep its pending snapshot (prompt + answer: where the next turn of a conversation
-        continues) unless it failed, and thin the chunk-end snapshots it made while its prompt was computed."""
+        continues) unless it failed, and thin the chunk-end snapshots it made while its prompt was computed:
+        those at 1, 2, 4, 8, ... snapshot intervals stay (so a conversation holds O(log length) of them, the
+        same ones turn after turn, as its prefix repeats), the rest go."""
         if seq.pending_snapshot is not None and reason is not FinishReason.ERROR:
             self.snapshots.put(*seq.pending_snapshot)
-        for block_hash in seq.chunk_snapshots:
-            self.snapshots.drop(block_hash)
+        for block_hash, position in seq.chunk_snapshots:
+            multiple, rest = divmod(position, self.snapshot_interval)
+            if rest or multiple & (multiple - 1):
+                self.snapshots.drop(block_hash)
         seq.pending_snapshot, seq.chunk_snapshots = None, []
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of `seq` to compute in this prefill step: up to `budget`. With recurrent state, a chunk
-        that does not finish the sequence's tokens ends on a block boundary when one lies inside it, and one
-        that passes the prompt's last whole block stops there, so both positions get a snapshot."""
+        stops at the next multiple of the snapshot interval; one that does not finish the sequence's tokens
+        ends on a block boundary when one lies inside it; and one that passes the prompt's last whole block
+        stops there; so each of those positions gets a snapshot."""
         start, total = seq.num_computed_tokens, len(seq.token_ids)
         end = start + min(total - start, budget)
         if self.snapshots is None:
             return end - start
-        bs = self.block_size
+        bs, interval = self.block_size, self.snapshot_interval
+        end = min(end, (start // interval + 1) * interval)
         if end < total and end // bs * bs > start:
             end = end // bs * bs
         last = (total - 1) // bs * bs  # the longest prefix a later prompt can restore from this one

@@ -41,8 +41,8 @@ class Sequence:
         (cluster/recurrent_state.py; None before any, and always for models without recurrent layers).
     pending_snapshot: (block hash, state) at the latest block boundary reached while decoding, saved as a
         state snapshot when the sequence finishes (cluster/state_snapshots.py); None otherwise.
-    chunk_snapshots: the block hashes of the state snapshots it saved at prefill chunk ends (not its prompt's
-        last whole block), dropped when it finishes (they only serve its prompt while it is computed).
+    chunk_snapshots: (block hash, position) of the state snapshots it saved at prefill chunk ends (not its
+        prompt's last whole block), thinned when it finishes (`Scheduler._keep_final_state`).
     remote_decode: the sequence leaves this engine after its first token (a prefill worker's: another worker
     decodes the rest; `cluster.connector`).
     """
@@ -63,7 +63,7 @@ class Sequence:
     draft_state: Any = None
     recurrent_state: Any = None
     pending_snapshot: Any = None
-    chunk_snapshots: list[int] = field(default_factory=list)
+    chunk_snapshots: list[tuple[int, int]] = field(default_factory=list)
     remote_decode: bool = False
     arrival: float = field(default_factory=time.monotonic)
 

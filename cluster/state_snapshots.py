@@ -7,11 +7,12 @@ block that ends there (cluster/hashing.py), and a hit is cut back to the longest
 snapshot: the state is restored from it and the rest computed (llama.cpp's context checkpoints and mlx-lm's
 server prompt cache do the same with whole caches).
 
-Where snapshots are taken (cluster/scheduler.py): at every block-aligned end of a prefill chunk, at the
-prompt's last whole block, and, when a sequence finishes, at the latest block boundary it reached (prompt plus
-answer: where the next turn of a conversation continues). The chunk-end ones only serve the prompt while it is
-computed (a preempted sequence resumes from them), so they are thinned when the sequence finishes: a long
-conversation keeps two snapshots per turn, not one per chunk.
+Where snapshots are taken (cluster/scheduler.py): every `state_snapshot_interval` tokens and at every other
+block-aligned end of a prefill chunk, at the prompt's last whole block, and, when a sequence finishes, at the
+latest block boundary it reached (prompt plus answer: where the next turn of a conversation continues). The
+chunk-end ones are thinned when the sequence finishes: those at 1, 2, 4, 8, ... intervals stay (a later
+prompt sharing a long prefix restores from one; a conversation repeats the same ones turn after turn), the
+rest go, so a long conversation holds O(log length) of them plus two per turn, not one per chunk.
 
 Snapshots are budgeted in bytes, not counts (one snapshot of a 27B hybrid is ~150 MiB), inside the same
 `kv_cache_gb` as the KV blocks: the engine gives `state_cache_gb` of it to snapshots and the rest to the pool.

@@ -141,18 +141,22 @@ def test_a_prefix_hit_is_cut_back_to_the_last_block_with_a_snapshot_and_dies_wit
 
 
 @pytest.mark.parametrize("model_type", RECURRENT)
-def test_chunk_end_snapshots_are_thinned_when_the_sequence_finishes(model_type):
-    """A 45-token prompt in 16-token chunks saves snapshots at 16 and 32 (chunk ends), 40 (its last whole
-    block) and, when it finishes, 56 (its answer's last whole block): the chunk-end ones are dropped then,
-    so a long conversation keeps two per turn; the next request restores from 40 and answers as mlx-lm."""
-    core = make_engine(model_type, enable_prefix_caching=True, prefill_chunk_size=16)
+def test_chunk_end_snapshots_are_thinned_to_doubling_intervals_when_the_sequence_finishes(model_type):
+    """A 45-token prompt with a snapshot every 8 tokens saves snapshots at 8, 16, 24 and 32 (chunk ends), 40
+    (its last whole block) and, as it finishes, 48 (the last whole block its answer reached): then the one
+    at 24 (three intervals, not a power of two) is dropped, the rest stay. A prompt sharing its first 20
+    tokens restores 16 of them (from the snapshot at 16), the same prompt again 40, and both answer as
+    mlx-lm does."""
+    core = make_engine(model_type, enable_prefix_caching=True, prefill_chunk_size=24, state_snapshot_interval=8)
     run(core, [request("turn", LONG)])
     snaps = core.scheduler.snapshots
-    assert snaps.num_saved == 4 and len(snaps) == 2
-    assert len(core.pool.restorable_hashes()) == 2
-    again = run(core, [request("again", LONG)])["again"]
-    assert again.outputs[-1].num_cached_tokens == 40
-    assert_matches(again, *reference(model_type, tuple(LONG)), f"{model_type}: after thinning")
+    assert snaps.num_saved == 6 and len(snaps) == 5 and len(core.pool.restorable_hashes()) == 5
+    shared = LONG[:20] + np.random.RandomState(8).randint(100, VOCAB, size=12).tolist()
+    results = run(core, [request("shares-20", shared), request("again", LONG)])
+    assert results["shares-20"].outputs[-1].num_cached_tokens == 16
+    assert results["again"].outputs[-1].num_cached_tokens == 40
+    assert_matches(results["shares-20"], *reference(model_type, tuple(shared)), f"{model_type}: shared prefix")
+    assert_matches(results["again"], *reference(model_type, tuple(LONG)), f"{model_type}: after thinning")
 
 
 @pytest.mark.parametrize("model_type", RECURRENT)

@@ -40,6 +40,8 @@ def test_router_body_limit_from_the_topology_reaches_the_app(tmp_path):
 @pytest.mark.parametrize("text,message", [
     ("[engine]\nkv_bitz = 8\n", "unknown key(s) kv_bitz"),
     ("[engine]\nkv_bits = 3\n", "kv_bits=3 is invalid"),
+    ("[engine]\nblock_size = 16\nstate_snapshot_interval = 24\n", "positive multiple of block_size=16"),
+    ("[engine]\nstate_cache_gb = -1.0\n", "state_cache_gb=-1.0 is invalid"),
     ("[engin]\n", "unknown table(s) engin"),
     ("[router]\nport = 0\n", "router.port=0"),
     ("[router]\nmax_body_bytes = 0\n", "router.max_body_bytes=0 is invalid"),

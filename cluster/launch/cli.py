@@ -22,6 +22,7 @@ from cluster.config import EngineConfig
 ENGINE_FLAGS = {  # CLI flag -> EngineConfig field; unset flags leave the topology's (or the default) value
     "block_size": int, "kv_cache_gb": float, "kv_bits": int, "kv_group_size": int, "max_num_seqs": int,
     "prefill_chunk_size": int, "max_model_len": int, "dtype": str, "decode_mirror_gb": float, "state_cache_gb": float,
+    "state_snapshot_interval": int,
     "speculative_method": str, "num_draft_tokens": int, "draft_model": str, "draft_quantize_bits": int,
     "draft_cost_per_token": float,
 }
@@ -52,6 +53,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-cache-gb", type=float, default=None,
                    help="GiB for recurrent-state snapshots, the prefix cache of hybrid models such as qwen3_next "
                         "(default: half of --kv-cache-gb, which holds them; 0 recomputes every prompt)")
+    p.add_argument("--state-snapshot-interval", type=int, default=None,
+                   help="tokens between recurrent-state snapshots while a prompt is computed, a multiple of "
+                        "--block-size (default: the prefill chunk size); smaller lets prompts that share "
+                        "shorter prefixes (a system prompt) restore them, at the cost of shorter prefill chunks")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix-cache reuse")
     p.add_argument("--speculative-method", default=None, choices=["prompt_lookup", "draft_model"],
                    help="speculative decoding for requests that do not choose (default: off; a request turns it "
