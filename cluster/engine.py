@@ -97,7 +97,8 @@ class EngineCore:
         if self.runner.verified.num_state_layers and getattr(speculator, "methods", ()):
             raise ValueError(f"speculative decoding is not available for {self.runner.verified.model_type}: its "
                              "recurrent layers' state cannot be rolled back past rejected drafts; start the server "
-                             "without --speculative-method / --draft-model")
+                             "without speculation (the --speculative-method / --draft-model flags, or "
+                             "speculative_method / draft_model in the topology's [engine] table)")
         self.scheduler.speculator = speculator
 
     @property
@@ -142,10 +143,15 @@ class EngineCore:
         method = request.sampling.speculative_method
         if (method is not None and request.sampling.num_draft_tokens != 0 and method not in self.speculator.methods
                 and not remote_decode):
+            if self.runner.verified.num_state_layers:
+                raise ValueError(f"speculative decoding is not available for {self.runner.verified.model_type}: its "
+                                 "recurrent layers' state cannot be rolled back past rejected drafts; send the "
+                                 "request without `speculative`")
             have = ", ".join(self.speculator.methods) or "none"
             raise ValueError(f"speculative method {method!r} is not available on this server (available: {have}); "
                              + ("start it with --draft-model or --speculative-method draft_model"
-                                if method == "draft_model" else "ask for another method"))
+                                if method == "draft_model" else "ask for another method" if self.speculator.methods
+                                else "send the request without `speculative`"))
         return min(request.sampling.max_tokens, self.max_model_len - n, capacity - n)
 
     def add_request(self, request: GenerateRequest, *, remote_prefill: bool = False,

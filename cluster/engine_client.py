@@ -11,12 +11,16 @@ from typing import AsyncIterator, Iterable, Optional, Protocol
 
 from cluster.request import GenerateRequest, RequestOutput
 
+# the worker-report keys of recurrent-state snapshots, added up over every worker
+_SNAPSHOT_KEYS = ("state_snapshots", "state_snapshot_bytes", "state_snapshot_budget_bytes", "state_snapshots_restored")
+
 
 @dataclass(frozen=True)
 class EngineStats:
     """A snapshot of an engine's load, for `/metrics`, `/health` and placement.
 
-    Counts are sequences and KV blocks; `kv_block_size` is tokens per block.
+    Counts are sequences and KV blocks; `kv_block_size` is tokens per block; the state snapshots (models
+    with recurrent layers, cluster/state_snapshots.py) are counts and bytes, added up over every worker.
     """
 
     num_running: int = 0
@@ -29,6 +33,10 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of those, tokens served from it
     num_draft_tokens: int = 0  # speculative decoding: draft tokens proposed and verified
     num_accepted_tokens: int = 0  # of those, accepted by verification
+    state_snapshots: int = 0  # models with recurrent layers: state snapshots kept (their prefix cache)
+    state_snapshot_bytes: int = 0  # bytes they hold
+    state_snapshot_budget_bytes: int = 0  # their byte budget
+    state_snapshots_restored: int = 0  # prefix hits that restored one
 
     @classmethod
     def from_reports(cls, reports: Iterable[dict]) -> "EngineStats":
@@ -47,7 +55,8 @@ class EngineStats:
             prefix_cache_queries=sum(s["prefix_cache_queries"] for s in live),
             prefix_cache_hits=sum(s["prefix_cache_hits"] for s in live),
             num_draft_tokens=sum(s.get("num_draft_tokens", 0) for s in decode),
-            num_accepted_tokens=sum(s.get("num_accepted_tokens", 0) for s in decode))
+            num_accepted_tokens=sum(s.get("num_accepted_tokens", 0) for s in decode),
+            **{key: sum(s.get(key, 0) for s in live) for key in _SNAPSHOT_KEYS})
 
     @property
     def draft_acceptance_rate(self) -> float:

@@ -61,6 +61,11 @@ class EngineStatsCollector(Collector):
             "kv_blocks_free": ("KV blocks free", s.num_kv_blocks_free),
             "kv_blocks_used": ("KV blocks in use", s.num_kv_blocks_total - s.num_kv_blocks_free),
             "kv_block_size": ("Tokens per KV block", s.kv_block_size),
+            "engine_state_snapshots": ("Recurrent-state snapshots kept (the prefix cache of hybrid models)",
+                                       s.state_snapshots),
+            "engine_state_snapshot_bytes": ("Bytes of recurrent-state snapshots kept", s.state_snapshot_bytes),
+            "engine_state_snapshot_budget_bytes": ("The recurrent-state snapshots' byte budget",
+                                                   s.state_snapshot_budget_bytes),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)
@@ -73,6 +78,8 @@ class EngineStatsCollector(Collector):
                                     s.num_draft_tokens),
             "engine_draft_accepted_tokens": ("Speculative decoding: draft tokens accepted",
                                              s.num_accepted_tokens),
+            "engine_state_snapshots_restored": ("Prefix-cache hits that restored a recurrent-state snapshot",
+                                                s.state_snapshots_restored),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(PREFIX + name, doc, value=value)

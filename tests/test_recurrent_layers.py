@@ -162,15 +162,17 @@ def test_chunk_end_snapshots_are_thinned_to_doubling_intervals_when_the_sequence
 @pytest.mark.parametrize("model_type", RECURRENT)
 def test_speculative_decoding_is_refused_for_recurrent_models(model_type):
     """Rejected drafts are rolled back by lowering counters, which cannot undo a state update: installing a
-    drafting speculator fails with a message that says what to change; requests asking for a method are
-    refused as for any server without one."""
+    drafting speculator fails with a message that says what to change (flags or topology keys); a request
+    asking for any method is refused with the reason and what to send instead."""
     from decode_node.speculative import DecodeSpeculator
 
     core = make_engine(model_type)
-    with pytest.raises(ValueError, match="recurrent layers' state cannot be rolled back.*without --speculative"):
+    with pytest.raises(ValueError, match="rolled back past rejected drafts.*--speculative-method.*topology"):
         core.speculator = DecodeSpeculator({"prompt_lookup": ReferenceDrafter({})}, core.config)
-    with pytest.raises(ValueError, match="speculative method 'prompt_lookup' is not available"):
-        core.add_request(request("spec", prompts()[0], speculative_method="prompt_lookup", num_draft_tokens=3))
+    for method in ("prompt_lookup", "draft_model"):
+        with pytest.raises(ValueError, match=f"not available for {model_type}: its recurrent layers.*without "
+                                             "`speculative`"):
+            core.add_request(request("spec", prompts()[0], speculative_method=method, num_draft_tokens=3))
 
 
 @pytest.mark.parametrize("model_type", RECURRENT)
@@ -181,7 +183,7 @@ def test_through_a_1p1d_transfer_the_state_crosses_the_wire_and_the_next_turn_re
     continues from them with mlx-lm's tokens and logprobs. Then two prompts at once, the conversation's next
     turn (the first prompt, its answer and new text) and an unrelated one: both equal mlx-lm's generation,
     the next turn restoring 40 tokens from the prefill worker's snapshot and the decode worker skipping the
-    blocks it already holds."""
+    blocks it already holds; the router's /metrics shows the snapshots kept and restored."""
     import concurrent.futures
     import time
 
@@ -243,6 +245,16 @@ def test_through_a_1p1d_transfer_the_state_crosses_the_wire_and_the_next_turn_re
         sent = workers["prefill-0"].stats()["kv_blocks_sent"] - 6
         assert sent < -(-len(follow_up) // 8) + -(-len(other) // 8)  # the decode worker held LONG's blocks
         assert settled(workers, "state_bytes_received", "decode-0", 3 * one_state) == 3 * one_state
+        deadline, metrics = time.monotonic() + 30, {}
+        while metrics.get("mlxpd_router_engine_state_snapshots_restored_total", 0) < 1 \
+                and time.monotonic() < deadline:  # the router learns workers' stats from their pings
+            time.sleep(0.1)
+            metrics = {line.split()[0]: float(line.split()[1]) for line in
+                       httpx.get(base + "/metrics").text.splitlines()
+                       if line.startswith("mlxpd_router_engine_state_snapshot")}
+        assert metrics["mlxpd_router_engine_state_snapshots_restored_total"] >= 1
+        assert 0 < metrics["mlxpd_router_engine_state_snapshot_bytes"] <= metrics[
+            "mlxpd_router_engine_state_snapshot_budget_bytes"]
 
 
 def test_the_state_crosses_the_wire_in_its_own_dtype_and_shape():

@@ -55,8 +55,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default: half of --kv-cache-gb, which holds them; 0 recomputes every prompt)")
     p.add_argument("--state-snapshot-interval", type=int, default=None,
                    help="tokens between recurrent-state snapshots while a prompt is computed, a multiple of "
-                        "--block-size (default: the prefill chunk size); smaller lets prompts that share "
-                        "shorter prefixes (a system prompt) restore them, at the cost of shorter prefill chunks")
+                        "--block-size (default: the prefill chunk size); when a request ends those at 1, 2, 4, "
+                        "8, ... intervals stay. Smaller lets prompts that share shorter prefixes (a system "
+                        "prompt) restore them, at the cost of shorter prefill chunks")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix-cache reuse")
     p.add_argument("--speculative-method", default=None, choices=["prompt_lookup", "draft_model"],
                    help="speculative decoding for requests that do not choose (default: off; a request turns it "
