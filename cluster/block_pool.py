@@ -129,16 +129,22 @@ class BlockPool:
             return []
         hit: list[int] = []
         for i, block_hash in enumerate(hashes):
-            block_id = self._cached.get(block_hash)
+            block_id = self.lookup(block_hash, token_ids[i * block_size:(i + 1) * block_size])
             if block_id is None:
                 break
-            if self.blocks[block_id].token_ids != tuple(token_ids[i * block_size:(i + 1) * block_size]):
-                break  # a hash collision: a miss, never a wrong answer
             hit.append(block_id)
         if self.needs_restore_points and restorable_only:
             while hit and hashes[len(hit) - 1] not in self._restorable:
                 hit.pop()
         return hit
+
+    def lookup(self, block_hash: int, token_ids: Sequence[int]) -> Optional[int]:
+        """The cached block of `block_hash` holding exactly `token_ids`, or None (a hash collision is a miss,
+        never a wrong answer)."""
+        block_id = self._cached.get(block_hash) if self.enable_caching else None
+        if block_id is None or self.blocks[block_id].token_ids != tuple(token_ids):
+            return None
+        return block_id
 
     def mark_restorable(self, block_hash: int) -> bool:
         """Make the cached block `block_hash` a restore point (its state snapshot is kept). False when no

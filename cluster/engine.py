@@ -24,7 +24,8 @@ from cluster.config import EngineConfig
 from cluster.detokenizer import OutputText
 from cluster.hashing import first_block_key
 from cluster.kv_store import KVStore, kv_bytes_per_block
-from cluster.kv_manager import KVManager
+from cluster.kv_groups import KVGroups, pool_sizes, window_blocks_per_sequence
+from cluster.kv_manager import KVManager, WindowGroup
 from cluster.model import ModelSpec
 from cluster.ownership import ThreadOwner
 from cluster.model_families import verify_model
@@ -59,26 +60,45 @@ class EngineCore:
         verified = verify_model(model)  # before the pool is allocated: a refused model fails fast
         self.block_size = config.block_size
         self.max_model_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
-        per_block = kv_bytes_per_block(spec, config.block_size, config.dtype, config.kv_bits, config.kv_group_size)
+        # KV cache groups: sliding-window layers beside full ones keep their blocks in a pool of their own,
+        # released as they leave the window (cluster/kv_groups.py)
+        self.groups = KVGroups.of(verified.layer_windows)
+        main_spec, window_spec = self.groups.specs(spec)
+        kv_args = (config.block_size, config.dtype, config.kv_bits, config.kv_group_size)
+        per_block = kv_bytes_per_block(main_spec, *kv_args)
         # recurrent layers: a prefix hit restores their state from a snapshot (cluster/state_snapshots.py), kept
         # in `state_cache_gb` of the `kv_cache_gb` budget
         state_gb = config.kv_cache_gb / 2 if config.state_cache_gb is None else config.state_cache_gb
         snapshot_bytes = int(state_gb * 2**30) if verified.num_state_layers else 0
         snapshot_bytes = snapshot_bytes if config.enable_prefix_caching else 0
-        num_blocks = config.num_blocks or 1 + int((config.kv_cache_gb * 2**30 - snapshot_bytes) // per_block)
-        if num_blocks < 2:
+        budget = int(config.kv_cache_gb * 2**30) - snapshot_bytes
+        if window_spec is None:
+            num_blocks = config.num_blocks or 1 + budget // per_block
+            num_window_blocks = 0
+        else:
+            need = window_blocks_per_sequence(self.groups.window, config.block_size, config.prefill_chunk_size)
+            sizes = pool_sizes(budget, per_block, kv_bytes_per_block(window_spec, *kv_args), need,
+                               config.max_num_seqs)
+            num_blocks, num_window_blocks = (config.num_blocks,) * 2 if config.num_blocks else (1 + sizes[0],
+                                                                                                   1 + sizes[1])
+        if min(num_blocks, num_window_blocks or num_blocks) < 2:
             raise ValueError(f"kv_cache_gb={config.kv_cache_gb} holds no block of {per_block} bytes"
                              + (f" beside state_cache_gb={state_gb} of recurrent-state snapshots: "
                                 "raise kv_cache_gb or lower state_cache_gb" if snapshot_bytes else ""))
         self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching,
                               needs_restore_points=bool(verified.num_state_layers))
-        self.kv = KVManager(self.pool)  # the one owner that allocates and frees blocks
+        window = None if window_spec is None else WindowGroup(
+            BlockPool(num_window_blocks, enable_caching=config.enable_prefix_caching), self.groups.window)
+        self.kv = KVManager(self.pool, window)  # the one owner that allocates and frees blocks
         # one owner thread for the model calls, the KV arrays and the pool (cluster/ownership.py)
         self.owner = ThreadOwner("this engine")
-        self.store = KVStore(spec, num_blocks, config.block_size, config.dtype, config.kv_bits, config.kv_group_size,
+        dequantize = None if verified.reads_quantized_kv else True
+        self.store = KVStore(main_spec, num_blocks, *kv_args,
                              mirror_budget_bytes=self._mirror_budget(config, num_blocks * per_block),
-                             dequantize_for_attention=None if verified.reads_quantized_kv else True, owner=self.owner)
-        self.runner = ModelRunner(model, self.store, verified)
+                             dequantize_for_attention=dequantize, owner=self.owner)
+        self.window_store = None if window_spec is None else KVStore(
+            window_spec, num_window_blocks, *kv_args, dequantize_for_attention=dequantize, owner=self.owner)
+        self.runner = ModelRunner(model, self.store, verified, self.window_store, self.groups)
         eos_ids = set(spec.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
         snapshots = StateSnapshots(snapshot_bytes, self.pool) if verified.num_state_layers else None
         self.scheduler = Scheduler(config, self.kv, self._extra_key, eos_ids, None, connector, snapshots)

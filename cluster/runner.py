@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Sequence as Seq
 
 import mlx.core as mx
 
+from cluster.kv_groups import KVGroups
 from cluster.kv_layout import BatchLayout
 from cluster.kv_store import KVStore
 from cluster.model_families import VerifiedModel, verify_model
@@ -42,7 +43,8 @@ class BatchItem:
     """One sequence's share of a step: compute `token_ids` at positions [start, start + len) into the blocks of
     `block_table`. `mirror_row` names the sequence across decode steps (its row of the decode mirror).
     `state`: the sequence's recurrent state before the step (cluster/recurrent_state.py; None: nothing
-    computed yet, or a model without recurrent layers)."""
+    computed yet, or a model without recurrent layers). `window_table`: its window layers' blocks
+    (`Sequence.window_table`; empty without a window group)."""
 
     block_table: Seq[int]
     start: int
@@ -50,6 +52,7 @@ class BatchItem:
     logits: Logits = Logits.LAST
     mirror_row: Optional[str] = None
     state: Any = None
+    window_table: Seq[int] = ()
 
 
 class ModelRunner:
@@ -59,9 +62,12 @@ class ModelRunner:
     that `verify_model` refuses, or whose attention cannot read the store's quantized KV as stored.
     """
 
-    def __init__(self, model, store: KVStore, verified: Optional[VerifiedModel] = None):
-        self.model, self.store = model, store
+    def __init__(self, model, store: KVStore, verified: Optional[VerifiedModel] = None,
+                 window_store: Optional[KVStore] = None, groups: Optional[KVGroups] = None):
+        self.model, self.store, self.window_store = model, store, window_store
         self.verified = verified or verify_model(model)
+        # with a window store, the KV layers of each group in the model's KV-layer order (cluster/kv_groups.py)
+        self.groups = groups if window_store is not None else None
         if store.kv_bits is not None and not store.dequantize_for_attention and not self.verified.reads_quantized_kv:
             raise ValueError(f"{self.verified.model_type} attention reads float KV only: a KV store with "
                              f"kv_bits={store.kv_bits} must dequantize for attention")
@@ -87,6 +93,15 @@ class ModelRunner:
         else:
             layout = BatchLayout.build(tables, starts, num_new, self.store.block_size, self._mask_rank)
         kv_views = self.store.views(layout)
+        if self.groups is not None:  # window layers over their own blocks: a gathered layout of their tables
+            window_layout = BatchLayout.build([it.window_table for it in items], starts, num_new,
+                                              self.store.block_size, self._mask_rank)
+            views = [None] * (len(self.groups.full_layers) + len(self.groups.window_layers))
+            for layers, group_views in ((self.groups.full_layers, kv_views),
+                                        (self.groups.window_layers, self.window_store.views(window_layout))):
+                for i, view in zip(layers, group_views):
+                    views[i] = view
+            kv_views = views
         state_views = stack_states(self.state_shapes, [it.state for it in items], num_new) if self.state_shapes else []
         caches = self.verified.caches(kv_views, state_views) if self.verified.layer_kinds else kv_views
         hidden = self._body(tokens, cache=caches)
@@ -105,7 +120,8 @@ class ModelRunner:
             for b, at, n in spans:
                 out[b] = logits[at] if items[b].logits is Logits.LAST else logits[at:at + n]
         else:
-            mx.eval(self.store.keys, self.store.values)
+            mx.eval(self.store.keys, self.store.values,
+                    *((self.window_store.keys, self.window_store.values) if self.window_store else ()))
         if not state_views:
             return out, [None] * len(items)
         states = split_states(state_views, len(items))
@@ -197,7 +213,7 @@ def plan_row(seq: Sequence, num_tokens: int, is_prefill: bool,
     if draft is not None:  # verify: the last token and the drafts, logits at every position
         return (RowResult(seq, start, len(seq.token_ids) - start, Logits.ALL, draft=draft),
                 BatchItem(seq.block_table, start, seq.token_ids[start:] + list(draft.tokens), Logits.ALL, mirror_row,
-                          seq.recurrent_state))
+                          seq.recurrent_state, seq.window_table))
     n = num_tokens if is_prefill else len(seq.token_ids) - start  # decode: the reserved rest is for drafts
     samples = start + n == len(seq.token_ids)
     if seq.request.sampling.prompt_logprobs is not None and start < seq.num_prompt_tokens:
@@ -205,4 +221,5 @@ def plan_row(seq: Sequence, num_tokens: int, is_prefill: bool,
     else:
         wanted = Logits.LAST if samples else Logits.NONE
     return (RowResult(seq, start, n, wanted, samples),
-            BatchItem(seq.block_table, start, seq.token_ids[start:start + n], wanted, mirror_row, seq.recurrent_state))
+            BatchItem(seq.block_table, start, seq.token_ids[start:start + n], wanted, mirror_row, seq.recurrent_state,
+                      seq.window_table))

@@ -220,6 +220,7 @@ class Scheduler:
         seq.num_computed_tokens += row.num_fed
         seq.recurrent_state = row.state
         self.cache_computed_blocks(seq)
+        self.kv.release_outside_window(seq, self.block_size)
         if self.snapshots is not None:
             self._save_state(seq)
         if not row.samples:
@@ -240,6 +241,7 @@ class Scheduler:
             if outs[-1].finished:
                 break
         seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
+        self.kv.release_outside_window(seq, self.block_size)
         if len(outs) == 1:
             return outs[0]
         logprobs = None if outs[0].logprobs is None else tuple(lp for o in outs for lp in o.logprobs)
@@ -278,7 +280,7 @@ class Scheduler:
         new = block_hashes(seq.token_ids[:full * self.block_size], self.block_size,
                            self.extra_key(seq.request.cache_salt), start=start, parent=parent)
         for i, h in enumerate(new, start):
-            self.pool.cache_block(seq.block_table[i], h, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            self.kv.cache_block(seq, i, h, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
         seq.block_hashes.extend(new)
 
     def _save_state(self, seq: Sequence) -> None:
@@ -354,7 +356,7 @@ class Scheduler:
             seq = self.waiting[0]
             self._match_prefix(seq)
             n = self._chunk(seq, budget)
-            if not fits(n) or self._blocks_needed(seq, n) > self.pool.num_free_blocks:
+            if not fits(n) or self._blocks_needed(seq, n) > self.kv.num_free_blocks:
                 self._unmatch_prefix(seq)
                 break
             self.waiting.popleft()
@@ -380,7 +382,7 @@ class Scheduler:
     def _reserve(self, seq: Sequence, num_tokens: int, allow_preempt: bool) -> bool:
         """Make the blocks for `num_tokens` more tokens of `seq` exist, preempting others if allowed."""
         need = self._blocks_needed(seq, num_tokens)
-        while need > self.pool.num_free_blocks:
+        while need > self.kv.num_free_blocks:
             victims = [s for s in self.running if s is not seq]
             if not allow_preempt or not victims:
                 return False
@@ -407,10 +409,12 @@ class Scheduler:
         hashes = block_hashes(seq.token_ids, self.block_size, self.extra_key(seq.request.cache_salt))
         hashes = hashes[:(len(seq.token_ids) - 1) // self.block_size]
         hit = self.pool.find_cached_prefix(hashes, seq.token_ids, self.block_size)
+        k, window_ids = self.kv.window_hit(hashes, seq.token_ids, self.block_size, len(hit))
+        hit = hit[:k]  # with window layers: only as far as their window blocks are still cached
         if self.snapshots is not None:  # the pool cut the hit back to its last restore point: restore from it
             seq.recurrent_state = self.snapshots.get(hashes[len(hit) - 1]) if hit else None
             assert not hit or seq.recurrent_state is not None, "a restore point without its snapshot"
-        self.kv.take_prefix(seq, hit)
+        self.kv.take_prefix(seq, hit, window_ids)
         seq.block_hashes = hashes[:len(hit)]
         seq.num_computed_tokens = len(hit) * self.block_size
         if seq.num_output_tokens == 0:  # first admission, not a recompute after preemption

@@ -110,10 +110,14 @@ class KVFormat(BaseModel):
 @dataclass(frozen=True)
 class Reservation:
     """Blocks a receiver set aside for one prompt: `block_table` covers every prompt position; its first
-    `num_cached_blocks` entries already hold the right KV (prefix-cache hits, referenced)."""
+    `num_cached_blocks` entries already hold the right KV (prefix-cache hits, referenced). With window
+    layers (cluster/kv_manager.py), `window_table` holds their blocks from `window_first` on (the first block
+    the decode worker's next query can see; 0 before it): nothing older is sent."""
 
     block_table: list[int]
     num_cached_blocks: int
+    window_table: list[int] = ()
+    window_first: int = 0
 
 
 @dataclass(frozen=True)
@@ -155,7 +159,10 @@ def reserve(kv: KVManager, request_id: str, fmt: KVFormat, offered: KVFormat, to
         return Refusal(f"the prompt needs {needed} KV blocks but the receiver's pool has "
                        f"{pool.num_usable_blocks}")
     cached = pool.find_cached_prefix(hashes, token_ids, fmt.block_size, restorable_only=False)
-    if kv.free_besides(cached) < needed - len(cached) + watermark_blocks:
+    k, window_cached = kv.window_hit(hashes, token_ids, fmt.block_size, len(cached))
+    cached = cached[:k]  # with window layers: as far as their blocks in the last window are cached too
+    if kv.free_besides(cached, window_cached) < needed - len(cached) + watermark_blocks:
         return Busy(retry_after_s())
-    held = kv.reserve(request_id, cached, needed - len(cached), len(cached) * fmt.block_size)
-    return Reservation(list(held.block_table), len(cached))
+    first = kv.window.first_block(n, fmt.block_size) if kv.window is not None else 0
+    held = kv.reserve(request_id, cached, needed - len(cached), len(cached) * fmt.block_size, window_cached, first)
+    return Reservation(list(held.block_table), len(cached), list(held.window_table), first)

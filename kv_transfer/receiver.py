@@ -81,11 +81,23 @@ class _Incoming:
     hashes: list[int]
     started: float
     deadline: float
-    received: np.ndarray = field(init=False)  # bool [num_blocks, num_layers]
+    window_table: list[int]
+    window_first: int  # window layers: blocks before this one are not sent (out of every later window)
+    layers_per_group: tuple[int, ...]
+    received: list[np.ndarray] = field(init=False)  # per KV cache group, bool [num_blocks, its layers]
 
     def __post_init__(self) -> None:
-        self.received = np.zeros((len(self.block_table), self.offer.format.num_layers), dtype=bool)
-        self.received[:self.num_cached_blocks] = True
+        self.received = [np.zeros((len(self.block_table), n), dtype=bool) for n in self.layers_per_group]
+        self.received[0][:self.num_cached_blocks] = True
+        for r in self.received[1:]:
+            r[:self.first_sent(1)] = True
+
+    def first_sent(self, group: int) -> int:
+        """The first block of `group` the sender sends."""
+        return self.num_cached_blocks if group == 0 else max(self.window_first, self.num_cached_blocks)
+
+    def table(self, group: int) -> list[int]:
+        return self.block_table if group == 0 else self.window_table
 
 
 class KVReceiver:
@@ -93,14 +105,17 @@ class KVReceiver:
     call every method from it).
 
     `fmt` is this worker's KV format; offers in any other format are refused naming the difference.
-    `max_prompt_len`: offers of this many tokens or more are refused (the context limit).
+    `max_prompt_len`: offers of this many tokens or more are refused (the context limit). `window_store`: the
+    window layers' store of a model with two KV cache groups (cluster/kv_groups.py; `kv` has the window pool).
     """
 
     def __init__(self, fmt: KVFormat, kv: KVManager, store: KVStore, *, max_prompt_len: int,
+                 window_store: Optional[KVStore] = None,
                  config: TransferConfig = TransferConfig(), host: str = LOOPBACK, port: int = 0,
                  keys: Optional[CurveKeys] = None, ctx: Optional[zmq.Context] = None,
                  metrics: Optional[TransferMetrics] = None, clock: Callable[[], float] = time.monotonic):
         self.fmt, self.kv, self.pool, self.store, self.config = fmt, kv, kv.pool, store, config
+        self.stores = [store] + ([window_store] if window_store is not None else [])
         self.max_prompt_len, self.clock = max_prompt_len, clock
         self.metrics = metrics or TransferMetrics("receive")
         self.ctx = ctx or zmq.Context.instance()
@@ -212,34 +227,39 @@ class KVReceiver:
             self._epoch += 1
             now = self.clock()
             self.live[rid] = _Incoming(offer, identity, self._epoch, got.block_table, got.num_cached_blocks,
-                                       hashes, now, now + self.config.timeout_s)
+                                       hashes, now, now + self.config.timeout_s, got.window_table, got.window_first,
+                                       tuple(s.spec.num_layers for s in self.stores))
             answer(Reserved(request_id=rid, epoch=self._epoch, num_cached_blocks=got.num_cached_blocks,
                             num_blocks=len(got.block_table)), "reserved")
 
     def _on_blocks(self, t: _Incoming, msg: Blocks, payload: list) -> None:
         start, stop = msg.block_start, msg.block_start + msg.num_blocks
         layers = range(msg.layer_start, msg.layer_start + msg.num_layers)
-        if start < t.num_cached_blocks or stop > len(t.block_table) or layers.stop > self.fmt.num_layers:
-            raise WireError(f"blocks [{start}, {stop}) x layers [{layers.start}, {layers.stop}) are outside the "
-                            f"reservation (blocks [{t.num_cached_blocks}, {len(t.block_table)}), "
-                            f"{self.fmt.num_layers} layers)")
+        if msg.group >= len(self.stores):
+            raise WireError(f"blocks of KV cache group {msg.group}, but this model has {len(self.stores)}")
+        store, first = self.stores[msg.group], t.first_sent(msg.group)
+        if start < first or stop > len(t.block_table) or layers.stop > store.spec.num_layers:
+            raise WireError(f"blocks [{start}, {stop}) x layers [{layers.start}, {layers.stop}) of group {msg.group} "
+                            f"are outside the reservation (blocks [{first}, {len(t.block_table)}), "
+                            f"{store.spec.num_layers} layers)")
         if (msg.kv_bits, msg.kv_group_size) != (self.fmt.kv_bits, self.fmt.kv_group_size):
             raise WireError(f"blocks quantized as kv_bits={msg.kv_bits}, group {msg.kv_group_size}, but the "
                             f"transfer agreed on kv_bits={self.fmt.kv_bits}, group {self.fmt.kv_group_size}")
-        expected = [(n, d, list(s)) for n, d, s in self.store.block_array_specs(msg.num_blocks, msg.num_layers)]
+        expected = [(n, d, list(s)) for n, d, s in store.block_array_specs(msg.num_blocks, msg.num_layers)]
         if [(a.name, a.dtype, a.shape) for a in msg.arrays] != expected:
             raise WireError(f"array specs {[a.model_dump() for a in msg.arrays]} do not match the expected "
                             f"{expected}")
         if msg.block_hashes != t.hashes[start:min(stop, len(t.hashes))]:
             raise WireError("block hashes do not match the prompt's: the workers hash blocks differently")
         arrays = decode_arrays(msg, payload)  # checks every frame's size before anything is written
-        self.store.write_blocks(t.block_table[start:stop], layers, arrays)
-        t.received[start:stop, layers.start:layers.stop] = True
-        self.metrics.moved(sum(a.nbytes for a in msg.arrays), msg.num_blocks if layers.start == 0 else 0)
+        store.write_blocks(t.table(msg.group)[start:stop], layers, arrays)
+        t.received[msg.group][start:stop, layers.start:layers.stop] = True
+        self.metrics.moved(sum(a.nbytes for a in msg.arrays),
+                           msg.num_blocks if layers.start == 0 and msg.group == 0 else 0)
 
     def _on_done(self, t: _Incoming, msg: Done, payload: list) -> None:
-        if not t.received.all():
-            missing = int((~t.received).any(axis=1).sum())
+        if not all(r.all() for r in t.received):
+            missing = sum(int((~r).any(axis=1).sum()) for r in t.received)
             raise WireError(f"'done' before every block arrived ({missing} blocks missing)")
         expected = state_specs(self.fmt)
         if msg.arrays != expected:
@@ -251,6 +271,8 @@ class KVReceiver:
         bs, tokens = self.fmt.block_size, t.offer.token_ids
         for i in range(t.num_cached_blocks, len(t.hashes)):
             self.pool.cache_block(t.block_table[i], t.hashes[i], tokens[i * bs:(i + 1) * bs])
+        for i in range(t.first_sent(1), len(t.hashes) if self.kv.window is not None else 0):
+            self.kv.window.pool.cache_block(t.window_table[i], t.hashes[i], tokens[i * bs:(i + 1) * bs])
         del self.live[t.offer.request_id]
         self._send(t.identity, Ack(request_id=t.offer.request_id, epoch=t.epoch))
         self.metrics.completed(self.clock() - t.started)

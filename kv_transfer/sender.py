@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional, Sequence
 import zmq
 
 from cluster.config import TransferConfig
+from cluster.kv_groups import window_first_block
 from cluster.kv_store import KVStore
 from cluster.transport import CurveKeys, client_socket
 from kv_transfer.handshake import KVFormat
@@ -72,6 +73,7 @@ class _Outgoing:
     num_cached_blocks: int = 0
     next_block: int = 0
     block_table: Sequence[int] = ()
+    window_table: Sequence[int] = ()
     num_ready_tokens: int = 0
     first: Optional[tuple[int, Optional[float]]] = None
     recurrent_state: Any = None  # the state after the prompt (models with recurrent layers)
@@ -88,12 +90,17 @@ class _Peer:
 
 
 class KVSender:
-    """Sends KV blocks of `store` (owned by the caller's thread; call every method from it) in format `fmt`."""
+    """Sends KV blocks of `store` (owned by the caller's thread; call every method from it) in format `fmt`;
+    for a model with sliding-window layers beside full ones, also those of `window_store` (the window
+    layers', cluster/kv_groups.py, with the largest window `window` in positions), only from the first
+    block the decode worker's next query can see."""
 
-    def __init__(self, fmt: KVFormat, store: KVStore, *, config: TransferConfig = TransferConfig(),
+    def __init__(self, fmt: KVFormat, store: KVStore, *, window_store: Optional[KVStore] = None,
+                 window: Optional[int] = None, config: TransferConfig = TransferConfig(),
                  keys: Optional[CurveKeys] = None, ctx: Optional[zmq.Context] = None,
                  metrics: Optional[TransferMetrics] = None, clock: Callable[[], float] = time.monotonic):
         self.fmt, self.store, self.config, self.keys, self.clock = fmt, store, config, keys, clock
+        self.window_store, self.window = window_store, window
         self.metrics = metrics or TransferMetrics("send")
         self.ctx = ctx or zmq.Context.instance()
         self.peers: dict[str, _Peer] = {}
@@ -107,7 +114,7 @@ class KVSender:
         frame fits `max_frame_bytes`, the receiver's limit (ZeroMQ drops a connection that sends a larger
         frame, stalling every transfer on it). Raises ValueError when one block of one layer does not fit."""
         blocks = self.config.max_blocks_per_message
-        layers = self.config.layers_per_message or self.fmt.num_layers
+        layers = self.config.layers_per_message or self.store.spec.num_layers
 
         def largest_frame(b: int, n: int) -> int:
             return max(ArraySpec(name=name, dtype=dtype, shape=list(shape)).nbytes
@@ -138,11 +145,13 @@ class KVSender:
         self.transfers[request_id] = t
         self._enqueue(t.peer, encode(offer))
 
-    def blocks_ready(self, request_id: str, block_table: Sequence[int], num_computed_tokens: int) -> None:
-        """Record that positions [0, num_computed_tokens) are computed into `block_table` (sent on poll)."""
+    def blocks_ready(self, request_id: str, block_table: Sequence[int], num_computed_tokens: int,
+                     window_table: Sequence[int] = ()) -> None:
+        """Record that positions [0, num_computed_tokens) are computed into `block_table` (and the window
+        layers' `window_table`; sent on poll)."""
         t = self.transfers.get(request_id)
         if t is not None:
-            t.block_table, t.num_ready_tokens = block_table, num_computed_tokens
+            t.block_table, t.num_ready_tokens, t.window_table = block_table, num_computed_tokens, window_table
 
     def finish(self, request_id: str, first_token: int, first_logprob: Optional[float] = None,
                state: Any = None) -> None:
@@ -256,21 +265,13 @@ class KVSender:
         """Queue `blocks` messages for ready blocks (while the peer's queue has room), then `done`."""
         bs, n = self.fmt.block_size, len(t.offer.token_ids)
         ready = t.num_blocks if t.num_ready_tokens >= n else min(t.num_ready_tokens // bs, t.num_blocks)
-        step_layers = self.layers_per_message
+        window_first = (window_first_block(n, self.window, bs) if self.window_store is not None else t.num_blocks)
         while t.next_block < ready and len(t.peer.queue) < _SNDHWM:
             start, stop = t.next_block, min(ready, t.next_block + self.blocks_per_message)
-            ids = list(t.block_table[start:stop])
-            for l0 in range(0, self.fmt.num_layers, step_layers):
-                layers = range(l0, min(self.fmt.num_layers, l0 + step_layers))
-                arrays = self.store.read_blocks(ids, layers)
-                specs = [ArraySpec(name=nm, dtype=dt, shape=list(sh))
-                         for nm, dt, sh in self.store.block_array_specs(len(ids), len(layers))]
-                msg = Blocks(request_id=t.request_id, epoch=t.epoch, block_start=start, num_blocks=len(ids),
-                             block_hashes=t.hashes[start:min(stop, len(t.hashes))], layer_start=layers.start,
-                             num_layers=len(layers), kv_bits=self.fmt.kv_bits, kv_group_size=self.fmt.kv_group_size,
-                             arrays=specs)
-                self._enqueue(t.peer, encode(msg, arrays))
-                self.metrics.moved(sum(s.nbytes for s in specs), len(ids) if l0 == 0 else 0)
+            self._send_blocks(t, 0, self.store, start, list(t.block_table[start:stop]))
+            first = max(start, window_first)
+            if first < stop:  # window layers: only what the decode worker's next query can see
+                self._send_blocks(t, 1, self.window_store, first, list(t.window_table[first:stop]))
             t.next_block = stop
         if t.next_block >= t.num_blocks and t.first is not None:
             arrays = state_frames(t.recurrent_state) if t.recurrent_state is not None else []
@@ -279,6 +280,23 @@ class KVSender:
                                               first_logprob=t.first[1], arrays=specs), arrays))
             self.metrics.moved_state(sum(a.nbytes for a in arrays))
             t.state, t.deadline = "done_sent", self.clock() + self.config.timeout_s
+
+    def _send_blocks(self, t: _Outgoing, group: int, store: KVStore, start: int, ids: list[int]) -> None:
+        """Queue the `blocks` messages of blocks `ids` (positions from block `start`) of KV cache group
+        `group`, `layers_per_message` layers each."""
+        num_layers, step = store.spec.num_layers, self.layers_per_message
+        for l0 in range(0, num_layers, step):
+            layers = range(l0, min(num_layers, l0 + step))
+            arrays = store.read_blocks(ids, layers)
+            specs = [ArraySpec(name=nm, dtype=dt, shape=list(sh))
+                     for nm, dt, sh in store.block_array_specs(len(ids), len(layers))]
+            stop = start + len(ids)
+            msg = Blocks(request_id=t.request_id, epoch=t.epoch, block_start=start, num_blocks=len(ids),
+                         block_hashes=t.hashes[start:min(stop, len(t.hashes))], layer_start=layers.start,
+                         num_layers=len(layers), group=group, kv_bits=self.fmt.kv_bits,
+                         kv_group_size=self.fmt.kv_group_size, arrays=specs)
+            self._enqueue(t.peer, encode(msg, arrays))
+            self.metrics.moved(sum(s.nbytes for s in specs), len(ids) if l0 == 0 and group == 0 else 0)
 
     def _enqueue(self, peer: _Peer, frames: list) -> None:
         if not peer.queue:

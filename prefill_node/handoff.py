@@ -98,7 +98,7 @@ class PrefillHandoffs:
             if h.state is HandoffState.PENDING and seq.num_computed_tokens > 0 and not self._open(seq, h):
                 continue
             if h.state is HandoffState.OFFERED:  # also a preempted one: an empty table, 0 computed
-                self.sender.blocks_ready(seq.request_id, seq.block_table, seq.num_computed_tokens)
+                self.sender.blocks_ready(seq.request_id, seq.block_table, seq.num_computed_tokens, seq.window_table)
 
     def request_finished(self, seq: Sequence, reason: Optional[FinishReason]) -> bool:
         rid = seq.request_id
@@ -113,7 +113,7 @@ class PrefillHandoffs:
         if h.state is HandoffState.PENDING and not self._open(seq, h):
             return False
         h.state = HandoffState.HANDED_OFF
-        self.sender.blocks_ready(rid, seq.block_table, seq.num_computed_tokens)
+        self.sender.blocks_ready(rid, seq.block_table, seq.num_computed_tokens, seq.window_table)
         self.sender.finish(rid, seq.token_ids[-1], state=seq.recurrent_state)
         self.ttft_s.append(time.monotonic() - seq.arrival)
         return True  # the blocks stay until the transfer ends (_on_release)

@@ -193,7 +193,7 @@ class Rig:
     # -- observing -----------------------------------------------------------------------------------------------
 
     def live_state(self) -> dict:
-        return {rid: (t.identity, t.epoch, t.deadline, list(t.block_table), t.received.copy().tobytes())
+        return {rid: (t.identity, t.epoch, t.deadline, list(t.block_table), b"".join(r.tobytes() for r in t.received))
                 for rid, t in self.receiver.live.items()}
 
     def block_bits(self, block_ids) -> list[bytes]:

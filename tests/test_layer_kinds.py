@@ -97,14 +97,93 @@ def test_a_llama_with_sliding_window_layers_matches_mlx_lm():
                            f"llama with a sliding layer: prompt {i} in a batch of {len(batch)}")
 
 
+# -- the window layers' own pool --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "gpt_oss"])
+def test_window_layers_release_the_blocks_no_later_query_can_see(model_type):
+    """A 45-token prompt (window 8, blocks of 8) decoding beside a short one: after every step each
+    sequence's window-layer blocks before its next query's window are released (0 in its window table, back
+    in the window pool) while its full-attention blocks all stay, and both answers are still mlx-lm's."""
+    from cluster.kv_groups import KVGroups
+
+    core = make_engine(model_type)
+    assert core.window_store is not None and core.groups == KVGroups.of(core.runner.verified.layer_windows)
+    long = np.random.RandomState(11).randint(100, VOCAB, size=45).tolist()
+    reqs = [request("long", long), request("short", prompts()[0])]
+    results = {r.request_id: [] for r in reqs}
+    for r in reqs:
+        core.add_request(r)
+    checked = 0
+    while core.has_work():
+        for out in core.step():
+            results[out.request_id].append(out)
+        live = list(core.sequences.values())
+        for seq in live:
+            first = core.kv.window.first_block(seq.num_computed_tokens, 8)
+            assert not any(seq.window_table[:first]) and all(seq.window_table[first:]), seq.window_table
+            assert all(seq.block_table) and len(seq.window_table) == len(seq.block_table)
+            checked += first > 0
+        held = sum(1 for seq in live for b in seq.window_table if b)
+        assert core.kv.window.pool.num_free_blocks == core.kv.window.pool.num_usable_blocks - held
+    assert checked, "no step ran with a released window block"
+    for r in reqs:
+        tokens = tuple(t for out in results[r.request_id] for t in out.token_ids)
+        assert list(tokens) == list(reference(model_type, tuple(r.prompt_token_ids))[0]), r.request_id
+
+
+def test_a_prefix_hit_needs_the_window_blocks_before_its_end_in_the_window_pool():
+    """Five cached 4-token blocks, window 8: after the sequence's old window blocks were released and then
+    evicted from the window pool, a prompt repeating all five still hits all five (the blocks its window
+    needs, 3 and 4, are cached), but a prompt sharing only the first three hits nothing: its window's blocks
+    (1 and 2) are gone, though the full-attention blocks are all still cached."""
+    from cluster.block_pool import BlockPool
+    from cluster.kv_manager import KVManager, WindowGroup
+    from cluster.sequence import Sequence
+
+    kv = KVManager(BlockPool(16), WindowGroup(BlockPool(16), window=8))
+    tokens, hashes = list(range(20)), [100 + i for i in range(5)]
+    seq = Sequence(request("s", tokens), max_tokens=1)
+    kv.allocate(seq, 5)
+    for i, h in enumerate(hashes):
+        kv.cache_block(seq, i, h, tokens[4 * i:4 * i + 4])
+    seq.num_computed_tokens = 20
+    kv.release_outside_window(seq, 4)
+    assert seq.window_table[:3] == [0, 0, 0] and all(seq.window_table[3:])
+    window_ids = seq.window_table[3:]
+    kv.free(seq)
+    kv.window.pool.allocate(kv.window.pool.num_free_blocks - 2)  # evicts every free window block but the last two
+    assert kv.window_hit(hashes, tokens, 4, 5) == (5, [0, 0, 0] + window_ids)
+    assert kv.window_hit(hashes, tokens, 4, 3) == (0, [])
+    assert kv.pool.find_cached_prefix(hashes[:3], tokens, 4) != []
+
+
+def test_the_kv_budget_gives_the_window_pool_what_running_sequences_need_and_the_rest_to_full_layers():
+    """gemma3_text's window of 1024 beside full layers, 16 running sequences of 2048-token chunks: the
+    window pool gets twice their need, the main pool the rest of the budget, and together they stay inside
+    it; a window as long as the context saves nothing (an even split)."""
+    from cluster.kv_groups import pool_sizes, window_blocks_per_sequence
+
+    need = window_blocks_per_sequence(1024, 16, 2048)
+    assert need == (1024 + 2048) // 16 + 2
+    budget, main_bytes, window_bytes = 8 * 2**30, 64 * 2**10, 5 * 64 * 2**10  # five window layers to one
+    main, window = pool_sizes(budget, main_bytes, window_bytes, need, 16)
+    assert window == 2 * 16 * need and main * main_bytes + window * window_bytes <= budget
+    assert main > budget // (main_bytes + window_bytes)  # more full-layer blocks than an even split gives
+    huge = window_blocks_per_sequence(131072, 16, 2048)
+    assert pool_sizes(budget, main_bytes, window_bytes, huge, 16) == (budget // (6 * 64 * 2**10),) * 2
+
+
 # -- through a prefill/decode transfer -----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("model_type", OTHER_LAYER_KINDS)
 def test_other_layer_kinds_through_a_1p1d_transfer_match_mlx_lm(model_type, tmp_path):
     """A 45-token prompt (over five windows) prefilled by a prefill worker in 16-token chunks, its KV shipped
-    to a decode worker in 8-token blocks (the prefill worker's sent-block count proves it crossed the wire),
-    answers with mlx-lm's tokens and logprobs through the OpenAI completions endpoint."""
+    to a decode worker in 8-token blocks (the prefill worker's sent-block count proves it crossed the wire;
+    for sliding-window layers, only the two blocks inside the decode worker's first window move), answers
+    with mlx-lm's tokens and logprobs through the OpenAI completions endpoint; sent again, only its last,
+    partial block moves (the decode worker holds the five full ones, and their window blocks)."""
     import time
 
     import httpx
@@ -120,14 +199,28 @@ def test_other_layer_kinds_through_a_1p1d_transfer_match_mlx_lm(model_type, tmp_
     engine = "block_size = 8\nprefill_chunk_size = 16"
     with running_cluster(1, 1, loaded=(model, tokenizer(), spec), engine=engine,
                          routing="local_prefill_max_tokens = 0") as (base, _, workers):
-        r = httpx.post(base + "/v1/completions", timeout=300, json={
-            "model": DEFAULT_MODEL, "prompt": long, "max_tokens": NEW_TOKENS, "temperature": 0, "logprobs": 0,
-            "ignore_eos": True})
-        assert r.status_code == 200, r.text
-        choice = r.json()["choices"][0]
-        assert choice["text"] == tokenizer().decode(tokens)
-        assert np.allclose(choice["logprobs"]["token_logprobs"], logprobs, atol=TOL, rtol=0)
-        deadline = time.monotonic() + 60  # stats refresh between steps
-        while workers["prefill-0"].stats()["kv_blocks_sent"] < len(long) // 8 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert workers["prefill-0"].stats()["kv_blocks_sent"] >= len(long) // 8
+        def complete_and_check() -> None:
+            r = httpx.post(base + "/v1/completions", timeout=300, json={
+                "model": DEFAULT_MODEL, "prompt": long, "max_tokens": NEW_TOKENS, "temperature": 0, "logprobs": 0,
+                "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert choice["text"] == tokenizer().decode(tokens)
+            assert np.allclose(choice["logprobs"]["token_logprobs"], logprobs, atol=TOL, rtol=0)
+
+        def blocks_sent(want: int) -> float:
+            deadline = time.monotonic() + 60  # stats refresh between steps
+            while workers["prefill-0"].stats()["kv_blocks_sent"] < want and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return workers["prefill-0"].stats()["kv_blocks_sent"]
+
+        complete_and_check()
+        assert blocks_sent(6) == 6
+        e = workers["prefill-0"].engine
+        per_block = [s.nbytes // s.num_blocks for s in (e.store, e.window_store) if s is not None]
+        if e.window_store is not None:  # window layers: only the blocks the next query can see (4 and 5) move
+            assert workers["prefill-0"].stats()["kv_bytes_sent"] == 6 * per_block[0] + 2 * per_block[1]
+        sent = workers["prefill-0"].stats()["kv_bytes_sent"]
+        complete_and_check()  # again: the decode worker holds the first five blocks (and their window)
+        assert blocks_sent(7) == 7
+        assert workers["prefill-0"].stats()["kv_bytes_sent"] - sent == sum(per_block)
