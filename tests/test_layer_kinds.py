@@ -132,6 +132,22 @@ def test_window_layers_release_the_blocks_no_later_query_can_see(model_type):
         assert list(tokens) == list(reference(model_type, tuple(r.prompt_token_ids))[0]), r.request_id
 
 
+@pytest.mark.parametrize("model_type", ["gemma3_text", "gpt_oss"])
+def test_preempted_sequences_free_and_retake_blocks_in_both_pools(model_type):
+    """Seven usable 8-token blocks per pool for four 15-token prompts that grow into a third block while
+    decoding: sequences are preempted (their full and window blocks freed) and recomputed, every answer is
+    mlx-lm's, and both pools end with every block free."""
+    core = make_engine(model_type, num_blocks=8)
+    ps = np.random.RandomState(5).randint(100, VOCAB, size=(4, 15)).tolist()
+    reqs = [request(f"preempt-{i}", p) for i, p in enumerate(ps)]
+    results = run(core, reqs)
+    assert core.scheduler.num_preemptions > 0
+    for p, r in zip(ps, reqs):
+        assert_matches(results[r.request_id], *reference(model_type, tuple(p)), f"{model_type}: {r.request_id}")
+    for pool in (core.pool, core.kv.window.pool):
+        assert pool.num_free_blocks == pool.num_usable_blocks
+
+
 def test_a_prefix_hit_needs_the_window_blocks_before_its_end_in_the_window_pool():
     """Five cached 4-token blocks, window 8: after the sequence's old window blocks were released and then
     evicted from the window pool, a prompt repeating all five still hits all five (the blocks its window
