@@ -41,11 +41,26 @@ class Block:
 @dataclass(frozen=True)
 class KVEvent:
     """A change to the cached set: `kind` is "stored", "removed", "cleared" (all blocks dropped), or, in a
-    pool with restore points, "restorable" / "unrestorable" (a block's state snapshot kept / dropped)."""
+    pool with restore points, "restorable" / "unrestorable" (a block's state snapshot kept / dropped).
+    `group`: the KV cache group whose pool changed (0: the main pool, 1: a window pool, cluster/kv_groups.py)."""
 
     seq: int
     kind: str
     block_hashes: tuple[int, ...] = ()
+    group: int = 0
+
+
+@dataclass
+class EventLog:
+    """KV events numbered consecutively, shared by the pools of one engine (so one sequence covers every
+    group); at most 65536 undrained events are kept."""
+
+    events: "deque[KVEvent]" = field(default_factory=lambda: deque(maxlen=65536))
+    last_seq: int = 0
+
+    def emit(self, kind: str, hashes: tuple[int, ...], group: int) -> None:
+        self.last_seq += 1
+        self.events.append(KVEvent(self.last_seq, kind, hashes, group))
 
 
 @dataclass
@@ -60,11 +75,11 @@ class BlockPool:
     enable_caching: bool = True
     needs_restore_points: bool = False
     on_restore_point_lost: Optional[Callable[[int], None]] = None
+    event_log: EventLog = field(default_factory=EventLog)  # pass the main pool's to a window pool
+    group: int = 0
     blocks: list[Block] = field(init=False)
     _free: "OrderedDict[int, None]" = field(init=False)
     _cached: dict[int, int] = field(init=False)
-    _events: "deque[KVEvent]" = field(init=False, default_factory=lambda: deque(maxlen=65536))
-    _event_seq: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         if self.num_blocks < 2:
@@ -194,7 +209,7 @@ class BlockPool:
     @property
     def last_event_seq(self) -> int:
         """The sequence number of the latest event recorded (0 before any)."""
-        return self._event_seq
+        return self.event_log.last_seq
 
     def cached_hashes(self) -> list[int]:
         """Every hash currently findable (a snapshot for a consumer that lost events)."""
@@ -202,8 +217,8 @@ class BlockPool:
 
     def drain_events(self) -> list[KVEvent]:
         """Return and forget the events recorded since the last call."""
-        events = list(self._events)
-        self._events.clear()
+        events = list(self.event_log.events)
+        self.event_log.events.clear()
         return events
 
     def _evict(self, block: Block) -> None:
@@ -220,5 +235,4 @@ class BlockPool:
             self.on_restore_point_lost(block_hash)
 
     def _emit(self, kind: str, hashes: tuple[int, ...]) -> None:
-        self._event_seq += 1
-        self._events.append(KVEvent(self._event_seq, kind, hashes))
+        self.event_log.emit(kind, hashes, self.group)

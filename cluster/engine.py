@@ -88,7 +88,8 @@ class EngineCore:
         self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching,
                               needs_restore_points=bool(verified.num_state_layers))
         window = None if window_spec is None else WindowGroup(
-            BlockPool(num_window_blocks, enable_caching=config.enable_prefix_caching), self.groups.window)
+            BlockPool(num_window_blocks, enable_caching=config.enable_prefix_caching, event_log=self.pool.event_log,
+                      group=1), self.groups.window)
         self.kv = KVManager(self.pool, window)  # the one owner that allocates and frees blocks
         # one owner thread for the model calls, the KV arrays and the pool (cluster/ownership.py)
         self.owner = ThreadOwner("this engine")

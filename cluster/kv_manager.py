@@ -130,6 +130,12 @@ class KVManager:
                 return k, [0] * first + ids
         return 0, []
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached hash in every group's pool; returns how many the main pool forgot."""
+        if self.window is not None:
+            self.window.pool.reset_prefix_cache()
+        return self.pool.reset_prefix_cache()
+
     # -- holdings ----------------------------------------------------------------------------------------------
 
     def reserve(self, request_id: str, cached: Seq[int], num_new: int, num_cached_tokens: int,

@@ -21,9 +21,11 @@ Worker -> router:
     kv_snapshot_reply {seq, boot_id, last_event_seq, block_hashes, restore_points?}
               restore_points: for a model with recurrent layers, the cached blocks that have a state
               snapshot (a prefix is restorable only up to one); absent otherwise
+              window, window_hashes: for a model with window layers beside full ones, the window (positions)
+              and the window pool's cached blocks (a prefix is usable only where its last window is there)
 Worker -> anyone subscribed (its PUB socket, `events_port`):
     kv_events {worker, boot_id, events: [{seq, kind, block_hashes}, ...]}   kind: stored | removed | cleared
-              | restorable | unrestorable (restore points, with recurrent layers)
+              | restorable | unrestorable (restore points, with recurrent layers); group 1: the window pool
               sequence numbers are consecutive per boot; a gap or a new boot_id means resync from a snapshot
 
 `generate.request` is a `GenerateRequest`, `output.output` a `RequestOutput` and `pong.stats` a `WorkerStats`: typed
@@ -314,6 +316,8 @@ class Snapshot(_Message):
     last_event_seq: int = Field(ge=0)
     block_hashes: list[Annotated[int, Field(ge=0, lt=2**64)]]
     restore_points: Optional[list[Annotated[int, Field(ge=0, lt=2**64)]]] = None
+    window: Optional[int] = Field(default=None, ge=1)
+    window_hashes: Optional[list[Annotated[int, Field(ge=0, lt=2**64)]]] = None
 
 
 class KVEvent(BaseModel):
@@ -324,6 +328,7 @@ class KVEvent(BaseModel):
     seq: int = Field(ge=1)
     kind: Literal["stored", "removed", "cleared", "restorable", "unrestorable"]
     block_hashes: list[Annotated[int, Field(ge=0, lt=2**64)]] = []
+    group: int = Field(default=0, ge=0, le=1)
 
 
 class KVEvents(_Message):

@@ -224,14 +224,14 @@ class Worker:
             self._refresh_stats()
             self._send(peer, Pong(seq=msg.seq, stats=self._stats))
         elif isinstance(msg, ResetPrefixCache):
-            self._send(peer, ResetDone(seq=msg.seq, count=self.engine.pool.reset_prefix_cache()))
+            self._send(peer, ResetDone(seq=msg.seq, count=self.engine.kv.reset_prefix_cache()))
             self._publish_events()
         elif isinstance(msg, SnapshotRequest):
             self._publish_events()  # so the snapshot's last_event_seq covers everything published
             pool = self.engine.pool
             self._send(peer, Snapshot(seq=msg.seq, boot_id=self.boot_id, last_event_seq=pool.last_event_seq,
                                           block_hashes=pool.cached_hashes(),
-                                          restore_points=pool.restorable_hashes()))
+                                          restore_points=pool.restorable_hashes(), **self._window_snapshot()))
 
     # -- to the router ---------------------------------------------------------------------------------------
 
@@ -241,7 +241,7 @@ class Worker:
         if not events or self.events_pub is None:
             return
         batch = KVEvents(worker=self.spec.name, boot_id=self.boot_id,
-                         events=[KVEvent(seq=e.seq, kind=e.kind, block_hashes=list(e.block_hashes)) for e in events])
+                         events=[KVEvent(seq=e.seq, kind=e.kind, block_hashes=list(e.block_hashes), group=e.group) for e in events])
         try:
             self.events_pub.send(pack(batch), zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # a lost batch is a gap the router resyncs from a snapshot
@@ -279,6 +279,13 @@ class Worker:
             **self._role_stats(),
         }
         self._stats_at = time.monotonic()
+
+    def _window_snapshot(self) -> dict:
+        """The window pool's part of a prefix-index snapshot (models with window layers beside full ones)."""
+        window = self.engine.kv.window
+        if window is None:
+            return {}
+        return {"window": window.window, "window_hashes": window.pool.cached_hashes()}
 
     def _snapshot_stats(self) -> dict:
         """The recurrent-state snapshots of a model with recurrent layers (none for other models)."""

@@ -260,7 +260,7 @@ class ClusterEngineClient(ClusterLiveness):
             return
         if isinstance(msg, Snapshot):
             self.index.apply_snapshot(w.spec.name, msg.boot_id, msg.last_event_seq, msg.block_hashes,
-                                      msg.restore_points)
+                                      msg.restore_points, msg.window, msg.window_hashes or ())
             w.snapshot_asked = 0.0
             return
         if isinstance(msg, ResetDone):

@@ -10,6 +10,11 @@ Restore points: a worker serving a model with recurrent layers can restore a pre
 state snapshot (cluster/state_snapshots.py). Its snapshot reply lists those blocks (`restore_points`) and its
 events add and drop them ("restorable" / "unrestorable"; a removed block is none either); `match` cuts such a
 worker's count back to its last restore point, so routing counts only prefixes the worker can restore.
+Window layers: a worker serving a model with sliding-window layers beside full ones (cluster/kv_groups.py)
+keeps their blocks in a second pool, and a prefix of k blocks is usable there only where the window blocks
+before position k x block_size are cached too. Its snapshot reply names its window and those blocks, its
+events of group 1 follow them, and `match_prompt` cuts its count back to the longest prefix whose last window
+is intact (`cluster.kv_groups.window_first_block`).
 
 Consistency: each worker numbers its events consecutively per boot (`boot_id`). A batch from a new boot, or
 one whose first sequence number is not the next expected, marks the worker stale: its entries stay until a
@@ -25,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
 from cluster.hashing import block_hashes
+from cluster.kv_groups import window_first_block
 
 
 @dataclass
@@ -35,6 +41,8 @@ class _WorkerEntries:
     last_seq: int = 0
     stale: bool = True  # nothing trustworthy yet: ask for a snapshot
     restore_points: set = field(default_factory=set)  # used only when the worker needs them
+    window: Optional[int] = None  # window layers beside full ones: their window, in positions
+    window_hashes: set = field(default_factory=set)  # the blocks its window pool holds
 
 
 class PrefixIndex:
@@ -63,7 +71,14 @@ class PrefixIndex:
             return False
         bit = 1 << w.slot
         for e in events:
-            if e.kind == "stored":
+            if getattr(e, "group", 0) == 1:  # the window pool's blocks
+                if e.kind == "stored":
+                    w.window_hashes.update(e.block_hashes)
+                elif e.kind == "removed":
+                    w.window_hashes.difference_update(e.block_hashes)
+                elif e.kind == "cleared":
+                    w.window_hashes.clear()
+            elif e.kind == "stored":
                 for h in e.block_hashes:
                     if h not in w.hashes:
                         w.hashes.add(h)
@@ -84,9 +99,11 @@ class PrefixIndex:
         return True
 
     def apply_snapshot(self, worker: str, boot_id: str, last_event_seq: int, hashes: Iterable[int],
-                       restore_points: Optional[Iterable[int]] = None) -> None:
+                       restore_points: Optional[Iterable[int]] = None, window: Optional[int] = None,
+                       window_hashes: Iterable[int] = ()) -> None:
         """Replace a worker's entries with a snapshot taken at `last_event_seq` of boot `boot_id`;
-        `restore_points` (None: the worker needs none) are the blocks its prefixes can be restored up to."""
+        `restore_points` (None: the worker needs none) are the blocks its prefixes can be restored up to;
+        `window` (None: no window pool) and `window_hashes` the window layers' window and cached blocks."""
         w = self.workers.get(worker)
         if w is None:
             return
@@ -99,6 +116,7 @@ class PrefixIndex:
         for h in restore_points or ():
             w.restore_points.add(h)
             self.restorers[h] |= bit
+        w.window, w.window_hashes = window, set(window_hashes)
         w.boot_id, w.last_seq, w.stale = boot_id, last_event_seq, False
 
     def forget(self, worker: str) -> None:
@@ -135,7 +153,17 @@ class PrefixIndex:
     def match_prompt(self, token_ids: Sequence[int], block_size: int, first_key: int) -> dict[str, int]:
         """Leading blocks of a prompt each worker holds: its full blocks hashed as the workers hash them
         (`first_key` from cluster.hashing.first_block_key), then `match`."""
-        return self.match(block_hashes(token_ids, block_size, first_key))
+        hashes = block_hashes(token_ids, block_size, first_key)
+        out = self.match(hashes)
+        for name, k in list(out.items()):
+            w = self.workers[name]
+            if w.window is not None:
+                k = self._window_intact(w, hashes, k, block_size)
+                if k:
+                    out[name] = k
+                else:
+                    del out[name]
+        return out
 
     def num_blocks(self, worker: str) -> int:
         return len(self.workers[worker].hashes)
@@ -150,6 +178,14 @@ class PrefixIndex:
             low = mask & -mask
             out[self.names[low.bit_length() - 1]] = n
             mask ^= low
+
+    @staticmethod
+    def _window_intact(w: _WorkerEntries, hashes: Sequence[int], k: int, block_size: int) -> int:
+        """The longest prefix of at most `k` blocks whose last window's blocks `w`'s window pool holds."""
+        while k and not all(h in w.window_hashes
+                            for h in hashes[window_first_block(k * block_size, w.window, block_size):k]):
+            k -= 1
+        return k
 
     def _drop_restore_point(self, w: _WorkerEntries, h: int) -> None:
         if h in w.restore_points:
@@ -167,6 +203,7 @@ class PrefixIndex:
             self._drop(w, h)
         for h in list(w.restore_points):
             self._drop_restore_point(w, h)
+        w.window_hashes.clear()
 
 
 def _unset(masks: dict[int, int], h: int, bit: int) -> None:

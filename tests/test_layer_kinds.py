@@ -214,7 +214,7 @@ def test_other_layer_kinds_through_a_1p1d_transfer_match_mlx_lm(model_type, tmp_
     tokens, logprobs = reference(model_type, tuple(long))
     engine = "block_size = 8\nprefill_chunk_size = 16"
     with running_cluster(1, 1, loaded=(model, tokenizer(), spec), engine=engine,
-                         routing="local_prefill_max_tokens = 0") as (base, _, workers):
+                         routing="local_prefill_max_tokens = 0") as (base, client, workers):
         def complete_and_check() -> None:
             r = httpx.post(base + "/v1/completions", timeout=300, json={
                 "model": DEFAULT_MODEL, "prompt": long, "max_tokens": NEW_TOKENS, "temperature": 0, "logprobs": 0,
@@ -232,10 +232,18 @@ def test_other_layer_kinds_through_a_1p1d_transfer_match_mlx_lm(model_type, tmp_
 
         complete_and_check()
         assert blocks_sent(6) == 6
+        assert workers["decode-0"].stats()["kv_blocks_received"] == 6  # the decode worker took them in
         e = workers["prefill-0"].engine
         per_block = [s.nbytes // s.num_blocks for s in (e.store, e.window_store) if s is not None]
         if e.window_store is not None:  # window layers: only the blocks the next query can see (4 and 5) move
             assert workers["prefill-0"].stats()["kv_bytes_sent"] == 6 * per_block[0] + 2 * per_block[1]
+            # the router follows each worker's window pool (its snapshot, then its events of group 1)
+            index = client.index.workers
+            deadline = time.monotonic() + 30
+            while len(index["decode-0"].window_hashes) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert index["decode-0"].window == index["prefill-0"].window == WINDOW
+            assert len(index["decode-0"].window_hashes) == 2  # block 4 as received, block 5 filled by decoding
         sent = workers["prefill-0"].stats()["kv_bytes_sent"]
         complete_and_check()  # again: the decode worker holds the first five blocks (and their window)
         assert blocks_sent(7) == 7

@@ -56,6 +56,28 @@ def test_a_worker_with_recurrent_state_counts_only_prefixes_it_can_restore():
     assert idx.match([10, 11]) == {"hybrid": 2, "plain": 2}
 
 
+def test_a_worker_with_window_layers_counts_only_prefixes_whose_last_window_it_still_holds():
+    """A 20-token prompt in five 4-token blocks, window 8: a worker holding all five full-attention blocks and
+    the window blocks of the last window (3 and 4) matches five; once its window pool drops block 3 no
+    prefix has an intact window (each needs the blocks of its own last window) and it matches none, while a
+    plain worker holding the same blocks still matches five; storing window blocks 0 and 1 again makes the
+    two-block prefix usable."""
+    from cluster.hashing import block_hashes
+
+    tokens, key = list(range(20)), 7
+    h = block_hashes(tokens, 4, key)
+    idx = PrefixIndex(["win", "plain"])
+    idx.apply_snapshot("win", "boot", 0, h, window=8, window_hashes=h[3:])
+    idx.apply_snapshot("plain", "boot", 0, h)
+    assert idx.match_prompt(tokens, 4, key) == {"win": 5, "plain": 5}
+    assert idx.apply_events("win", "boot", [E(seq=1, kind="removed", block_hashes=[h[3]], group=1)])
+    assert idx.match_prompt(tokens, 4, key) == {"plain": 5}
+    assert idx.apply_events("win", "boot", [E(seq=2, kind="stored", block_hashes=h[:2], group=1)])
+    assert idx.match_prompt(tokens, 4, key) == {"win": 2, "plain": 5}
+    assert idx.apply_events("win", "boot", [E(seq=3, kind="cleared", block_hashes=[], group=1)])
+    assert idx.match_prompt(tokens, 4, key) == {"plain": 5}
+
+
 def test_the_router_and_the_transfer_handshake_key_a_prompt_as_one_function_does():
     """cluster.hashing.first_block_key is the one home of the first block's key: the router's cached-blocks
     lookup (PrefixIndex.match_prompt) and the transfer handshake (KVFormat) hash a prompt with it."""

@@ -223,6 +223,7 @@ def test_through_a_1p1d_transfer_the_state_crosses_the_wire_and_the_next_turn_re
         first = complete(base, LONG)
         check(first, LONG, f"{model_type}: 1P1D")
         assert settled(workers, "kv_blocks_sent", "prefill-0", 6) == 6  # ceil(45 / 8) blocks
+        assert settled(workers, "kv_blocks_received", "decode-0", 6) == 6
         assert settled(workers, "state_bytes_sent", "prefill-0", one_state) == one_state
         assert settled(workers, "state_bytes_received", "decode-0", one_state) == one_state
         # the router counts the prefill worker's five blocks (its snapshot at position 40 restores them) and
