@@ -29,7 +29,8 @@ class EngineConfig:
     - `block_size`: tokens per KV block, the unit of hashing, prefix reuse, transfer and quantization.
     - `kv_cache_gb`: the KV pool's byte budget in GiB (2**30 bytes); the number of blocks follows from the
       model's bytes per block (see `cluster.kv_store.kv_bytes_per_block`). `num_blocks`, when set, wins.
-      For a model with recurrent layers it also holds the `state_cache_gb` of state snapshots.
+      For a model with recurrent layers it also holds the `state_cache_gb` of state snapshots and the
+      recurrent states of `max_num_seqs` running sequences.
     - `max_num_seqs`: sequences in the running batch at most.
     - `prefill_chunk_size`: tokens of one prompt computed per engine step at most (2048 as in the seeds);
       it is also the step's token budget for prefill, so one long prompt never freezes running streams.

@@ -28,6 +28,7 @@ from cluster.kv_groups import KVGroups, pool_sizes, window_blocks_per_sequence
 from cluster.kv_manager import KVManager, WindowGroup
 from cluster.model import ModelSpec
 from cluster.ownership import ThreadOwner
+from cluster.recurrent_state import probe_state_shapes, state_nbytes
 from cluster.model_families import verify_model
 from cluster.request import FinishReason, GenerateRequest, RequestOutput
 from cluster.runner import ModelRunner
@@ -71,7 +72,9 @@ class EngineCore:
         state_gb = config.kv_cache_gb / 2 if config.state_cache_gb is None else config.state_cache_gb
         snapshot_bytes = int(state_gb * 2**30) if verified.num_state_layers else 0
         snapshot_bytes = snapshot_bytes if config.enable_prefix_caching else 0
-        budget = int(config.kv_cache_gb * 2**30) - snapshot_bytes
+        # and the running sequences' own states (one per sequence, up to max_num_seqs) come out of it too
+        state_shapes = probe_state_shapes(model, verified.state_caches) if verified.num_state_layers else ()
+        budget = int(config.kv_cache_gb * 2**30) - snapshot_bytes - config.max_num_seqs * state_nbytes(state_shapes)
         if window_spec is None:
             num_blocks = config.num_blocks or 1 + budget // per_block
             num_window_blocks = 0
@@ -83,8 +86,9 @@ class EngineCore:
                                                                                                    1 + sizes[1])
         if min(num_blocks, num_window_blocks or num_blocks) < 2:
             raise ValueError(f"kv_cache_gb={config.kv_cache_gb} holds no block of {per_block} bytes"
-                             + (f" beside state_cache_gb={state_gb} of recurrent-state snapshots: "
-                                "raise kv_cache_gb or lower state_cache_gb" if snapshot_bytes else ""))
+                             + (f" beside state_cache_gb={state_gb} of recurrent-state snapshots and the states "
+                                f"of max_num_seqs={config.max_num_seqs} running sequences: raise kv_cache_gb or "
+                                "lower state_cache_gb or max_num_seqs" if state_shapes else ""))
         self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching,
                               needs_restore_points=bool(verified.num_state_layers))
         window = None if window_spec is None else WindowGroup(
@@ -99,7 +103,7 @@ class EngineCore:
                              dequantize_for_attention=dequantize, owner=self.owner)
         self.window_store = None if window_spec is None else KVStore(
             window_spec, num_window_blocks, *kv_args, dequantize_for_attention=dequantize, owner=self.owner)
-        self.runner = ModelRunner(model, self.store, verified, self.window_store, self.groups)
+        self.runner = ModelRunner(model, self.store, verified, self.window_store, self.groups, state_shapes)
         eos_ids = set(spec.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
         snapshots = StateSnapshots(snapshot_bytes, self.pool) if verified.num_state_layers else None
         self.scheduler = Scheduler(config, self.kv, self._extra_key, eos_ids, None, connector, snapshots)

@@ -20,7 +20,7 @@ from cluster.kv_groups import KVGroups
 from cluster.kv_layout import BatchLayout
 from cluster.kv_store import KVStore
 from cluster.model_families import VerifiedModel, verify_model
-from cluster.recurrent_state import State, probe_state_shapes, split_states, stack_states
+from cluster.recurrent_state import State, StateShapes, probe_state_shapes, split_states, stack_states
 from cluster.request import TokenLogprob
 from cluster.sampling import prompt_logprobs, sample
 from cluster.sequence import Sequence
@@ -63,7 +63,8 @@ class ModelRunner:
     """
 
     def __init__(self, model, store: KVStore, verified: Optional[VerifiedModel] = None,
-                 window_store: Optional[KVStore] = None, groups: Optional[KVGroups] = None):
+                 window_store: Optional[KVStore] = None, groups: Optional[KVGroups] = None,
+                 state_shapes: Optional[StateShapes] = None):
         self.model, self.store, self.window_store = model, store, window_store
         self.verified = verified or verify_model(model)
         # with a window store, the KV layers of each group in the model's KV-layer order (cluster/kv_groups.py)
@@ -72,8 +73,9 @@ class ModelRunner:
             raise ValueError(f"{self.verified.model_type} attention reads float KV only: a KV store with "
                              f"kv_bits={store.kv_bits} must dequantize for attention")
         self._body, self._head, self._mask_rank = self.verified.body, self.verified.head, self.verified.mask_rank
-        self.state_shapes = (probe_state_shapes(model, self.verified.state_caches)
-                             if self.verified.num_state_layers else ())
+        if state_shapes is None:  # the engine probes them first, to budget the states
+            state_shapes = probe_state_shapes(model, self.verified.state_caches) if self.verified.num_state_layers else ()
+        self.state_shapes = state_shapes
 
     def forward(self, items: Seq[BatchItem]) -> list[Optional[mx.array]]:
         """Run one step; returns per item float32 logits: [vocab] for Logits.LAST, [T_b, vocab] for Logits.ALL,

@@ -285,7 +285,9 @@ class Scheduler:
 
     def _save_state(self, seq: Sequence) -> None:
         """At a block boundary, keep the state as the snapshot of the block ending there: at once while the
-        prompt is computed (a chunk end is remembered for thinning, the prompt's last whole block is not),
+        prompt is computed (a chunk end is remembered for thinning; the prompt's last whole block, where a
+        repeat of it restores, and its end when that is a block boundary, where its next turn restores, are
+        not),
         else as the sequence's pending snapshot (the latest replaces the one before, so a long answer holds
         one, kept when the sequence finishes)."""
         done = seq.num_computed_tokens
@@ -297,8 +299,8 @@ class Scheduler:
         elif block_hash in self.snapshots:
             self.snapshots.get(block_hash)  # the same tokens' state is kept already: mark it used
         elif self.snapshots.put(block_hash, seq.recurrent_state) and \
-                done != (seq.num_prompt_tokens - 1) // self.block_size * self.block_size:
-            seq.chunk_snapshots.append((block_hash, done))
+                done < (seq.num_prompt_tokens - 1) // self.block_size * self.block_size:
+            seq.chunk_snapshots.append((block_hash, done))  # the prompt's last whole block and its end stay
 
     def _keep_final_state(self, seq: Sequence, reason: Optional[FinishReason]) -> None:
         """As `seq` finishes: keep its pending snapshot (prompt + answer: where the next turn of a conversation

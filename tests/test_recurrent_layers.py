@@ -160,6 +160,21 @@ def test_chunk_end_snapshots_are_thinned_to_doubling_intervals_when_the_sequence
 
 
 @pytest.mark.parametrize("model_type", RECURRENT)
+def test_a_prompt_ending_on_a_block_boundary_keeps_the_state_at_its_end_for_the_next_turn(model_type):
+    """A 48-token prompt (six whole blocks) with a 6-token answer, which reaches no further block boundary:
+    the snapshot at 48, the prompt's end, survives thinning beside the one at 40 (where a repeat of the
+    prompt restores), so the next turn, the prompt plus the answer and new text, restores all 48 tokens and
+    answers as mlx-lm does."""
+    core = make_engine(model_type, enable_prefix_caching=True, prefill_chunk_size=24, state_snapshot_interval=8)
+    prompt = np.random.RandomState(12).randint(100, VOCAB, size=48).tolist()
+    first = run(core, [request("turn-1", prompt)])["turn-1"]
+    follow_up = prompt + first.token_ids + np.random.RandomState(4).randint(100, VOCAB, size=5).tolist()
+    second = run(core, [request("turn-2", follow_up)])["turn-2"]
+    assert second.outputs[-1].num_cached_tokens == 48
+    assert_matches(second, *reference(model_type, tuple(follow_up)), f"{model_type}: turn 2")
+
+
+@pytest.mark.parametrize("model_type", RECURRENT)
 def test_speculative_decoding_is_refused_for_recurrent_models(model_type):
     """Rejected drafts are rolled back by lowering counters, which cannot undo a state update: installing a
     drafting speculator fails with a message that says what to change (flags or topology keys); a request
