@@ -15,6 +15,7 @@
     mlx-pd bench routing-sim                                # placement latency at 64 workers / 1M blocks
     mlx-pd bench reliability --json r.json --markdown docs/RELIABILITY.md   # fuzz, soak, faults, overload
     mlx-pd bench speculative --concurrency 1,4 --out s.json  # speculative decoding: plain vs prompt lookup vs draft
+    mlx-pd bench hybrid-turns --out h.json                  # hybrid model, 16-turn chat: TTFT cached vs cold, RSS
 
 Every run warms up first (not measured), sends unique prompts (unless --shared-prefix), and reports
 p50/p90/p99. See docs/BENCHMARKS.md for the rules and the latest numbers.
@@ -123,9 +124,12 @@ SUBCOMMANDS = {
                    "checked against single-node, faults, overload (benchmarks/reliability.py, docs/RELIABILITY.md)",
     "speculative": "speculative decoding on a rewrite/summarize workload: plain vs prompt lookup vs draft model, "
                    "output tokens/s and acceptance rates (benchmarks/speculative_bench.py)",
+    "hybrid-turns": "a hybrid model (qwen3_next) in a 16-turn chat: TTFT with its recurrent-state prefix cache vs "
+                    "cold, next to mlx_lm.server; snapshot bytes; RSS over many conversations "
+                    "(benchmarks/hybrid_bench.py)",
 }
 MODULES = {"cluster": "cluster_bench", "routing": "routing_bench", "routing-sim": "routing_sim",
-           "speculative": "speculative_bench"}  # own add/run/tables
+           "speculative": "speculative_bench", "hybrid-turns": "hybrid_bench"}  # own add/run/tables
 
 
 def build_subcommand_parser(name: str) -> argparse.ArgumentParser:

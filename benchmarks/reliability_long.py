@@ -37,16 +37,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import os
 import platform
 import secrets
-import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Optional
+
+from benchmarks.random_models import random_model_dir
 
 BEGIN = "<!-- BEGIN GENERATED: mlx-pd bench reliability --soak-only -->"
 END = "<!-- END GENERATED: mlx-pd bench reliability --soak-only -->"
@@ -71,34 +71,7 @@ def fast_model_dir(root: Optional[Path] = None, seed: int = 0) -> Path:
     """A random-weight 2-layer llama (FAST_CONFIG, weights from `mx.random.seed(seed)`) as an mlx-lm model folder
     (config.json, model.safetensors, SmolLM2's tokenizer files), built once under `root` (default: next to the
     default model in the mlx-pd cache, `$MLX_PD_CACHE` or ~/.cache/mlx-pd/models); returns the folder."""
-    from cluster.gguf_import import default_model_dir, ensure_default_model
-
-    root = Path(root) if root is not None else default_model_dir("float32").parent
-    out = root / f"{FAST_NAME}-seed{seed}"
-    marker = out / "fast_model.json"
-    want = {"config": FAST_CONFIG, "seed": seed}
-    if marker.is_file() and json.loads(marker.read_text()) == want and (out / "model.safetensors").is_file():
-        return out
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.models.llama import Model, ModelArgs
-
-    tokenizer_dir = ensure_default_model("float32", progress=False)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{FAST_NAME}-", dir=root))
-    os.chmod(tmp, 0o755)
-    mx.random.seed(seed)
-    model = Model(ModelArgs.from_dict(FAST_CONFIG))
-    weights = dict(tree_flatten(model.parameters()))
-    mx.eval(weights)
-    mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (tmp / "config.json").write_text(json.dumps(FAST_CONFIG, indent=2) + "\n")
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (tokenizer_dir / name).is_file():
-            shutil.copy2(tokenizer_dir / name, tmp / name)
-    (tmp / "fast_model.json").write_text(json.dumps(want) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
+    return random_model_dir(FAST_NAME, FAST_CONFIG, seed, root)
 
 
 # -- resident memory -----------------------------------------------------------------------------------------
