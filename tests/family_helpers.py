@@ -245,3 +245,18 @@ def expected_state_bytes_per_sequence(config: dict, dtype_bytes: int = 4) -> int
 
 def minimal_config(model_type: str) -> dict:
     return {"model_type": model_type, **COMMON}
+
+
+def assert_exact_under_preemption(model_type: str) -> EngineCore:
+    """Seven usable 8-token blocks for four 15-token prompts that grow into a third block while decoding:
+    asserts that sequences were preempted and that every answer is still mlx-lm's; returns the engine."""
+    from tests.engine_helpers import run
+
+    core = make_engine(model_type, num_blocks=8)
+    ps = np.random.RandomState(5).randint(100, VOCAB, size=(4, 15)).tolist()
+    reqs = [request(f"preempt-{i}", p) for i, p in enumerate(ps)]
+    results = run(core, reqs)
+    assert core.scheduler.num_preemptions > 0
+    for p, r in zip(ps, reqs):
+        assert_matches(results[r.request_id], *reference(model_type, tuple(p)), f"{model_type}: {r.request_id}")
+    return core

@@ -13,7 +13,8 @@ from cluster.model import read_model_spec
 from tests.engine_helpers import run
 from tests.family_helpers import (VOCAB, NEW_TOKENS, TOL, WINDOW, COMMON, CONFIGS, OTHER_LAYER_KINDS, RECURRENT,
                                    tokenizer, build, write_config, family, make_engine, engine, prompts,
-                                   reference, reference_of, request, assert_matches, ReferenceDrafter)
+                                   reference, reference_of, request, assert_matches, assert_exact_under_preemption,
+                                   ReferenceDrafter)
 
 
 @pytest.mark.parametrize("model_type", OTHER_LAYER_KINDS)
@@ -137,13 +138,7 @@ def test_preempted_sequences_free_and_retake_blocks_in_both_pools(model_type):
     """Seven usable 8-token blocks per pool for four 15-token prompts that grow into a third block while
     decoding: sequences are preempted (their full and window blocks freed) and recomputed, every answer is
     mlx-lm's, and both pools end with every block free."""
-    core = make_engine(model_type, num_blocks=8)
-    ps = np.random.RandomState(5).randint(100, VOCAB, size=(4, 15)).tolist()
-    reqs = [request(f"preempt-{i}", p) for i, p in enumerate(ps)]
-    results = run(core, reqs)
-    assert core.scheduler.num_preemptions > 0
-    for p, r in zip(ps, reqs):
-        assert_matches(results[r.request_id], *reference(model_type, tuple(p)), f"{model_type}: {r.request_id}")
+    core = assert_exact_under_preemption(model_type)
     for pool in (core.pool, core.kv.window.pool):
         assert pool.num_free_blocks == pool.num_usable_blocks
 

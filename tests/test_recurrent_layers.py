@@ -16,6 +16,7 @@ from cluster.recurrent_state import state_nbytes
 from tests.engine_helpers import run
 from tests.family_helpers import (VOCAB, COMMON, CONFIGS, RECURRENT, family, make_engine, engine, prompts,
                                    reference, request, assert_matches, expected_state_bytes_per_sequence,
+                                   assert_exact_under_preemption,
                                    ReferenceDrafter, tokenizer)
 
 LONG = np.random.RandomState(11).randint(100, VOCAB, size=45).tolist()
@@ -54,13 +55,7 @@ def test_a_preempted_sequence_recomputes_its_state_from_scratch(model_type):
     """Seven usable 8-token blocks for four 15-token prompts that grow into a third block while decoding:
     sequences are preempted mid-generation and each is recomputed from its first token with a fresh state
     (not the state it had reached), so every answer is still mlx-lm's."""
-    core = make_engine(model_type, num_blocks=8)
-    ps = np.random.RandomState(5).randint(100, VOCAB, size=(4, 15)).tolist()
-    reqs = [request(f"preempt-{i}", p) for i, p in enumerate(ps)]
-    results = run(core, reqs)
-    assert core.scheduler.num_preemptions > 0
-    for p, r in zip(ps, reqs):
-        assert_matches(results[r.request_id], *reference(model_type, tuple(p)), f"{model_type}: {r.request_id}")
+    assert_exact_under_preemption(model_type)
 
 
 @pytest.mark.parametrize("model_type", RECURRENT)
@@ -68,11 +63,16 @@ def test_the_next_turn_of_a_conversation_restores_the_state_after_the_previous_a
     """Turn 2 is turn 1's prompt, its answer and new text: it restores the snapshot saved when turn 1
     finished (at position 48, inside the answer), so it recomputes neither the prompt nor the answer, and it
     gives mlx-lm's generation of the whole turn-2 prompt."""
-    core = make_engine(model_type, enable_prefix_caching=True)
-    first = run(core, [request("turn-1", LONG)])["turn-1"]
-    follow_up = LONG + first.token_ids + np.random.RandomState(3).randint(100, VOCAB, size=10).tolist()
+    assert_next_turn_restores(make_engine(model_type, enable_prefix_caching=True), model_type, LONG, 48)
+
+
+def assert_next_turn_restores(core, model_type: str, prompt: list[int], cached: int) -> None:
+    """Run `prompt`, then its next turn (the prompt, the answer and 5 new tokens): the next turn takes
+    `cached` tokens from the prefix cache and gives mlx-lm's generation."""
+    first = run(core, [request("turn-1", prompt)])["turn-1"]
+    follow_up = prompt + first.token_ids + np.random.RandomState(3).randint(100, VOCAB, size=5).tolist()
     second = run(core, [request("turn-2", follow_up)])["turn-2"]
-    assert second.outputs[-1].num_cached_tokens == 48
+    assert second.outputs[-1].num_cached_tokens == cached
     assert_matches(second, *reference(model_type, tuple(follow_up)), f"{model_type}: turn 2")
 
 
@@ -166,12 +166,7 @@ def test_a_prompt_ending_on_a_block_boundary_keeps_the_state_at_its_end_for_the_
     prompt restores), so the next turn, the prompt plus the answer and new text, restores all 48 tokens and
     answers as mlx-lm does."""
     core = make_engine(model_type, enable_prefix_caching=True, prefill_chunk_size=24, state_snapshot_interval=8)
-    prompt = np.random.RandomState(12).randint(100, VOCAB, size=48).tolist()
-    first = run(core, [request("turn-1", prompt)])["turn-1"]
-    follow_up = prompt + first.token_ids + np.random.RandomState(4).randint(100, VOCAB, size=5).tolist()
-    second = run(core, [request("turn-2", follow_up)])["turn-2"]
-    assert second.outputs[-1].num_cached_tokens == 48
-    assert_matches(second, *reference(model_type, tuple(follow_up)), f"{model_type}: turn 2")
+    assert_next_turn_restores(core, model_type, np.random.RandomState(12).randint(100, VOCAB, size=48).tolist(), 48)
 
 
 @pytest.mark.parametrize("model_type", RECURRENT)
