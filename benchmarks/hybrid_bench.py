@@ -46,7 +46,8 @@ this model) fill the snapshot budget within the first conversation and make the 
 blocks (and the snapshots on them) from about the ninth on; from then on RSS should stay flat, and growth would
 be a leak.
 
-The default run takes about 16 minutes on the 2-core dev VM (the turns phase 10, the replay 1, rss 4).
+The default run takes about 16 minutes on the 2-core dev VM (the turns phase 10, the replay 1, rss 4). The
+replay lives in benchmarks/hybrid_replay.py, the tables in benchmarks/hybrid_report.py.
 """
 
 from __future__ import annotations
@@ -64,17 +65,16 @@ from typing import Callable, Optional, Sequence
 import httpx
 
 from benchmarks.compare import OURS, REPO_ROOT, THEIRS, eos_token_ids, machine_info, round_order
+from benchmarks.hybrid_replay import run_snapshots
+from benchmarks.hybrid_report import FAMILIES, OURS_COLD, THEIRS_COLD, _mean, _mib, _s, tables
 from benchmarks.loadgen import WorkloadConfig, load_prompts, send_request, warmup
 from benchmarks.prefix_bench import PREFIX_COUNTERS, prom_counters, running_servers
 from benchmarks.servers import ServerProcess, free_port, mlx_lm_command, mlx_pd_command
 from benchmarks.stats import RequestRecord
-from benchmarks.workloads import ChatTokens, Conversation, common_prefix_len
+from benchmarks.workloads import ChatTokens, Conversation
 
 PHASES = ("turns", "snapshots", "rss")
-OURS_COLD, THEIRS_COLD = f"{OURS} cold", f"{THEIRS} cold"
-FAMILIES = {OURS: (OURS, OURS_COLD), THEIRS: (THEIRS, THEIRS_COLD)}  # cached server, cold server
 SYSTEM = "[{tag}] You are a patient assistant. The user sends notes in parts; keep them in mind and reply briefly."
-MiB = 2**20
 # /metrics of a hybrid model's server: its state snapshots (kept, bytes, budget; restores so far)
 SNAPSHOT_METRICS = ("mlxpd_router_engine_state_snapshots", "mlxpd_router_engine_state_snapshot_bytes",
                     "mlxpd_router_engine_state_snapshot_budget_bytes", "mlxpd_router_engine_state_snapshots_restored")
@@ -201,19 +201,6 @@ async def _turns(urls: dict[str, str], conv: Conversation, max_tokens: int, supp
     return {"records": records, "messages": messages, "snapshots": snapshots, "snapshots_baseline": baseline}
 
 
-def _s(x: Optional[float]) -> str:
-    return "-" if x is None else f"{x:.2f}"
-
-
-def _mib(x: Optional[float]) -> str:
-    return "-" if x is None else f"{x / MiB:.1f}"
-
-
-def _mean(values) -> float:
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else float("nan")
-
-
 def summarize_turns(records: dict[str, list[dict]], last: int) -> dict:
     """Per server family (cached and cold server both measured): the per-turn cold/cached TTFT ratios, the ratio
     of the mean TTFTs over the last `last` turns and over all turns, and on how many turns the cold answer was
@@ -274,118 +261,6 @@ def run_turns(args, model_dir: str, tokens: ChatTokens, nonce: str, log) -> dict
             "records": records, "summary": summarize_turns(records, args.last_turns),
             "snapshot_metrics": done["snapshots"], "snapshot_metrics_after_warmup": done["snapshots_baseline"],
             "messages": done["messages"]}
-
-
-# --- phase 2: snapshot bytes, in process -------------------------------------------------------------------
-
-
-class InProcessEngine:
-    """An `EngineCore` over the model folder (what `mlx-pd serve` runs), driven one request at a time."""
-
-    def __init__(self, model_dir: str, **config):
-        from cluster.config import EngineConfig
-        from cluster.engine import EngineCore
-        from cluster.model import load_model, served_model
-
-        self.config = EngineConfig(dtype="float32", **config)
-        path, spec = served_model(model_dir, None, "float32")
-        model, tokenizer = load_model(path, dtype="float32")
-        self.engine = EngineCore(model, tokenizer, spec, self.config)
-        self.snapshots = self.engine.scheduler.snapshots
-        if self.snapshots is None:
-            raise ValueError(f"{model_dir} has no recurrent layers: it keeps no state snapshots")
-        self.n = 0
-
-    def generate(self, prompt_ids: Sequence[int], max_tokens: int, suppress: Sequence[int]) -> dict:
-        """Greedy, EOS blocked as the HTTP requests do; {token_ids, text, cached_tokens, seconds}."""
-        from cluster.request import GenerateRequest, SamplingParams
-
-        self.n += 1
-        rid = f"replay-{self.n}"
-        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                  logit_bias=tuple((t, -100.0) for t in suppress))
-        t0 = time.perf_counter()
-        self.engine.add_request(GenerateRequest(rid, tuple(prompt_ids), sampling))
-        ids, text, cached, final = [], [], 0, None
-        while final is None:
-            for out in self.engine.step():
-                if out.request_id != rid:
-                    continue
-                ids += out.token_ids
-                text.append(out.text)
-                cached = max(cached, out.num_cached_tokens)
-                if out.error:
-                    raise RuntimeError(f"in-process request failed: {out.error}")
-                if out.finish_reason is not None:
-                    final = out
-        return {"token_ids": ids, "text": "".join(text), "cached_tokens": cached,
-                "seconds": time.perf_counter() - t0}
-
-    def stats(self) -> dict:
-        s = self.snapshots
-        return {"snapshots": len(s), "bytes": s.nbytes, "budget_bytes": s.budget_bytes, "saved": s.num_saved,
-                "evicted": s.num_evicted, "restored": s.num_restored,
-                "kv_blocks_cached": self.engine.pool.num_cached_blocks,
-                "kv_blocks_total": self.engine.pool.num_usable_blocks}
-
-
-def replay_turns(engine: InProcessEngine, tokens: ChatTokens, turn_messages: Sequence[list[dict]],
-                 http: Sequence[dict], max_tokens: int, suppress: Sequence[int], log, label: str) -> list[dict]:
-    """Replay one conversation's recorded messages; per turn the engine's snapshot stats, its cached tokens and
-    answer beside the server's (`http`: that server's records, or empty), and how many tokens of the previous
-    turn's prompt + answer the next prompt shares as re-tokenized."""
-    rows, prev = [], None
-    for t, msgs in enumerate(turn_messages):
-        ids = tokens.render(msgs)
-        got = engine.generate(ids, max_tokens, suppress)
-        row = {"turn": t + 1, "prompt_tokens": len(ids), "cached_tokens": got["cached_tokens"],
-               "seconds": got["seconds"], **engine.stats()}
-        if prev is not None:  # the previous prompt + its answer ids, against this prompt
-            row["previous_prompt_tokens"] = len(prev[0])
-            row["shared_with_previous"] = shared = common_prefix_len(prev[0] + prev[1], ids)
-            # the most a block-granular cache could restore: whole blocks of what this prompt shares (and never
-            # the prompt's last token)
-            bs = engine.engine.block_size
-            row["block_ideal"] = min(shared, len(ids) - 1) // bs * bs
-        if t < len(http):
-            row["http_prompt_tokens"], row["http_cached_tokens"] = http[t]["prompt_tokens"], http[t]["cached_tokens"]
-            row["same_answer_as_http"] = got["text"] == http[t]["text"]
-        prev = (ids, got["token_ids"])
-        rows.append(row)
-        log(f"{label} turn {t + 1}: prompt {len(ids)}, cached {got['cached_tokens']}, {row['snapshots']} snapshots, "
-            f"{row['bytes'] / MiB:.1f} of {row['budget_bytes'] / MiB:.0f} MiB, saved {row['saved']}, "
-            f"evicted {row['evicted']}, restored {row['restored']} ({got['seconds']:.1f} s)")
-    return rows
-
-
-def run_snapshots(args, model_dir: str, tokens: ChatTokens, turns: Optional[dict], rss_convs: list[Conversation],
-                  log) -> dict:
-    suppress = eos_token_ids(model_dir)
-    out = {}
-    if turns and OURS in turns["messages"]:
-        engine = InProcessEngine(model_dir)
-        out["turns"] = {"config": {"state_cache_gb": engine.snapshots.budget_bytes / 2**30,
-                                   "kv_cache_gb": engine.config.kv_cache_gb, "block_size": engine.engine.block_size},
-                        "rows": replay_turns(engine, tokens, turns["messages"][OURS], turns["records"][OURS],
-                                             args.max_tokens, suppress, log, "replay")}
-        del engine
-    if args.replay_conversations > 0:
-        engine = InProcessEngine(model_dir, kv_cache_gb=args.rss_kv_cache_gb, state_cache_gb=args.rss_state_cache_gb)
-        rows = []
-        for conv in rss_convs[:args.replay_conversations]:
-            msgs: list[list[dict]] = []  # filled turn by turn with the engine's own answers
-            replies: list[str] = []
-            for t in range(len(conv.questions)):
-                msgs.append(conv.messages(t, replies))
-                got = engine.generate(tokens.render(msgs[-1]), args.rss_max_tokens, suppress)
-                replies.append(got["text"])
-            rows.append({"conversation": conv.user + 1, **engine.stats()})
-            r = rows[-1]
-            log(f"replay of rss conversation {conv.user + 1}: {r['snapshots']} snapshots, "
-                f"{r['bytes'] / MiB:.1f} of {r['budget_bytes'] / MiB:.0f} MiB, evicted {r['evicted']}")
-        out["rss"] = {"config": {"state_cache_gb": args.rss_state_cache_gb, "kv_cache_gb": args.rss_kv_cache_gb},
-                      "rows": rows}
-    return out
 
 
 # --- phase 3: RSS over many conversations ------------------------------------------------------------------
@@ -517,119 +392,3 @@ def run(args, log=None) -> dict:
 
     print_tables(tables(result))
     return result
-
-
-# --- tables ------------------------------------------------------------------------------------------------
-
-
-def _f(x, spec: str = ".2f") -> str:
-    return "-" if x is None or x != x else format(x, spec)
-
-
-def tables(result: dict) -> list[tuple[str, list[str], list[list[str]]]]:
-    """(title, headers, rows) for the terminal and the Markdown report."""
-    out = []
-    turns = result.get("turns_phase")
-    if turns:
-        recs = turns["records"]
-        head, names = ["turn", "user msg tok"], [n for n in (OURS, OURS_COLD, THEIRS, THEIRS_COLD) if n in recs]
-        for family, (cached, cold) in FAMILIES.items():
-            if cached in recs:
-                head += [f"{family} prompt tok", "cached TTFT s", "cached tok", "cold TTFT s", "cold tok",
-                         "cold / cached"]
-        rows = []
-        for t in range(max(len(recs[n]) for n in names)):
-            row = [str(t + 1), str(turns["user_message_tokens"][t])]
-            for family, (cached, cold) in FAMILIES.items():
-                if cached not in recs:
-                    continue
-                a = recs[cached][t] if t < len(recs[cached]) else None
-                b = recs[cold][t] if cold in recs and t < len(recs[cold]) else None
-                ratio = b["ttft_s"] / a["ttft_s"] if a and b and a["ttft_s"] and b["ttft_s"] else None
-                row += [str(a["prompt_tokens"]) if a else "-", _f(a and a["ttft_s"]),
-                        str(a["cached_tokens"]) if a else "-", _f(b and b["ttft_s"]),
-                        str(b["cached_tokens"]) if b else "-", _f(ratio, ".1f") + ("x" if ratio else "")]
-            rows.append(row)
-        out.append((f"One conversation, {result['turns']} turns, max_tokens {result['max_tokens']}: TTFT cached vs "
-                    f"cold per turn (cached tok = usage.prompt_tokens_details.cached_tokens)", head, rows))
-        srows = []
-        for family, s in turns["summary"].items():
-            srows.append([family, str(s["last_turns"]), _f(s["last_cached_ttft_s"]), _f(s["last_cold_ttft_s"]),
-                          _f(s["last_ratio"], ".1f") + "x", _f(s["all_ratio"], ".1f") + "x",
-                          f"{s['last_cached_tokens']} / {s['last_prompt_tokens']}",
-                          f"{s['same_answer_cold_vs_cached']} / {s['ok_pairs']}", str(s["cold_cached_tokens"])])
-        out.append(("Cached vs cold", ["server", "last turns", "cached TTFT mean s", "cold TTFT mean s",
-                                       "cold / cached (last turns)", "cold / cached (all turns)",
-                                       "cached / prompt tok (last turns)", "same answer cold and cached",
-                                       "cold server's cached tok (all turns)"], srows))
-        mrows = []
-        for n in names:
-            b, a = turns["memory_before"][n], turns["memory_after"][n]
-            mrows.append([n, _f(turns["idle_cpu"].get(n), ".3f"), _f(b["rss_mib"], ".0f"), _f(a["rss_mib"], ".0f"),
-                          _f(a["peak_rss_mib"], ".0f")])
-        out.append((f"The servers of the turns phase ({turns['wall_s'] / 60:.1f} min)",
-                    ["server", "idle CPU (cores)", "RSS before MiB", "RSS after MiB", "peak RSS MiB"], mrows))
-        for n, ms in (turns.get("snapshot_metrics") or {}).items():
-            base = (turns.get("snapshot_metrics_after_warmup") or {}).get(n) or {}
-            rows = [["after warm-up", _f(base.get("snapshots"), ".0f"), _mib(base.get("bytes")),
-                     _mib(base.get("budget_bytes")), _f(base.get("restored"), ".0f")]]
-            rows += [[str(t + 1), _f(m["snapshots"], ".0f"), _mib(m["bytes"]), _mib(m["budget_bytes"]),
-                      _f(m["restored"], ".0f")] for t, m in enumerate(ms)]
-            out.append((f"{n}: state snapshots after each turn (/metrics)",
-                        ["turn", "snapshots", "MiB held", "budget MiB", "restored (total)"], rows))
-    snaps = result.get("snapshots_phase") or {}
-    if "turns" in snaps:
-        rows, bs = [], snaps["turns"]["config"].get("block_size", 32)
-        served = ((turns or {}).get("snapshot_metrics") or {}).get(OURS, [])
-        base = ((turns or {}).get("snapshot_metrics_after_warmup") or {}).get(OURS) or {}
-        for r in snaps["turns"]["rows"]:
-            # the server's, less what its warm-up requests left (nothing is evicted within the default budget)
-            m = served[r["turn"] - 1] if r["turn"] <= len(served) else None
-            same = "-" if m is None or m["bytes"] is None else (
-                "yes" if (m["snapshots"] - (base.get("snapshots") or 0), m["bytes"] - (base.get("bytes") or 0))
-                == (r["snapshots"], r["bytes"]) else "NO")
-            shared = r.get("shared_with_previous")
-            ideal = r.get("block_ideal", None if shared is None else min(shared, r["prompt_tokens"] - 1) // bs * bs)
-            prev = r.get("previous_prompt_tokens")
-            # where the restored state came from: inside the previous answer, or the previous prompt's last block
-            source = "-" if prev is None or not r["cached_tokens"] else (
-                "answer" if r["cached_tokens"] > (prev - 1) // bs * bs else "prompt")
-            rows.append([str(r["turn"]), str(r["prompt_tokens"]), str(r["cached_tokens"]),
-                         str(r.get("http_cached_tokens", "-")), "-" if prev is None else str(prev),
-                         "-" if shared is None else str(shared), "-" if ideal is None else str(ideal), source,
-                         str(r["snapshots"]), _f(r["bytes"] / MiB, ".1f"), _f(r["budget_bytes"] / MiB, ".0f"),
-                         f"{r['saved']} / {r['evicted']} / {r['restored']}",
-                         {True: "yes", False: "NO"}.get(r.get("same_answer_as_http"), "-"), same])
-        c = snaps["turns"]["config"]
-        one = _f((result.get("state_bytes_per_snapshot") or 0) / MiB)
-        out.append((f"State snapshots of mlx-pd's conversation, replayed in process (state_cache_gb "
-                    f"{_f(c['state_cache_gb'], '.4g')} of kv_cache_gb {_f(c['kv_cache_gb'], '.4g')}, one snapshot "
-                    f"{one} MiB)", ["turn", "prompt tok", "cached tok", "server's cached tok", "previous prompt tok",
-                              "shared with previous prompt + answer ids", "block ideal", "restored from",
-                              "snapshots held", "MiB held", "budget MiB", "saved / evicted / restored",
-                              "answer = server's", "snapshots = server's (/metrics, less warm-up)"], rows))
-    if "rss" in snaps:
-        c = snaps["rss"]["config"]
-        rows = [[str(r["conversation"]), str(r["snapshots"]), _f(r["bytes"] / MiB, ".1f"),
-                 _f(r["budget_bytes"] / MiB, ".0f"), str(r["saved"]), str(r["evicted"]), str(r["restored"]),
-                 f"{r['kv_blocks_cached']} / {r['kv_blocks_total']}"]
-                for r in snaps["rss"]["rows"]]
-        out.append((f"State snapshots over the rss phase's first conversations, in process (state_cache_gb "
-                    f"{_f(c['state_cache_gb'], '.4g')}, kv_cache_gb {_f(c['kv_cache_gb'], '.4g')})",
-                    ["after conversation", "snapshots held", "MiB held", "budget MiB", "saved", "evicted",
-                     "restored", "KV blocks cached / total"], rows))
-    rss = result.get("rss_phase")
-    if rss:
-        rows = []
-        for r in rss["rows"]:
-            m = r.get("snapshot_metrics") or {}
-            rows.append([str(r["conversation"]), _f(r["rss_mib"], ".1f"), _f(r["peak_rss_mib"], ".1f"),
-                         _f(m.get("snapshots"), ".0f"), _mib(m.get("bytes")), _mib(m.get("budget_bytes")),
-                         f"{r['cached_tokens']} / {r['prompt_tokens']}", _f(_mean(r["ttft_s"])), str(r["errors"])])
-        out.append((f"mlx-pd RSS after each conversation ({len(rss['rows'])} conversations; first "
-                    f"{rss['first_rss_mib']:.0f} MiB, last {rss['last_rss_mib']:.0f} MiB, "
-                    f"growth {rss['growth_mib']:+.0f} MiB, "
-                    f"{rss['growth_after_settle_mib']:+.0f} MiB after conversation {rss['settle_after']})",
-                    ["conversation", "RSS MiB", "peak RSS MiB", "snapshots (/metrics)", "MiB held", "budget MiB",
-                     "cached / prompt tok", "TTFT mean s", "errors"], rows))
-    return out

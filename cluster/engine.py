@@ -24,7 +24,7 @@ from cluster.config import EngineConfig
 from cluster.detokenizer import OutputText
 from cluster.hashing import first_block_key
 from cluster.kv_store import KVStore, kv_bytes_per_block
-from cluster.kv_groups import KVGroups, pool_sizes, window_blocks_per_sequence
+from cluster.kv_groups import KVGroups
 from cluster.kv_manager import KVManager, WindowGroup
 from cluster.model import ModelSpec
 from cluster.ownership import ThreadOwner
@@ -70,20 +70,12 @@ class EngineCore:
         # recurrent layers: a prefix hit restores their state from a snapshot (cluster/state_snapshots.py), kept
         # in `state_cache_gb` of the `kv_cache_gb` budget
         state_gb = config.kv_cache_gb / 2 if config.state_cache_gb is None else config.state_cache_gb
-        snapshot_bytes = int(state_gb * 2**30) if verified.num_state_layers else 0
-        snapshot_bytes = snapshot_bytes if config.enable_prefix_caching else 0
+        snapshot_bytes = int(state_gb * 2**30) if verified.num_state_layers and config.enable_prefix_caching else 0
         # and the running sequences' own states (one per sequence, up to max_num_seqs) come out of it too
         state_shapes = probe_state_shapes(model, verified.state_caches) if verified.num_state_layers else ()
         budget = int(config.kv_cache_gb * 2**30) - snapshot_bytes - config.max_num_seqs * state_nbytes(state_shapes)
-        if window_spec is None:
-            num_blocks = config.num_blocks or 1 + budget // per_block
-            num_window_blocks = 0
-        else:
-            need = window_blocks_per_sequence(self.groups.window, config.block_size, config.prefill_chunk_size)
-            sizes = pool_sizes(budget, per_block, kv_bytes_per_block(window_spec, *kv_args), need,
-                               config.max_num_seqs)
-            num_blocks, num_window_blocks = (config.num_blocks,) * 2 if config.num_blocks else (1 + sizes[0],
-                                                                                                   1 + sizes[1])
+        window_block = kv_bytes_per_block(window_spec, *kv_args) if window_spec is not None else 0
+        num_blocks, num_window_blocks = self.groups.num_blocks(config, budget, per_block, window_block)
         if min(num_blocks, num_window_blocks or num_blocks) < 2:
             raise ValueError(f"kv_cache_gb={config.kv_cache_gb} holds no block of {per_block} bytes"
                              + (f" beside state_cache_gb={state_gb} of recurrent-state snapshots and the states "
@@ -105,7 +97,10 @@ class EngineCore:
             window_spec, num_window_blocks, *kv_args, dequantize_for_attention=dequantize, owner=self.owner)
         self.runner = ModelRunner(model, self.store, verified, self.window_store, self.groups, state_shapes)
         eos_ids = set(spec.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
-        snapshots = StateSnapshots(snapshot_bytes, self.pool) if verified.num_state_layers else None
+        interval = config.state_snapshot_interval or max(  # default: whole blocks of a prefill chunk
+            config.block_size, config.prefill_chunk_size // config.block_size * config.block_size)
+        snapshots = (StateSnapshots(snapshot_bytes, self.pool, config.block_size, interval)
+                     if verified.num_state_layers else None)
         self.scheduler = Scheduler(config, self.kv, self._extra_key, eos_ids, None, connector, snapshots)
         if speculator is not None:
             self.speculator = speculator
@@ -120,11 +115,15 @@ class EngineCore:
         """Raises ValueError for a speculator that drafts over a model with recurrent layers: rejected drafts
         are rolled back by lowering counters, which cannot undo a recurrent state's update."""
         if self.runner.verified.num_state_layers and getattr(speculator, "methods", ()):
-            raise ValueError(f"speculative decoding is not available for {self.runner.verified.model_type}: its "
-                             "recurrent layers' state cannot be rolled back past rejected drafts; start the server "
-                             "without speculation (the --speculative-method / --draft-model flags, or "
-                             "speculative_method / draft_model in the topology's [engine] table)")
+            raise ValueError(self._no_speculation("start the server without speculation (the --speculative-method "
+                                                  "/ --draft-model flags, or speculative_method / draft_model in "
+                                                  "the topology's [engine] table)"))
         self.scheduler.speculator = speculator
+
+    def _no_speculation(self, what_to_do: str) -> str:
+        """Why a model with recurrent layers runs no speculative decoding, and `what_to_do` about it."""
+        return (f"speculative decoding is not available for {self.runner.verified.model_type}: its recurrent "
+                f"layers' state cannot be rolled back past rejected drafts; {what_to_do}")
 
     @property
     def connector(self) -> Connector:
@@ -169,9 +168,7 @@ class EngineCore:
         if (method is not None and request.sampling.num_draft_tokens != 0 and method not in self.speculator.methods
                 and not remote_decode):
             if self.runner.verified.num_state_layers:
-                raise ValueError(f"speculative decoding is not available for {self.runner.verified.model_type}: its "
-                                 "recurrent layers' state cannot be rolled back past rejected drafts; send the "
-                                 "request without `speculative`")
+                raise ValueError(self._no_speculation("send the request without `speculative`"))
             have = ", ".join(self.speculator.methods) or "none"
             raise ValueError(f"speculative method {method!r} is not available on this server (available: {have}); "
                              + ("start it with --draft-model or --speculative-method draft_model"

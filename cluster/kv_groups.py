@@ -42,6 +42,19 @@ class KVGroups:
             return cls(tuple(range(len(layer_windows))))
         return cls(full, window, max(w for w in layer_windows if w is not None))
 
+    def num_blocks(self, config, budget_bytes: int, main_block_bytes: int,
+                   window_block_bytes: int) -> tuple[int, int]:
+        """(main pool blocks, window pool blocks; 0 without a window group), each with its null block, for an
+        `EngineConfig` and the bytes left for blocks: `config.num_blocks` for both when set, else the split
+        of `pool_sizes` (one pool: the whole budget)."""
+        if self.window is None:
+            return config.num_blocks or 1 + budget_bytes // main_block_bytes, 0
+        if config.num_blocks:
+            return config.num_blocks, config.num_blocks
+        need = window_blocks_per_sequence(self.window, config.block_size, config.prefill_chunk_size)
+        main, window = pool_sizes(budget_bytes, main_block_bytes, window_block_bytes, need, config.max_num_seqs)
+        return 1 + main, 1 + window
+
     def specs(self, spec: ModelSpec) -> tuple[ModelSpec, Optional[ModelSpec]]:
         """The model spec of each store (the same geometry, its own number of layers)."""
         main = dataclasses.replace(spec, num_layers=len(self.full_layers))

@@ -75,9 +75,9 @@ class KVManager:
     def allocate(self, seq: Sequence, n: int) -> None:
         """Append `n` free blocks to `seq.block_table` (and its window table). Raises ValueError when fewer are
         free (callers check `num_free_blocks` first)."""
+        if n > self.num_free_blocks:  # checked in every group before any allocates
+            raise ValueError(f"cannot allocate {n} blocks: only {self.num_free_blocks} free")
         if self.window is not None:
-            if n > self.window.pool.num_free_blocks:
-                raise ValueError(f"cannot allocate {n} window blocks: only {self.window.pool.num_free_blocks} free")
             seq.window_table.extend(self.window.pool.allocate(n))
         seq.block_table.extend(self.pool.allocate(n))
 
@@ -106,14 +106,20 @@ class KVManager:
             self.window.pool.cache_block(seq.window_table[i], block_hash, token_ids)
 
     def release_outside_window(self, seq: Sequence, block_size: int) -> None:
-        """Free the window blocks of `seq` that no later query can see (`WindowGroup.first_block`)."""
+        """Free the window blocks of `seq` that no later query can see (`WindowGroup.first_block`). The
+        released entries are always a prefix of the table, so this walks back from the window's first block
+        over the newly released ones only (called after every step of every sequence)."""
         if self.window is None:
             return
         table = seq.window_table
-        for i in range(min(self.window.first_block(seq.num_computed_tokens, block_size), len(table))):
-            if table[i]:
-                self.window.pool.free([table[i]])
-                table[i] = 0
+        i = min(self.window.first_block(seq.num_computed_tokens, block_size), len(table)) - 1
+        released = []
+        while i >= 0 and table[i]:
+            released.append(table[i])
+            table[i] = 0
+            i -= 1
+        if released:
+            self.window.pool.free(released)
 
     def window_hit(self, hashes: Seq[int], token_ids: Seq[int], block_size: int,
                    num_blocks: int) -> tuple[int, list[int]]:

@@ -59,10 +59,9 @@ class Scheduler:
     `extra_key(cache_salt)` gives the first block's hash key (model, revision, KV format, salt); `eos_ids` the
     model's end-of-sequence token ids. `speculator` (how many drafts a decoding sequence wants, what
     verification accepted) and `connector` (the role seam) are the engine's, set through it. `snapshots`:
-    for a model with recurrent layers, its state snapshots (cluster/state_snapshots.py); then prefill chunks
-    end on block boundaries, the state is saved at each block-aligned chunk end, at the prompt's last whole
-    block and (the latest one reached while decoding) when the sequence finishes, and a prefix hit is cut
-    back to the longest prefix with a snapshot, which it restores.
+    for a model with recurrent layers, its state snapshots (cluster/state_snapshots.py), which say where
+    prefill chunks end and take the snapshots after each step and as a sequence finishes; a prefix hit (cut
+    back by the pool to its last restore point) restores one.
     """
 
     def __init__(self, config: EngineConfig, kv: KVManager, extra_key: Callable[[Optional[str]], int],
@@ -73,8 +72,6 @@ class Scheduler:
         self.speculator: Speculator = speculator or NoSpeculator()
         self.connector: Connector = connector or NoConnector()
         self.snapshots = snapshots
-        self.snapshot_interval = config.state_snapshot_interval or max(
-            config.block_size, config.prefill_chunk_size // config.block_size * config.block_size)
         self.block_size = config.block_size
         self.sequences: dict[str, Sequence] = {}
         self.waiting: deque[Sequence] = deque()
@@ -187,7 +184,7 @@ class Scheduler:
         if seq.speculation is not None:
             self.speculator.release(seq)
         if self.snapshots is not None:
-            self._keep_final_state(seq, reason)
+            self.snapshots.finish(seq, reason)
         self.sequences.pop(seq.request_id, None)
         keep_blocks = self.connector.request_finished(seq, reason)
         if seq.status is SequenceStatus.RUNNING:
@@ -222,7 +219,7 @@ class Scheduler:
         self.cache_computed_blocks(seq)
         self.kv.release_outside_window(seq, self.block_size)
         if self.snapshots is not None:
-            self._save_state(seq)
+            self.snapshots.save(seq)
         if not row.samples:
             return None
         if seq.max_tokens == 0:  # echo-only request: prompt logprobs, no token
@@ -283,55 +280,12 @@ class Scheduler:
             self.kv.cache_block(seq, i, h, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
         seq.block_hashes.extend(new)
 
-    def _save_state(self, seq: Sequence) -> None:
-        """At a block boundary, keep the state as the snapshot of the block ending there: at once while the
-        prompt is computed (a chunk end is remembered for thinning; the prompt's last whole block, where a
-        repeat of it restores, and its end when that is a block boundary, where its next turn restores, are
-        not),
-        else as the sequence's pending snapshot (the latest replaces the one before, so a long answer holds
-        one, kept when the sequence finishes)."""
-        done = seq.num_computed_tokens
-        if done == 0 or done % self.block_size or len(seq.block_hashes) < done // self.block_size:
-            return
-        block_hash = seq.block_hashes[done // self.block_size - 1]
-        if done > seq.num_prompt_tokens:
-            seq.pending_snapshot = (block_hash, seq.recurrent_state)
-        elif block_hash in self.snapshots:
-            self.snapshots.get(block_hash)  # the same tokens' state is kept already: mark it used
-        elif self.snapshots.put(block_hash, seq.recurrent_state) and \
-                done < (seq.num_prompt_tokens - 1) // self.block_size * self.block_size:
-            seq.chunk_snapshots.append((block_hash, done))  # the prompt's last whole block and its end stay
-
-    def _keep_final_state(self, seq: Sequence, reason: Optional[FinishReason]) -> None:
-        """As `seq` finishes: keep its pending snapshot (prompt + answer: where the next turn of a conversation
-        continues) unless it failed, and thin the chunk-end snapshots it made while its prompt was computed:
-        those at 1, 2, 4, 8, ... snapshot intervals stay (so a conversation holds O(log length) of them, the
-        same ones turn after turn, as its prefix repeats), the rest go."""
-        if seq.pending_snapshot is not None and reason is not FinishReason.ERROR:
-            self.snapshots.put(*seq.pending_snapshot)
-        for block_hash, position in seq.chunk_snapshots:
-            multiple, rest = divmod(position, self.snapshot_interval)
-            if rest or multiple & (multiple - 1):
-                self.snapshots.drop(block_hash)
-        seq.pending_snapshot, seq.chunk_snapshots = None, []
-
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        """Tokens of `seq` to compute in this prefill step: up to `budget`. With recurrent state, a chunk
-        stops at the next multiple of the snapshot interval; one that does not finish the sequence's tokens
-        ends on a block boundary when one lies inside it; and one that passes the prompt's last whole block
-        stops there; so each of those positions gets a snapshot."""
-        start, total = seq.num_computed_tokens, len(seq.token_ids)
-        end = start + min(total - start, budget)
-        if self.snapshots is None:
-            return end - start
-        bs, interval = self.block_size, self.snapshot_interval
-        end = min(end, (start // interval + 1) * interval)
-        if end < total and end // bs * bs > start:
-            end = end // bs * bs
-        last = (total - 1) // bs * bs  # the longest prefix a later prompt can restore from this one
-        if start < last < end:
-            end = last
-        return end - start
+        """Tokens of `seq` to compute in this prefill step: up to `budget`; with recurrent state, ending where
+        a snapshot is due (`StateSnapshots.chunk_end`)."""
+        start = seq.num_computed_tokens
+        end = start + min(len(seq.token_ids) - start, budget)
+        return (end if self.snapshots is None else self.snapshots.chunk_end(seq, start, end)) - start
 
     # -- internals ---------------------------------------------------------------------------------
 

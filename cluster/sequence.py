@@ -45,7 +45,7 @@ class Sequence:
     pending_snapshot: (block hash, state) at the latest block boundary reached while decoding, saved as a
         state snapshot when the sequence finishes (cluster/state_snapshots.py); None otherwise.
     chunk_snapshots: (block hash, position) of the state snapshots it saved at prefill chunk ends (not its
-        prompt's last whole block), thinned when it finishes (`Scheduler._keep_final_state`).
+        prompt's last whole block), thinned when it finishes (`StateSnapshots.finish`).
     remote_decode: the sequence leaves this engine after its first token (a prefill worker's: another worker
     decodes the rest; `cluster.connector`).
     """

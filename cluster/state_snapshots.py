@@ -7,12 +7,13 @@ block that ends there (cluster/hashing.py), and a hit is cut back to the longest
 snapshot: the state is restored from it and the rest computed (llama.cpp's context checkpoints and mlx-lm's
 server prompt cache do the same with whole caches).
 
-Where snapshots are taken (cluster/scheduler.py): every `state_snapshot_interval` tokens and at every other
-block-aligned end of a prefill chunk, at the prompt's last whole block, and, when a sequence finishes, at the
-latest block boundary it reached (prompt plus answer: where the next turn of a conversation continues). The
-chunk-end ones are thinned when the sequence finishes: those at 1, 2, 4, 8, ... intervals stay (a later
-prompt sharing a long prefix restores from one; a conversation repeats the same ones turn after turn), the
-rest go, so a long conversation holds O(log length) of them plus two per turn, not one per chunk.
+Where snapshots are taken (`chunk_end`, `save` and `finish`, which the scheduler calls): every
+`state_snapshot_interval` tokens and at every other block-aligned end of a prefill chunk, at the prompt's last
+whole block and its end when that is a block boundary, and, when a sequence finishes, at the latest block
+boundary it reached (prompt plus answer: where the next turn of a conversation continues). The chunk-end ones
+are thinned when the sequence finishes: those at 1, 2, 4, 8, ... intervals stay (a later prompt sharing a long
+prefix restores from one; a conversation repeats the same ones turn after turn), the rest go, so a long
+conversation holds O(log length) of them plus two or three per turn, not one per chunk.
 
 Snapshots are budgeted in bytes, not counts (one snapshot of a 27B hybrid is ~150 MiB), inside the same
 `kv_cache_gb` as the KV blocks: the engine gives `state_cache_gb` of it to snapshots and the rest to the pool.
@@ -28,6 +29,8 @@ from typing import Optional
 
 from cluster.block_pool import BlockPool
 from cluster.recurrent_state import State
+from cluster.request import FinishReason
+from cluster.sequence import Sequence
 
 
 def state_bytes(state: State) -> int:
@@ -46,10 +49,11 @@ class StateSnapshots:
     thread only.
     """
 
-    def __init__(self, budget_bytes: int, pool: BlockPool):
+    def __init__(self, budget_bytes: int, pool: BlockPool, block_size: int = 16, interval: Optional[int] = None):
         if budget_bytes < 0:
             raise ValueError(f"a snapshot budget cannot be negative, got {budget_bytes} bytes")
         self.budget_bytes, self.pool = budget_bytes, pool
+        self.block_size, self.interval = block_size, interval or block_size
         pool.on_restore_point_lost = self._lost
         self.nbytes = 0
         self._by_hash: OrderedDict[int, tuple[State, int]] = OrderedDict()
@@ -60,6 +64,52 @@ class StateSnapshots:
 
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self._by_hash
+
+    # -- where snapshots are taken (the scheduler's calls) ---------------------------------------------------
+
+    def chunk_end(self, seq: Sequence, start: int, end: int) -> int:
+        """Where a prefill chunk of `seq` from `start` that the token budget would end at `end` ends instead: at
+        the next multiple of the snapshot interval; on a block boundary inside it when it does not finish the
+        sequence's tokens; at the prompt's last whole block when it would pass it; so each of those positions
+        gets a snapshot."""
+        bs, total = self.block_size, len(seq.token_ids)
+        end = min(end, (start // self.interval + 1) * self.interval)
+        if end < total and end // bs * bs > start:
+            end = end // bs * bs
+        last = (total - 1) // bs * bs  # the longest prefix a later prompt can restore from this one
+        return last if start < last < end else end
+
+    def save(self, seq: Sequence) -> None:
+        """After a step, at a block boundary, keep `seq`'s state as the snapshot of the block ending there: at
+        once while the prompt is computed (a chunk end is remembered for thinning; the prompt's last whole
+        block, where a repeat of it restores, and its end when that is a block boundary, where its next turn
+        restores, are not), else as its pending snapshot (the latest replaces the one before, so a long answer
+        holds one, kept when it finishes)."""
+        done, bs = seq.num_computed_tokens, self.block_size
+        if done == 0 or done % bs or len(seq.block_hashes) < done // bs:
+            return
+        block_hash = seq.block_hashes[done // bs - 1]
+        if done > seq.num_prompt_tokens:
+            seq.pending_snapshot = (block_hash, seq.recurrent_state)
+        elif block_hash in self:
+            self.get(block_hash)  # the same tokens' state is kept already: mark it used
+        elif self.put(block_hash, seq.recurrent_state) and done < (seq.num_prompt_tokens - 1) // bs * bs:
+            seq.chunk_snapshots.append((block_hash, done))
+
+    def finish(self, seq: Sequence, reason: Optional[FinishReason]) -> None:
+        """As `seq` finishes: keep its pending snapshot (prompt + answer: where the next turn of a conversation
+        continues) unless it failed, and thin the chunk-end snapshots it made while its prompt was computed:
+        those at 1, 2, 4, 8, ... intervals stay (so a conversation holds O(log length) of them, the same ones
+        turn after turn, as its prefix repeats), the rest go."""
+        if seq.pending_snapshot is not None and reason is not FinishReason.ERROR:
+            self.put(*seq.pending_snapshot)
+        for block_hash, position in seq.chunk_snapshots:
+            multiple, rest = divmod(position, self.interval)
+            if rest or multiple & (multiple - 1):
+                self.drop(block_hash)
+        seq.pending_snapshot, seq.chunk_snapshots = None, []
+
+    # -- the store ---------------------------------------------------------------------------------------------
 
     def put(self, block_hash: int, state: State) -> bool:
         """Keep `state` as the state after the block `block_hash` (replacing an older one), evicting the least

@@ -88,8 +88,7 @@ class PrefixIndex:
                     self._drop(w, h)
             elif e.kind == "restorable":
                 for h in e.block_hashes:
-                    w.restore_points.add(h)
-                    self.restorers[h] |= bit
+                    self._add_restore_point(w, h)
             elif e.kind == "unrestorable":
                 for h in e.block_hashes:
                     self._drop_restore_point(w, h)
@@ -114,8 +113,7 @@ class PrefixIndex:
             self.holders[h] |= bit
         self.needs_restore = self.needs_restore & ~bit if restore_points is None else self.needs_restore | bit
         for h in restore_points or ():
-            w.restore_points.add(h)
-            self.restorers[h] |= bit
+            self._add_restore_point(w, h)
         w.window, w.window_hashes = window, set(window_hashes)
         w.boot_id, w.last_seq, w.stale = boot_id, last_event_seq, False
 
@@ -186,6 +184,10 @@ class PrefixIndex:
                             for h in hashes[window_first_block(k * block_size, w.window, block_size):k]):
             k -= 1
         return k
+
+    def _add_restore_point(self, w: _WorkerEntries, h: int) -> None:
+        w.restore_points.add(h)
+        self.restorers[h] |= 1 << w.slot
 
     def _drop_restore_point(self, w: _WorkerEntries, h: int) -> None:
         if h in w.restore_points:
