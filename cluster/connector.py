@@ -15,10 +15,12 @@ has finished, before its blocks are freed", whose True return delays the free):
   first token (`reason` None) when it was added with `remote_decode`. True: the role still needs its blocks, which become a
   holding under its request id until the role calls `EngineCore.release`. False: they are freed now.
 
-Per-request state that has to follow a request between roles (e.g. a grammar matcher) and per-layer-kind state
-beside the KV blocks travel through the same calls: the role owns it, keyed by request id, and the engine
-never names a role. Every call comes from the engine's owner thread, inside `EngineCore.step` or `abort`, so a
-role must not call back into the engine from them; it records what to do and acts after the step.
+Per-request state that has to follow a request between roles and per-layer-kind state beside the KV blocks (e.g.
+recurrent state) travel through the same calls: the role owns it, keyed by request id, and the engine never names
+a role. A grammar's matcher does not travel: the request carries the grammar, and the engine replays the first
+token into a fresh matcher as it adopts the prefix. Every call comes from the engine's owner thread, inside
+`EngineCore.step` or `abort`, so a role must not call back into the engine from them; it records what to do and
+acts after the step.
 """
 
 from __future__ import annotations

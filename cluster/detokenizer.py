@@ -11,7 +11,7 @@ tokens (one or two `tokenizer.decode` calls) and the matcher looks only at the t
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 REPLACEMENT = "\ufffd"  # what decode() shows for an incomplete (or invalid) UTF-8 byte sequence
 
@@ -120,6 +120,7 @@ class StopStringMatcher:
         self._stop = tuple(stop)
         self._held = ""
         self.stopped = False
+        self.matched: Optional[str] = None  # the stop string that ended the text, once stopped
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Add `text`; return (text safe to emit now, whether a stop string was found)."""
@@ -128,11 +129,12 @@ class StopStringMatcher:
         if not self._stop:
             return text, False
         pending = self._held + text
-        # (end, start) of each stop's first occurrence; none starts in emitted text (see _hold)
-        found = [(i + len(s), i) for s, i in ((s, pending.find(s)) for s in self._stop) if i >= 0]
+        # (end, start, stop) of each stop's first occurrence; none starts in emitted text (see _hold)
+        found = [(i + len(s), i, s) for s, i in ((s, pending.find(s)) for s in self._stop) if i >= 0]
         if found:
+            _, start, self.matched = min(found)
             self._held, self.stopped = "", True
-            return pending[:min(found)[1]], True
+            return pending[:start], True
         keep = self._hold(pending)
         self._held = pending[len(pending) - keep:]
         return pending[:len(pending) - keep], False
@@ -187,6 +189,11 @@ class OutputText:
     def stopped(self) -> bool:
         """True once a stop string was found."""
         return self.matcher.stopped
+
+    @property
+    def stop_string(self) -> Optional[str]:
+        """The stop string that ended the output, None while none has."""
+        return self.matcher.matched
 
     @property
     def text(self) -> str:

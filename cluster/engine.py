@@ -22,6 +22,7 @@ from cluster.block_pool import BlockPool
 from cluster.connector import Connector
 from cluster.config import EngineConfig
 from cluster.detokenizer import OutputText
+from cluster.grammar import GrammarError, Grammars
 from cluster.hashing import first_block_key
 from cluster.kv_store import KVStore, kv_bytes_per_block
 from cluster.kv_groups import KVGroups
@@ -102,6 +103,8 @@ class EngineCore:
         snapshots = (StateSnapshots(snapshot_bytes, self.pool, config.block_size, interval)
                      if verified.num_state_layers else None)
         self.scheduler = Scheduler(config, self.kv, self._extra_key, eos_ids, None, connector, snapshots)
+        # constrained decoding (cluster/grammar.py): its llguidance tokenizer is built on the first grammar
+        self.grammars = Grammars(tokenizer, spec.vocab_size, eos_ids)
         if speculator is not None:
             self.speculator = speculator
 
@@ -179,7 +182,7 @@ class EngineCore:
     def add_request(self, request: GenerateRequest, *, remote_prefill: bool = False,
                     remote_decode: bool = False) -> Optional[RequestOutput]:
         """Queue a request (validated by `check_request`; raises ValueError). Returns a final output at once if
-        it asks for no tokens, else None.
+        it asks for no tokens (`length`) or its grammar does not compile (`error`, saying why), else None.
 
         `remote_prefill`: another worker computes the prompt and samples the first token; the sequence waits
         until the connector's `external_prefix` says its KV is here (held under its request id).
@@ -192,9 +195,14 @@ class EngineCore:
         max_tokens = self.check_request(request, remote_decode)
         sp = request.sampling
         seq = Sequence(request, max_tokens=max_tokens, remote_decode=remote_decode)
-        seq.output_text = OutputText(self.tokenizer, request.prompt_token_ids, sp.stop)
+        seq.output_text = OutputText(self.tokenizer, request.prompt_token_ids, sp.stop, sp.skip_special_tokens)
         seq.rng_key = None if sp.greedy else make_key(sp.seed)
         seq.speculation = None if remote_decode else self.speculator.state_for(request)
+        if sp.grammar is not None:
+            try:
+                seq.grammar = self.grammars.start(sp.grammar, sp.grammar_prefix)
+            except GrammarError as exc:  # the request fails, the engine does not
+                return self.scheduler.final_output(seq, FinishReason.ERROR, str(exc))
         if max_tokens == 0 and sp.prompt_logprobs is None:
             return self.scheduler.final_output(seq, FinishReason.LENGTH)
         self.scheduler.add(seq, remote_prefill)
@@ -238,7 +246,7 @@ class EngineCore:
         scheduler); a failing step fails the sequences it ran, never the engine."""
         try:
             drafts = {} if batch.is_prefill else self.speculator.propose(batch.items)
-            rows = self.runner.execute(batch, drafts, self.speculator.verify)
+            rows = self.runner.execute(batch, drafts, self.speculator.verify, self.grammars)
             return self.scheduler.update_from_output(rows)
         except Exception as exc:
             logger.exception("engine step failed")

@@ -37,13 +37,16 @@ class EngineStats:
     state_snapshot_bytes: int = 0  # bytes they hold
     state_snapshot_budget_bytes: int = 0  # their byte budget
     state_snapshots_restored: int = 0  # prefix hits that restored one
+    num_constrained_requests: int = 0  # constrained decoding: requests with a grammar (decode workers')
+    grammar_mask_seconds: float = 0.0  # seconds computing their grammar masks (every worker's)
 
     @classmethod
     def from_reports(cls, reports: Iterable[dict]) -> "EngineStats":
         """The stats of the workers whose latest reports (`cluster.worker.Worker.stats`) are `reports`, added
-        up: the sequences running, the KV pool and the speculative counters are the decode workers' (a
-        prefill worker's sequences and blocks are transient), the queue, preemptions and prefix-cache
-        counters everyone's. Single-node mode reports one decode worker."""
+        up: the sequences running, the KV pool, the speculative and constrained-request counters are the
+        decode workers' (a prefill worker's sequences and blocks are transient, and a request it hands on
+        starts its grammar again on the decode worker), the queue, preemptions, prefix-cache counters and the
+        grammar mask time everyone's. Single-node mode reports one decode worker."""
         live = list(reports)
         decode = [s for s in live if s.get("role") == "decode"]
         return cls(
@@ -56,6 +59,8 @@ class EngineStats:
             prefix_cache_hits=sum(s["prefix_cache_hits"] for s in live),
             num_draft_tokens=sum(s.get("num_draft_tokens", 0) for s in decode),
             num_accepted_tokens=sum(s.get("num_accepted_tokens", 0) for s in decode),
+            num_constrained_requests=sum(s.get("constrained_requests", 0) for s in decode),
+            grammar_mask_seconds=sum(s.get("grammar_mask_seconds", 0.0) for s in live),
             **{key: sum(s.get(key, 0) for s in live) for key in _SNAPSHOT_KEYS})
 
     @property

@@ -187,7 +187,8 @@ class WorkerStats(TypedDict, total=False):
     """A worker's report (`cluster.worker.Worker.stats`, `Pong.stats`): its identity, engine load and KV pool
     (blocks, tokens per block), prefix-cache counters (tokens), what it sent, and its role's keys (a
     prefill worker's transfers and handoffs, a decode worker's transfers, admissions and speculation counters),
-    and for a model with recurrent layers its state snapshots and the state bytes its transfers moved.
+    and for a model with recurrent layers its state snapshots and the state bytes its transfers moved, and
+    its constrained decoding (requests with a grammar, seconds spent computing grammar masks).
     Counts are ints; byte and block totals from Prometheus counters and `ttft_p50_s` (seconds) are floats."""
 
     __pydantic_config__ = ConfigDict(strict=True, extra="forbid")  # type: ignore[misc]
@@ -227,6 +228,8 @@ class WorkerStats(TypedDict, total=False):
     state_snapshots_restored: int
     state_bytes_sent: float
     state_bytes_received: float
+    constrained_requests: int
+    grammar_mask_seconds: float
 
 
 def generate_request_id(frame) -> Optional[str]:

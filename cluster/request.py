@@ -50,6 +50,14 @@ class SamplingParams:
         set), else one of `SPECULATIVE_METHODS` ("prompt_lookup", "draft_model"; see decode_node/speculative.py).
       - `num_draft_tokens`: the most draft tokens per step for this sequence, in [0, MAX_DRAFT_TOKENS];
         None = the engine's default; 0 turns speculation off for this request.
+      - `grammar`: None = free output; else a grammar every output token must follow (constrained decoding),
+        as llguidance serializes it (`llguidance.LLMatcher.grammar_from_json_schema` / `grammar_from_lark`;
+        the router builds it from `response_format` or `tool_choice`). The sequence ends with `stop` when the
+        grammar is complete (the mask then allows only the model's EOS ids); `ignore_eos` is refused with it.
+      - `grammar_prefix`: output tokens the grammar has already consumed elsewhere (a request the router moved
+        to another decode worker after streaming them, now part of its prompt): the matcher replays them first.
+      - `skip_special_tokens`: leave special tokens out of the output text (True, as vLLM); the router turns it
+        off when a tool-call parser reads markers that are special tokens (e.g. Qwen's `<tool_call>`).
     """
 
     max_tokens: int = 16
@@ -69,6 +77,9 @@ class SamplingParams:
     seed: Optional[int] = None
     speculative_method: Optional[str] = None
     num_draft_tokens: Optional[int] = None
+    grammar: Optional[str] = None
+    grammar_prefix: tuple[int, ...] = ()
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         def bad(name: str, value: object, rule: str) -> ValueError:
@@ -120,6 +131,16 @@ class SamplingParams:
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_DRAFT_TOKENS):
             raise bad("num_draft_tokens", k, f"must be an integer in [0, {MAX_DRAFT_TOKENS}] (0 turns speculation "
                       "off) or null (the server's default)")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise bad("skip_special_tokens", self.skip_special_tokens, "must be true or false")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            raise bad("grammar", self.grammar, "must be a non-empty grammar string or null")
+        if self.grammar_prefix and (self.grammar is None or any(
+                not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.grammar_prefix)):
+            raise bad("grammar_prefix", self.grammar_prefix, "must be token ids >= 0, and only with a grammar")
+        if self.grammar is not None and self.ignore_eos:
+            raise bad("ignore_eos", self.ignore_eos, "cannot be combined with a grammar (response_format or "
+                      "tool_choice), which ends the output once complete: drop ignore_eos")
 
     @property
     def greedy(self) -> bool:
@@ -184,6 +205,8 @@ class RequestOutput:
     `logprobs` has one entry per entry of `token_ids` when logprobs were requested, else None.
     `prompt_logprobs` (first delta only, when requested) has one entry per prompt token after the first.
     `finish_reason` is set on the last delta only; `error` carries a message when it is `error`.
+    `stop_string` (last delta only) is the stop string that ended the output with `stop`; None when EOS, a
+    stop token id, a complete grammar or anything else ended it (vLLM's `stop_reason`, strings only).
     """
 
     request_id: str
@@ -196,6 +219,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     error: Optional[str] = None
+    stop_string: Optional[str] = None
 
     @property
     def finished(self) -> bool:

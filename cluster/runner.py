@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Sequence as Seq
 
 import mlx.core as mx
 
+from cluster.grammar import Grammars
 from cluster.kv_groups import KVGroups
 from cluster.kv_layout import BatchLayout
 from cluster.kv_store import KVStore
@@ -26,7 +27,8 @@ from cluster.sampling import prompt_logprobs, sample
 from cluster.sequence import Sequence
 from cluster.speculation import Draft, Verified
 
-Verify = Callable[[list[Sequence], list[Draft], list[mx.array]], list[Verified]]  # `Speculator.verify`
+# `Speculator.verify`: (sequences, drafts, logits, grammar masks or None) -> results
+Verify = Callable[[list[Sequence], list[Draft], list[mx.array], Optional[list[Optional[mx.array]]]], list[Verified]]
 
 
 class Logits(enum.Enum):
@@ -130,37 +132,50 @@ class ModelRunner:
         mx.eval(states)
         return out, states
 
-    def execute(self, batch, drafts: dict[str, Draft], verify: Optional[Verify] = None) -> list["RowResult"]:
+    def execute(self, batch, drafts: dict[str, Draft], verify: Optional[Verify] = None,
+                grammars: Optional[Grammars] = None) -> list["RowResult"]:
         """One step's array work over `batch` (cluster.scheduler.ScheduledBatch): build the inputs, run the
         model, sample the rows that reached the end of their tokens, verify the drafts (`drafts` by request
-        id) with `verify` (the speculator's rules; needed when there are drafts). Sequences are not changed,
-        except their PRNG keys (advanced by sampling or verification)."""
+        id) with `verify` (the speculator's rules; needed when there are drafts). With `grammars` (the engine's
+        constrained decoding), rows of sequences with a grammar sample under its mask and verify their drafts
+        against its mask at every position. Sequences are not changed, except their PRNG keys (advanced by
+        sampling or verification)."""
         planned = [plan_row(seq, n, batch.is_prefill, drafts.get(seq.request_id)) for seq, n in batch.items]
         rows = [row for row, _ in planned]
         for row, logits, state in zip(rows, *self.forward_with_state([item for _, item in planned])):
             row.logits, row.state = logits, state
         if drafts and self.store.mirror is not None:
             self.store.mirror.reset()  # a verify step gathers; the next plain decode step rebuilds the mirror
-        self._sample([row for row in rows if row.samples])
+        sampling = [row for row in rows if row.samples]
+        verifying = [row for row in rows if row.draft is not None]
+        masks, draft_masks = None, None
+        if grammars is not None and any(r.seq.grammar is not None for r in sampling + verifying):
+            # the device computes the step while the host computes its masks (they depend only on the tokens
+            # so far), so a mask is ready when the logits it applies to are
+            mx.async_eval(*[r.logits for r in sampling + verifying])
+            masks = grammars.masks([r.seq.grammar for r in sampling]) if sampling else None
+            if any(r.seq.grammar is not None for r in verifying):
+                draft_masks = [grammars.draft_masks(r.seq.grammar, r.draft.tokens) for r in verifying]
+        self._sample(sampling, masks)
         for row in rows:
             if row.prompt_logits is not None:
                 row.prompt_logprobs = _prompt_logprobs(row)
-        verifying = [row for row in rows if row.draft is not None]
         if verifying:
-            results = verify([r.seq for r in verifying], [r.draft for r in verifying], [r.logits for r in verifying])
+            seqs, drafted = [r.seq for r in verifying], [r.draft for r in verifying]
+            results = verify(seqs, drafted, [r.logits for r in verifying], draft_masks)
             for row, result in zip(verifying, results):
                 row.verified = result
         return rows
 
     @staticmethod
-    def _sample(rows: list["RowResult"]) -> None:
+    def _sample(rows: list["RowResult"], masks: Optional[list[Optional[mx.array]]]) -> None:
         if not rows:
             return
         seqs = [row.seq for row in rows]
         keys = [s.rng_key for s in seqs]
         last = mx.stack([row.logits[-1] if row.wanted is Logits.ALL else row.logits for row in rows])
         tokens, lps = sample(last, [s.request.sampling for s in seqs], [s.request.prompt_token_ids for s in seqs],
-                             [s.output_token_ids for s in seqs], keys)
+                             [s.output_token_ids for s in seqs], keys, masks)
         for row, key, token, lp in zip(rows, keys, tokens, lps):
             row.seq.rng_key, row.token, row.logprob = key, token, lp
 

@@ -3,8 +3,10 @@
 Order of operations per row (as in vLLM and HF transformers): logit_bias, repetition penalty (CTRL,
 Keskar et al. 2019: divide positive logits of seen tokens by the penalty, multiply negative ones),
 presence/frequency penalties (OpenAI's formula: logit -= presence * [count > 0] + frequency * count, over
-generated tokens), then greedy argmax, or temperature, top-k, top-p (nucleus, Holtzman et al. 2019),
-min-p (scaled by the top probability) and a categorical draw with the row's own PRNG key.
+generated tokens), the grammar mask of a constrained row (cluster/grammar.py: disallowed tokens become -inf,
+as vLLM's structured outputs apply it after the logits processors), then greedy argmax, or temperature,
+top-k, top-p (nucleus, Holtzman et al. 2019), min-p (scaled by the top probability) and a categorical draw
+with the row's own PRNG key.
 Reported logprobs are log-softmax of the raw model logits (vLLM's default), in float32.
 """
 
@@ -51,6 +53,12 @@ def _penalize(row: mx.array, params: SamplingParams, prompt: Sequence[int], outp
     return row
 
 
+def apply_mask(row: mx.array, mask: Optional[mx.array]) -> mx.array:
+    """`row` (float32 [..., vocab]) with the tokens `mask` (bool, same shape; True = allowed) refuses set to
+    -inf; `row` itself when `mask` is None (a free row)."""
+    return row if mask is None else mx.where(mask, row, mx.array(-float("inf"), dtype=row.dtype))
+
+
 def _filter(row: mx.array, params: SamplingParams) -> mx.array:
     """Temperature then top-k, top-p and min-p; removed entries become -inf. row: [V] float32."""
     row = row / params.temperature
@@ -72,19 +80,23 @@ def _filter(row: mx.array, params: SamplingParams) -> mx.array:
 
 
 def sample(logits: mx.array, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]],
-           outputs: Sequence[Sequence[int]], keys: list[Optional[mx.array]]
-           ) -> tuple[list[int], list[Optional[TokenLogprob]]]:
+           outputs: Sequence[Sequence[int]], keys: list[Optional[mx.array]],
+           masks: Optional[Sequence[Optional[mx.array]]] = None) -> tuple[list[int], list[Optional[TokenLogprob]]]:
     """Sample one token per row.
 
     logits: float32 [B, vocab]. `prompts`/`outputs`: each row's token history (for penalties).
     `keys`: each row's PRNG key, replaced in place by its successor (None for greedy rows).
-    Returns the token ids and, for rows with `logprobs` set, their TokenLogprob.
+    `masks`: per row, bool [vocab] of the tokens its grammar allows (`cluster.grammar.Grammars.masks`), or
+    None for a free row (None for all: no row is constrained); free rows are computed exactly as without.
+    Returns the token ids and, for rows with `logprobs` set, their TokenLogprob (of the raw logits).
     """
     rows = []
     for b, p in enumerate(params):
         row = logits[b]
         if p.logit_bias or p.needs_penalties:
             row = _penalize(row, p, prompts[b], outputs[b])
+        if masks is not None:
+            row = apply_mask(row, masks[b])
         if p.greedy:
             rows.append(mx.argmax(row))
         else:
@@ -121,18 +133,21 @@ def token_logprobs(logits: mx.array, tokens: Sequence[int], ks: Sequence[int]) -
     return out
 
 
-def adjusted(row: mx.array, params: SamplingParams, prompt: Sequence[int], output: Sequence[int]) -> mx.array:
-    """`row` [vocab] after logit_bias and penalties, given the output so far (as `sample` applies them)."""
+def adjusted(row: mx.array, params: SamplingParams, prompt: Sequence[int], output: Sequence[int],
+             mask: Optional[mx.array] = None) -> mx.array:
+    """`row` [vocab] after logit_bias, penalties and the grammar `mask` (bool [vocab], None: free), given the
+    output so far (as `sample` applies them)."""
     if params.logit_bias or params.needs_penalties:
-        return _penalize(row, params, prompt, output)
-    return row
+        row = _penalize(row, params, prompt, output)
+    return apply_mask(row, mask)
 
 
-def probabilities(row: mx.array, params: SamplingParams, prompt: Sequence[int], output: Sequence[int]) -> mx.array:
+def probabilities(row: mx.array, params: SamplingParams, prompt: Sequence[int], output: Sequence[int],
+                  mask: Optional[mx.array] = None) -> mx.array:
     """The distribution `sample` draws the next token from (a non-greedy row): float32 [vocab] after logit_bias,
-    penalties, temperature, top-k, top-p and min-p, given the output so far. Used by speculative decoding,
-    whose acceptance rule needs these probabilities explicitly."""
-    return mx.softmax(_filter(adjusted(row, params, prompt, output), params))
+    penalties, the grammar `mask` (bool [vocab], None: free), temperature, top-k, top-p and min-p, given the
+    output so far. Used by speculative decoding, whose acceptance rule needs these probabilities explicitly."""
+    return mx.softmax(_filter(adjusted(row, params, prompt, output, mask), params))
 
 
 def prompt_logprobs(logits: mx.array, targets: Sequence[int], k: int) -> list[TokenLogprob]:

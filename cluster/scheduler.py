@@ -16,9 +16,9 @@ free blocks only (k drops to 0 when there are none).
 
 After the step, `update_from_output` takes the runner's typed `RowResult`s (the shape of vLLM v1's
 `Scheduler.update_from_output` and nano-vllm's `Scheduler.postprocess`): it counts what was computed, caches the
-blocks that filled up, appends the sampled or accepted tokens, applies the stop rules (EOS, stop ids, stop
-strings, max_tokens) and finishes sequences. Accepted draft tokens are appended one at a time through the same
-`_append_token` as plain decoding, so every stop rule ends a sequence where plain decoding would. `finish` is the
+blocks that filled up, appends the sampled or accepted tokens (advancing a grammar), applies the stop rules (EOS,
+stop ids, stop strings, a complete grammar, max_tokens) and finishes sequences. Accepted drafts go one at a time
+through the same `_append_token` as plain decoding, so every stop rule ends a sequence where it would. `finish` is the
 one way a sequence leaves: the speculator forgets it, the connector says whether its blocks are kept for the
 role (`Connector.request_finished`, called exactly once), and the `KVManager` frees or holds them.
 """
@@ -118,7 +118,8 @@ class Scheduler:
             seq.token_ids.append(prefix.first_token)
             seq.num_computed_tokens, seq.num_cached_tokens = seq.num_prompt_tokens, held.num_cached_tokens
             seq.recurrent_state = prefix.state
-            seq.output_text.add(prefix.first_token)  # its text went out with the first token
+            seq.output_text.add(prefix.first_token)  # its text went out with the first token, under its grammar:
+            error = seq.grammar.consume(prefix.first_token)[1] if seq.grammar is not None else None  # resume it
             if seq.rng_key is not None:
                 seq.rng_key = advance_key(seq.rng_key)  # as after one draw here
             del self.awaiting_kv[seq.request_id]
@@ -127,8 +128,9 @@ class Scheduler:
                 self.running.append(seq)
             else:
                 self.waiting.append(seq)
-            if seq.num_output_tokens >= seq.max_tokens:
-                outputs.append(self.finish_with_output(seq, FinishReason.LENGTH))
+            if error is not None or seq.num_output_tokens >= seq.max_tokens:
+                reason = FinishReason.ERROR if error is not None else FinishReason.LENGTH
+                outputs.append(self.finish_with_output(seq, reason, error))
         return outputs
 
     def has_work(self) -> bool:
@@ -247,8 +249,12 @@ class Scheduler:
                                    prompt_logprobs=outs[0].prompt_logprobs)
 
     def _append_token(self, seq: Sequence, token: int, logprob) -> RequestOutput:
-        """Append one output token, apply the stop rules and finish the sequence if one holds (or if it
-        leaves after its first token, with remote decode); returns its output delta."""
+        """Append one output token, advance its grammar, apply the stop rules and finish the sequence if one
+        holds (or if it leaves after its first token, with remote decode); returns its output delta. A
+        grammar ends it with stop once complete, with error (the token left out) when the token breaks it."""
+        complete, error = seq.grammar.consume(token) if seq.grammar is not None else (False, None)
+        if error is not None:
+            return self.finish_with_output(seq, FinishReason.ERROR, error)
         seq.token_ids.append(token)
         sp = seq.request.sampling
         reason, text = None, ""
@@ -256,7 +262,7 @@ class Scheduler:
             reason = FinishReason.STOP
         else:
             text, stopped = seq.output_text.add(token)
-            if stopped:
+            if stopped or complete:
                 reason = FinishReason.STOP
         if reason is None and seq.num_output_tokens >= seq.max_tokens:
             reason = FinishReason.LENGTH
@@ -265,7 +271,8 @@ class Scheduler:
             text += seq.output_text.finish()
         if reason is not None or seq.remote_decode:  # remote decode: another worker continues from here
             self.finish(seq, reason)
-        return _output(seq, (token,), text, (logprob,) if logprob else None, reason, plp)
+        return _output(seq, (token,), text, (logprob,) if logprob else None, reason, plp,
+                       stop_string=seq.output_text.stop_string if reason == FinishReason.STOP else None)
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Hash and register the blocks that became full and computed in the last step."""
@@ -387,6 +394,6 @@ class Scheduler:
 
 
 def _output(seq: Sequence, token_ids: tuple, text: str, logprobs, reason: Optional[FinishReason], plp=None,
-            error: Optional[str] = None) -> RequestOutput:
+            error: Optional[str] = None, stop_string: Optional[str] = None) -> RequestOutput:
     return RequestOutput(seq.request_id, token_ids, text, logprobs, plp, reason, seq.num_prompt_tokens,
-                         seq.num_cached_tokens, seq.num_output_tokens, error)
+                         seq.num_cached_tokens, seq.num_output_tokens, error, stop_string)

@@ -46,6 +46,9 @@ class Sequence:
         state snapshot when the sequence finishes (cluster/state_snapshots.py); None otherwise.
     chunk_snapshots: (block hash, position) of the state snapshots it saved at prefill chunk ends (not its
         prompt's last whole block), thinned when it finishes (`StateSnapshots.finish`).
+    grammar: for a request with `SamplingParams.grammar`, its matcher (cluster/grammar.py's GrammarMatcher),
+        which has consumed every output token; kept across preemption (the output tokens are kept too). None
+        for free output.
     remote_decode: the sequence leaves this engine after its first token (a prefill worker's: another worker
     decodes the rest; `cluster.connector`).
     """
@@ -68,6 +71,7 @@ class Sequence:
     window_table: list[int] = field(default_factory=list)
     pending_snapshot: Any = None
     chunk_snapshots: list[tuple[int, int]] = field(default_factory=list)
+    grammar: Any = None
     remote_decode: bool = False
     arrival: float = field(default_factory=time.monotonic)
 

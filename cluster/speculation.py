@@ -56,7 +56,9 @@ class Speculator(Protocol):
     engine), None when the request does not speculate. `lookahead(seq)`: draft tokens to reserve blocks for in
     this decode step (asked once per step). `propose(items)`: the drafts of a decode step's (sequence, tokens
     scheduled) items by request id; a sequence gets at most tokens - 1 draft tokens. `verify(seqs, drafts,
-    logits)`: one `Verified` per sequence from the target's logits (float32 [len(draft) + 1, vocab] each).
+    logits, masks)`: one `Verified` per sequence from the target's logits (float32 [len(draft) + 1, vocab] each)
+    and, for a sequence with a grammar, its masks at those positions (bool, same shape; None: free output);
+    every emitted token follows the mask of its position.
     `record(seq, draft, verified)`: a verification's outcome, for the draft length and the counters.
     `release(seq)`: a sequence with state leaves the engine (before its blocks are freed). `reset()`: forget
     per-step state after a failed step. `num_draft_tokens` / `num_accepted_tokens`: draft tokens proposed and
@@ -73,7 +75,8 @@ class Speculator(Protocol):
 
     def propose(self, items: list[tuple[Sequence, int]]) -> dict[str, Draft]: ...
 
-    def verify(self, seqs: list[Sequence], drafts: list[Draft], logits: list[mx.array]) -> list[Verified]: ...
+    def verify(self, seqs: list[Sequence], drafts: list[Draft], logits: list[mx.array],
+               masks: Optional[list[Optional[mx.array]]] = None) -> list[Verified]: ...
 
     def record(self, seq: Sequence, draft: Draft, verified: Verified) -> None: ...
 
@@ -98,7 +101,8 @@ class NoSpeculator:
     def propose(self, items: list[tuple[Sequence, int]]) -> dict[str, Draft]:
         return {}
 
-    def verify(self, seqs: list[Sequence], drafts: list[Draft], logits: list[mx.array]) -> list[Verified]:
+    def verify(self, seqs: list[Sequence], drafts: list[Draft], logits: list[mx.array],
+               masks: Optional[list[Optional[mx.array]]] = None) -> list[Verified]:
         raise AssertionError("an engine without a speculator has no drafts to verify")
 
     def record(self, seq: Sequence, draft: Draft, verified: Verified) -> None:

@@ -276,6 +276,7 @@ class Worker:
             "prefix_cache_queries": sched.prefix_queries, "prefix_cache_hits": sched.prefix_hits,
             "prefix_cache_hit_rate": sched.prefix_hits / sched.prefix_queries if sched.prefix_queries else 0.0,
             "tokens_out": self.tokens_out, "requests": len(self.routes), **self._snapshot_stats(),
+            "constrained_requests": e.grammars.num_constrained, "grammar_mask_seconds": e.grammars.mask_seconds,
             **self._role_stats(),
         }
         self._stats_at = time.monotonic()

@@ -155,6 +155,7 @@ class DraftModelDrafter:
         self.runner = ModelRunner(model, self.store, verified)
         self.block_size, self.chunk, self.vocab_size = cfg.block_size, cfg.prefill_chunk_size, engine.spec.vocab_size
         self.valid: dict[int, int] = {}  # block id -> the block hash its draft KV was computed for
+        self.grammars = engine.grammars  # constrained sequences draft under their grammar's mask
         self.cost_per_token = measured_cost(self.runner, engine.runner) if cost_per_token is None else cost_per_token
 
     def reset(self) -> None:
@@ -200,17 +201,20 @@ class DraftModelDrafter:
 
     def _choose(self, seqs: list[Sequence], drafted: list[list[int]], logits: list[mx.array]
                 ) -> list[tuple[int, Optional[mx.array]]]:
-        """The next draft token of each row: argmax for greedy requests, else a draw from q (returned too)."""
+        """The next draft token of each row: argmax for greedy requests, else a draw from q (returned too). A
+        sequence with a grammar drafts under its mask after the tokens drafted so far (so q is the masked
+        distribution, and no draft is wasted on a token the grammar refuses)."""
         tokens, qs = [], []
         for seq, done, row in zip(seqs, drafted, logits):
             row = self._fit(row)
             sp = seq.request.sampling
             history = seq.output_token_ids + done
+            mask = self.grammars.mask_after(seq.grammar, done) if seq.grammar is not None else None
             if sp.greedy:
-                tokens.append(mx.argmax(adjusted(row, sp, seq.request.prompt_token_ids, history)))
+                tokens.append(mx.argmax(adjusted(row, sp, seq.request.prompt_token_ids, history, mask)))
                 qs.append(None)
             else:
-                q = probabilities(row, sp, seq.request.prompt_token_ids, history)
+                q = probabilities(row, sp, seq.request.prompt_token_ids, history, mask)
                 seq.rng_key, sub = mx.random.split(seq.rng_key)
                 tokens.append(mx.random.categorical(mx.log(q), key=sub))
                 qs.append(q)

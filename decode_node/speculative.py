@@ -16,7 +16,8 @@ after d1..di. Each sequence of the batch then accepts its own number of drafts:
               "Accelerating Large Language Model Decoding with Speculative Sampling", Algorithm 2).
 
 So a step emits 1..k+1 tokens per sequence. p_i is what `cluster.sampling.sample` would draw from at that
-position: logit_bias, penalties (over the output plus the drafts before it), temperature, top-k/p, min-p.
+position: logit_bias, penalties (over the output plus the drafts before it), the grammar's mask after the
+drafts before it (constrained decoding, cluster/grammar.py), temperature, top-k/p, min-p.
 
 The number of drafts adapts per sequence (`SpeculationState`): with per-token acceptance rate a, a step with k drafts
 emits E(k) = (1 - a^(k+1)) / (1 - a) tokens on average (Leviathan et al. 2023, eq. 1) and costs about
@@ -39,7 +40,7 @@ import mlx.core as mx
 
 from cluster.config import EngineConfig
 from cluster.request import GenerateRequest, TokenLogprob
-from cluster.sampling import adjusted, probabilities, token_logprobs
+from cluster.sampling import adjusted, apply_mask, probabilities, token_logprobs
 from cluster.sequence import Sequence
 from cluster.speculation import Draft, Verified
 
@@ -166,20 +167,29 @@ def accept_sampled(p: mx.array, q: Optional[mx.array], draft: Seq[int], key: mx.
     return accepted, int(token.item()), key
 
 
+def _row(masks: Optional[mx.array], i: int) -> Optional[mx.array]:
+    return None if masks is None else masks[i]
+
+
 def _adjusts(seq: Sequence) -> bool:
     sp = seq.request.sampling
     return bool(sp.logit_bias) or sp.needs_penalties
 
 
-def verify(seqs: list[Sequence], drafts: list[Draft], logits: list[mx.array]) -> list[Verified]:
+def verify(seqs: list[Sequence], drafts: list[Draft], logits: list[mx.array],
+           masks: Optional[list[Optional[mx.array]]] = None) -> list[Verified]:
     """Verify each sequence's draft against the target's logits (float32 [len(draft) + 1, vocab] each).
 
-    Greedy rows without logit adjustments are decided with one argmax over all of them; sampled rows use
-    `accept_sampled` and advance the sequence's `rng_key`."""
+    `masks`: per sequence, its grammar's masks at those positions (bool [len(draft) + 1, vocab],
+    `cluster.grammar.Grammars.draft_masks`) or None (free). A constrained row's target is its masked
+    distribution (greedy: the masked argmax), so a draft its grammar refuses is never accepted and the token
+    emitted there follows the grammar. Greedy rows without logit adjustments are decided with one argmax over
+    all of them; sampled rows use `accept_sampled` and advance the sequence's `rng_key`."""
+    masks = masks if masks is not None else [None] * len(seqs)
     targets: dict[int, list[int]] = {}
     plain = [b for b, s in enumerate(seqs) if s.request.sampling.greedy and not _adjusts(s)]
     if plain:
-        flat = mx.argmax(mx.concatenate([logits[b] for b in plain]), axis=-1).tolist()
+        flat = mx.argmax(mx.concatenate([apply_mask(logits[b], masks[b]) for b in plain]), axis=-1).tolist()
         for b in plain:
             n = len(drafts[b].tokens) + 1
             targets[b], flat = flat[:n], flat[n:]
@@ -190,12 +200,14 @@ def verify(seqs: list[Sequence], drafts: list[Draft], logits: list[mx.array]) ->
         if sp.greedy:
             target = targets.get(b)
             if target is None:
-                rows = [adjusted(logits[b][i], sp, prompt, history + d[:i]) for i in range(len(d) + 1)]
+                rows = [adjusted(logits[b][i], sp, prompt, history + d[:i], _row(masks[b], i))
+                        for i in range(len(d) + 1)]
                 target = mx.argmax(mx.stack(rows), axis=-1).tolist()
             n = accept_greedy(d, target)
             tokens = tuple(target[:n + 1])
         else:
-            p = mx.stack([probabilities(logits[b][i], sp, prompt, history + d[:i]) for i in range(len(d) + 1)])
+            p = mx.stack([probabilities(logits[b][i], sp, prompt, history + d[:i], _row(masks[b], i))
+                          for i in range(len(d) + 1)])
             n, token, seq.rng_key = accept_sampled(p, draft.probs, d, seq.rng_key)
             tokens = (*d[:n], token)
         logprobs: tuple[Optional[TokenLogprob], ...] = (None,) * len(tokens)
@@ -232,7 +244,10 @@ class DecodeSpeculator:
         return max(0, min(seq.speculation.num_draft_tokens(drafter.cost_per_token), left))
 
     def propose(self, items: list[tuple[Sequence, int]]) -> dict[str, Draft]:
-        """Each drafter is called once, for its sequences."""
+        """Each drafter is called once, for its sequences. A deterministic draft (no `probs`) of a sequence
+        with a grammar is cut before its first token the grammar refuses (verification would reject it);
+        a sampled one is kept whole, since cutting it where its sampled tokens fail would bias the rejection
+        rule (the draft model draws from its grammar-masked q instead, so its drafts never fail)."""
         by_method: dict[str, list[tuple[Sequence, int]]] = {}
         for seq, n in items:
             if n > 1 and seq.speculation is not None:
@@ -242,12 +257,15 @@ class DecodeSpeculator:
             proposed = self.drafters[method].propose([seq for seq, _ in group], [n - 1 for _, n in group])
             for (seq, n), draft in zip(group, proposed):
                 assert len(draft.tokens) < n, "a drafter proposed more tokens than asked"
+                if seq.grammar is not None and draft.probs is None:
+                    draft = Draft(draft.tokens[:seq.grammar.valid_prefix(draft.tokens)])
                 if draft.tokens:
                     drafts[seq.request_id] = draft
         return drafts
 
-    def verify(self, seqs: list[Sequence], drafts: list[Draft], logits: list[mx.array]) -> list[Verified]:
-        return verify(seqs, drafts, logits)
+    def verify(self, seqs: list[Sequence], drafts: list[Draft], logits: list[mx.array],
+               masks: Optional[list[Optional[mx.array]]] = None) -> list[Verified]:
+        return verify(seqs, drafts, logits, masks)
 
     def record(self, seq: Sequence, draft: Draft, verified: Verified) -> None:
         self.num_draft_tokens += len(draft.tokens)

@@ -96,7 +96,8 @@ class ClusterLiveness:
 
     def _migrate(self, stream: _Stream) -> bool:
         """Re-run a request whose decode worker died on another live decode worker, from its prompt plus the
-        tokens already streamed (prefilled there locally; a prefill worker still computing it is told to stop).
+        tokens already streamed (prefilled there locally; a prefill worker still computing it is told to stop; a
+        grammar replays those tokens, `SamplingParams.grammar_prefix`).
         Nothing streamed yet: the request runs there from the start, prompt logprobs included. False when
         there is nowhere to go."""
         others = [w for w in self.workers if w.alive and w.spec.role == "decode" and w is not stream.decode]
@@ -108,10 +109,11 @@ class ClusterLiveness:
         left = sp.max_tokens - done
         if left <= 0:
             return False
+        if done:  # a grammar resumes from the tokens streamed so far, now part of the prompt
+            sp = dataclasses.replace(sp, max_tokens=left, prompt_logprobs=None, grammar_prefix=(
+                sp.grammar_prefix + tuple(stream.token_ids)) if sp.grammar is not None else ())
         request = dataclasses.replace(stream.request, prompt_token_ids=tuple(stream.request.prompt_token_ids)
-                                      + tuple(stream.token_ids),
-                                      sampling=dataclasses.replace(sp, max_tokens=left, prompt_logprobs=None)
-                                      if done else sp)
+                                      + tuple(stream.token_ids), sampling=sp)
         logger.warning("migrating %s to %s after %d tokens", request.request_id, target.spec.name, done)
         stream.decode.inflight.discard(request.request_id)
         self._post(stream.decode, AbortRequest(request_id=request.request_id))  # it may only have been silent

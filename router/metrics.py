@@ -80,6 +80,10 @@ class EngineStatsCollector(Collector):
                                              s.num_accepted_tokens),
             "engine_state_snapshots_restored": ("Prefix-cache hits that restored a recurrent-state snapshot",
                                                 s.state_snapshots_restored),
+            "engine_constrained_requests": ("Constrained decoding: requests with a grammar (response_format, "
+                                            "tool_choice)", s.num_constrained_requests),
+            "engine_grammar_mask_seconds": ("Constrained decoding: seconds spent computing grammar masks",
+                                            s.grammar_mask_seconds),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(PREFIX + name, doc, value=value)

@@ -250,6 +250,22 @@ def test_several_stops_match_reference(text, stops, cuts):
     assert (emitted, stopped) == reference_cut(text, stops)
 
 
+@settings(max_examples=300, deadline=None)
+@given(text=st.text("abc", max_size=20), stops=st.lists(st.text("abc", min_size=1, max_size=4), max_size=4),
+       cuts=st.lists(st.integers(0, 100)))
+def test_the_matcher_names_the_stop_string_that_cut_the_text(text, stops, cuts):
+    m = StopStringMatcher(stops)
+    out, stopped = feed_all(m, chunked(text, cuts))
+    if not stopped:
+        assert m.matched is None
+        return
+    emitted = "".join(out)
+    end = len(emitted) + len(m.matched)
+    assert m.matched in stops and text[len(emitted):end] == m.matched
+    assert not any(s in text[:end - 1] for s in stops)  # none completed earlier
+    assert all(len(s) <= len(m.matched) for s in stops if text[:end].endswith(s))  # the longest on a tie
+
+
 # ---- stop strings over tokens: OutputText ----
 
 
@@ -301,3 +317,10 @@ def test_finish_after_length(tiny_tokenizer):
     sent = "".join(out.add(t)[0] for t in ids)
     assert sent == "alpha 世界 "  # "gamma" may start "gamma!": held
     assert out.finish() == "gamma" and out.text == "alpha 世界 gamma" and not out.stopped
+
+
+def test_output_text_names_the_stop_string_that_ended_it(smollm_tokenizer):
+    deltas, stopped, out = run_output(smollm_tokenizer, "Hello", " ABC DEFGHIJK", ("XYZ", "GHI"))
+    assert stopped and "".join(deltas) == " ABC DEF" and out.stop_string == "GHI"
+    deltas, stopped, out = run_output(smollm_tokenizer, "Hello", " ABC", ("XYZ",))
+    assert not stopped and out.stop_string is None
