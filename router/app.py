@@ -1,6 +1,9 @@
 """The OpenAI-compatible HTTP API of mlx-pd (FastAPI), over any `EngineClient`.
 
     POST /v1/completions        POST /v1/chat/completions     (JSON or SSE with "stream": true)
+    POST /v1/responses          OpenAI's Responses API, stateless (router/responses_api.py)
+    POST /v1/messages           Anthropic's Messages API (router/anthropic_api.py), and
+    POST /v1/messages/count_tokens   its prompt's token count
     GET  /v1/models             GET  /v1/models/{model}
     GET  /health                200 while engine.is_healthy(), else 503
     GET  /metrics               Prometheus text (registry per app)
@@ -11,7 +14,8 @@ that all its text is Unicode (400 naming the field) -> validate (400 naming the 
 name (404) -> tokenize, refusing a prompt over the context after bounded work -> clamp max_tokens -> n
 GenerateRequests -> run them concurrently -> answer whole or stream. Every endpoint with a JSON body reads
 it through `router.body.read_request`. With `api_key` set, every endpoint but /health and /metrics needs
-`Authorization: Bearer <api_key>` (401 otherwise).
+`Authorization: Bearer <api_key>` or `x-api-key: <api_key>` (401 otherwise). Errors on /v1/messages take
+Anthropic's shape (router/errors.py).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from cluster.engine_client import EngineClient, EngineError
+from router.anthropic_api import install_anthropic_api
 from router.body import default_max_body_bytes, read_request
 from router.errors import APIError, engine_unavailable, install_error_handlers
 from router.metrics import MetricsMiddleware, RouterMetrics
@@ -34,6 +39,7 @@ from router.openapi import install_openapi
 from router.openai_schema import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from router.params import prepare_chat, prepare_completion
 from router.responses import ChatFormatter, CompletionFormatter
+from router.responses_api import install_responses_api
 from router.serving import serve_prepared
 from router.tokenizer import RouterTokenizer
 
@@ -41,7 +47,8 @@ AUTH_EXEMPT = ("/health", "/metrics")
 
 
 class BearerAuthMiddleware:
-    """Pure ASGI middleware: 401 unless `Authorization: Bearer <key>` matches (constant-time compare)."""
+    """Pure ASGI middleware: 401 unless `Authorization: Bearer <key>` or `x-api-key: <key>` (Anthropic's
+    header) matches (constant-time compare); the 401 takes the shape of the API the path belongs to."""
 
     def __init__(self, app: Any, api_key: str, exempt: tuple[str, ...] = AUTH_EXEMPT):
         self.app = app
@@ -49,11 +56,15 @@ class BearerAuthMiddleware:
         self._exempt = exempt
 
     def _authorized(self, scope: dict) -> bool:
-        header = b""
+        header, api_key = b"", None
         for name, value in scope.get("headers", ()):
-            if name.lower() == b"authorization":
+            name = name.lower()
+            if name == b"authorization" and not header:
                 header = value
-                break
+            elif name == b"x-api-key" and api_key is None:
+                api_key = value
+        if api_key is not None and hmac.compare_digest(api_key.strip(), self._expected):
+            return True
         scheme, _, token = header.strip().partition(b" ")
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._expected)
 
@@ -61,9 +72,9 @@ class BearerAuthMiddleware:
         if scope["type"] != "http" or scope.get("path") in self._exempt or self._authorized(scope):
             await self.app(scope, receive, send)
             return
-        err = APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
-                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        await err.response()(scope, receive, send)
+        err = APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>' "
+                            "(or 'x-api-key: <key>')", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        await err.response(scope.get("path"))(scope, receive, send)
 
 
 def create_app(engine: EngineClient, tokenizer: RouterTokenizer, *, served_model_names: list[str],
@@ -113,6 +124,11 @@ def create_app(engine: EngineClient, tokenizer: RouterTokenizer, *, served_model
 
     def body_limit() -> int:
         return max_body_bytes or default_max_body_bytes(engine.max_model_len)
+
+    install_responses_api(app, resolve_model=resolve_model, body_limit=body_limit,
+                          request_timeout_s=request_timeout_s)
+    install_anthropic_api(app, resolve_model=resolve_model, body_limit=body_limit,
+                          request_timeout_s=request_timeout_s)
 
     async def run(request: Request, kind: str) -> Response:
         arrival, arrival_wall = time.monotonic(), time.time()

@@ -1,8 +1,10 @@
-"""OpenAI-style errors: one exception type, one body shape, and the handlers that guarantee it.
+"""Errors: one exception type, the body shape of each API, and the handlers that guarantee it.
 
-Every non-2xx answer of the router has the body `{"error": {"message", "type", "param", "code"}}`.
-Invalid requests (bad JSON, schema, values) are 400 with `param` naming the field and a message saying
-what to change; FastAPI's own 422 for schema errors is turned into the same 400.
+Every non-2xx answer of the router has the body `{"error": {"message", "type", "param", "code"}}` (OpenAI's),
+except on Anthropic's Messages endpoints (`/v1/messages` and below), where it is
+`{"type": "error", "error": {"type", "message"}}` with Anthropic's type for the status (`anthropic_error_type`);
+the status codes are the same. Invalid requests (bad JSON, schema, values) are 400 with `param` naming the
+field and a message saying what to change; FastAPI's own 422 for schema errors is turned into the same 400.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from router.anthropic_output import AnthropicErrorInfo, AnthropicErrorResponse
 from router.openai_schema import CONTEXT_LENGTH_EXCEEDED, ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": logged and counted, never seen by the client
+ANTHROPIC_PATH = "/v1/messages"  # this path and the paths below it answer errors in Anthropic's shape
 
 
 def error_type(status: int) -> str:
@@ -33,6 +37,20 @@ def error_type(status: int) -> str:
     if status < 500:
         return "invalid_request_error"
     return "server_error"
+
+
+def anthropic_error_type(status: int) -> str:
+    """Anthropic's error `type` for an HTTP status (the `anthropic` SDK's `ErrorType`)."""
+    known = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+             429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error", 504: "timeout_error"}
+    if status in known:
+        return known[status]
+    return "invalid_request_error" if status < 500 else "api_error"
+
+
+def is_anthropic_path(path: Optional[str]) -> bool:
+    """True for the paths whose errors take Anthropic's shape (ANTHROPIC_PATH and below)."""
+    return bool(path) and (path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/"))
 
 
 class APIError(Exception):
@@ -53,9 +71,16 @@ class APIError(Exception):
         """The `{"error": {...}}` dict."""
         return error_body(self.message, self.type, self.param, self.code)
 
-    def response(self) -> JSONResponse:
-        """This error as a JSONResponse with its status and headers."""
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's `{"type": "error", "error": {"type", "message"}}` dict."""
+        info = AnthropicErrorInfo(type=anthropic_error_type(self.status), message=self.message)
+        return AnthropicErrorResponse(error=info).model_dump()
+
+    def response(self, path: Optional[str] = None) -> JSONResponse:
+        """This error as a JSONResponse with its status and headers, in the shape of the API that serves
+        `path` (OpenAI's unless `is_anthropic_path(path)`)."""
+        body = self.anthropic_body() if is_anthropic_path(path) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def error_body(message: str, type: str, param: Optional[str] = None,
@@ -119,25 +144,25 @@ def from_validation_error(exc: Union[ValidationError, RequestValidationError]) -
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Make every error the app can produce an OpenAI error object."""
+    """Make every error the app can produce an error object of the API its path belongs to."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return from_validation_error(exc).response()
+        return from_validation_error(exc).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404:
             message = f"no such endpoint: {request.method} {request.url.path}"
-        return APIError(exc.status_code, message, headers=exc.headers).response()
+        return APIError(exc.status_code, message, headers=exc.headers).response(request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unexpected error serving %s %s", request.method, request.url.path)
         return APIError(500, f"internal error: {type(exc).__name__}: {exc}",
-                        code="internal_error").response()
+                        code="internal_error").response(request.url.path)

@@ -19,9 +19,23 @@ import math
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
 from cluster.request import MAX_DRAFT_TOKENS
+from router.field_audit import CHAT_REFUSED, COMPLETION_REFUSED, MESSAGE_REFUSED, check_field
+from router.openai_output import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
+                                  ChatLogprobs, ChatMessageOut, CompletionChoice, CompletionLogprobs,
+                                  CompletionResponse, DeltaMessage, ErrorInfo, ErrorResponse, ModelCard, ModelList,
+                                  PromptTokensDetails, TokenLogprobOut, TopLogprob, Usage)
+from router.tool_schema import MessageToolCall, ResponseFormat, ToolChoice, ToolDefinition, check_tool_choice
+
+__all__ = [  # the response models live in router/openai_output.py; importing them from here keeps working
+    "ChatChoice", "ChatChunkChoice", "ChatCompletionChunk", "ChatCompletionResponse", "ChatLogprobs",
+    "ChatMessageOut", "CompletionChoice", "CompletionLogprobs", "CompletionResponse", "DeltaMessage", "ErrorInfo",
+    "ErrorResponse", "ModelCard", "ModelList", "PromptTokensDetails", "TokenLogprobOut", "TopLogprob", "Usage",
+    "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "ContentPart", "SpeculativeOptions",
+    "StreamOptions", "context_length_message", "CONTEXT_LENGTH_EXCEEDED", "INT64_MAX", "INT64_MIN", "MAX_N"]
 
 MAX_N = 128  # most choices per request (OpenAI's own limit)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -55,6 +69,9 @@ def _count(value: Any) -> Optional[int]:
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+Refused = SkipJsonSchema[Any]  # a field of router/field_audit.py's refusal tables (left out of the OpenAPI schema)
 
 
 class StreamOptions(_Request):
@@ -119,6 +136,13 @@ class CompletionRequest(_SamplingFields):
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = Field(None, ge=0, le=20)
     echo: bool = False
+    best_of: Refused = None
+    suffix: Refused = None
+
+    @field_validator(*COMPLETION_REFUSED, mode="before")
+    @classmethod
+    def _refused(cls, value: Any, info: ValidationInfo) -> Any:
+        return check_field(COMPLETION_REFUSED, info.field_name, value)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -149,11 +173,22 @@ class ContentPart(_Request):
 
 
 class ChatMessage(_Request):
-    """One chat message; `content` is normalised to a string (None for an assistant turn without text)."""
+    """One chat message; `content` is normalised to a string (None for an assistant turn without text).
+    An assistant turn may carry `tool_calls`; a `tool` turn answers one of them by `tool_call_id`."""
 
     role: str
     content: Optional[Union[str, list[ContentPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[MessageToolCall]] = None
+    tool_call_id: Optional[str] = None
+    audio: Refused = None
+    function_call: Refused = None
+    refusal: Refused = None
+
+    @field_validator(*MESSAGE_REFUSED, mode="before")
+    @classmethod
+    def _refused(cls, value: Any, info: ValidationInfo) -> Any:
+        return check_field(MESSAGE_REFUSED, info.field_name, value)
 
     @field_validator("role")
     @classmethod
@@ -178,6 +213,8 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions. Without max_tokens/max_completion_tokens the context left is the limit.
+    Tools, tool_choice and response_format are router/tool_schema.py's models; the fields of
+    router/field_audit.py's CHAT_REFUSED are read only to refuse them by name.
 
     Validated with `context={"max_model_len": N}`, more than N messages are refused by their number before
     any is validated or rendered: a chat template renders every message to at least one token (its role
@@ -187,6 +224,33 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    tools: Optional[list[ToolDefinition]] = None
+    tool_choice: Optional[ToolChoice] = None
+    parallel_tool_calls: Optional[bool] = None
+    response_format: Optional[ResponseFormat] = None
+    audio: Refused = None
+    modalities: Refused = None
+    prediction: Refused = None
+    web_search_options: Refused = None
+    store: Refused = None
+    service_tier: Refused = None
+    reasoning_effort: Refused = None
+    verbosity: Refused = None
+    functions: Refused = None
+    function_call: Refused = None
+    moderation: Refused = None
+    prompt_cache_options: Refused = None
+    prompt_cache_retention: Refused = None
+
+    @field_validator(*CHAT_REFUSED, mode="before")
+    @classmethod
+    def _refused(cls, value: Any, info: ValidationInfo) -> Any:
+        return check_field(CHAT_REFUSED, info.field_name, value)
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, value: Any) -> Any:
+        return check_tool_choice(value)
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -213,160 +277,3 @@ class ChatCompletionRequest(_SamplingFields):
     def requested_max_tokens(self) -> Optional[int]:
         """max_completion_tokens (OpenAI's current name) when given, else max_tokens."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-
-# ---------------------------------------------------------------------------------------- responses
-
-
-def _omit_none(value: Any) -> bool:
-    return value is None
-
-
-class PromptTokensDetails(BaseModel):
-    """`usage.prompt_tokens_details`: prompt tokens served from the prefix cache."""
-
-    cached_tokens: int = 0
-
-
-class Usage(BaseModel):
-    """Token counts of one request (completion_tokens summed over its choices)."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
-
-
-class TopLogprob(BaseModel):
-    """A candidate token at one position (chat format)."""
-
-    token: str
-    logprob: float
-    bytes: Optional[list[int]] = None
-
-
-class TokenLogprobOut(TopLogprob):
-    """The sampled token at one position with its alternatives (chat format)."""
-
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    """`choices[i].logprobs` of the chat API."""
-
-    content: Optional[list[TokenLogprobOut]] = None
-
-
-class ChatMessageOut(BaseModel):
-    """The assistant message of a non-streamed chat choice."""
-
-    role: Literal["assistant"] = "assistant"
-    content: Optional[str] = None
-
-
-class ChatChoice(BaseModel):
-    """One choice of a non-streamed chat completion."""
-
-    index: int
-    message: ChatMessageOut
-    logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[str] = None
-
-
-class ChatCompletionResponse(BaseModel):
-    """The body of a non-streamed chat completion."""
-
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class DeltaMessage(BaseModel):
-    """`choices[i].delta` of a chat chunk; fields that are None are left out."""
-
-    role: Optional[str] = Field(None, exclude_if=_omit_none)
-    content: Optional[str] = Field(None, exclude_if=_omit_none)
-
-
-class ChatChunkChoice(BaseModel):
-    """One choice's part of a chat chunk."""
-
-    index: int
-    delta: DeltaMessage
-    logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[str] = None
-
-
-class ChatCompletionChunk(BaseModel):
-    """One SSE event of a streamed chat completion (`choices: []` and `usage` on the usage chunk)."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Optional[Usage] = Field(None, exclude_if=_omit_none)
-
-
-class CompletionLogprobs(BaseModel):
-    """The legacy logprobs format of /v1/completions, one list entry per token."""
-
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[Optional[float]] = Field(default_factory=list)
-    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    """One choice of a completion (also the streamed form, with a text delta)."""
-
-    index: int
-    text: str
-    logprobs: Optional[CompletionLogprobs] = None
-    finish_reason: Optional[str] = None
-
-
-class CompletionResponse(BaseModel):
-    """The body of a non-streamed completion, and (object "text_completion" too) of each chunk."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Optional[Usage] = Field(None, exclude_if=_omit_none)
-
-
-class ErrorInfo(BaseModel):
-    """OpenAI's error object."""
-
-    message: str
-    type: str
-    param: Optional[str] = None
-    code: Optional[Union[str, int]] = None
-
-
-class ErrorResponse(BaseModel):
-    """`{"error": {...}}`, the body of every 4xx/5xx answer and of an SSE error event."""
-
-    error: ErrorInfo
-
-
-class ModelCard(BaseModel):
-    """One entry of GET /v1/models."""
-
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "mlx-pd"
-    max_model_len: Optional[int] = None
-
-
-class ModelList(BaseModel):
-    """GET /v1/models."""
-
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

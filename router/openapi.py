@@ -1,10 +1,14 @@
 """The router's published OpenAPI schema, made to say what the router really does.
 
-The two generation endpoints read their JSON body themselves (so that every invalid body gets OpenAI's 400
-error object, never FastAPI's 422), which leaves FastAPI's generated schema without a request body. This
-module adds the bodies (CompletionRequest, ChatCompletionRequest; required), the 200 answers (JSON, or an SSE
-stream when `stream` is true) and the error answers every endpoint can give, all as the ErrorResponse shape.
-Clients, and schemathesis in tests/test_api_fuzz.py, read it from /openapi.json.
+The generation endpoints read their JSON body themselves (so that every invalid body gets OpenAI's 400 error
+object, never FastAPI's 422), which leaves FastAPI's generated schema without a request body. This module
+adds the bodies (CompletionRequest, ChatCompletionRequest, ResponsesRequest, Anthropic's MessagesRequest and
+CountTokensRequest; required), the 200 answers (JSON, or an SSE stream when `stream` is true) and the error
+answers every endpoint can give, as the ErrorResponse shape (AnthropicErrorResponse on /v1/messages and
+below). Clients, and schemathesis in tests/test_api_fuzz.py, read it from /openapi.json. The chat request's tool and
+format fields (tools, tool_choice, parallel_tool_calls, response_format, a message's tool_calls and tool_call_id)
+and the answer's tool_calls come from the pydantic models; the fields router/field_audit.py refuses are read
+but left out of the schema (`SkipJsonSchema`), so a client generated from it never sends them.
 """
 
 from __future__ import annotations
@@ -14,11 +18,20 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel
 
+from router.anthropic_output import AnthropicErrorResponse, CountTokensResponse, MessageResponse
+from router.anthropic_schema import CountTokensRequest, MessagesRequest
+from router.errors import is_anthropic_path
 from router.openai_schema import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                   CompletionResponse, ErrorResponse)
+from router.responses_output import ResponseObject
+from router.responses_schema import ResponsesRequest
 
 _GENERATION = {"/v1/completions": (CompletionRequest, CompletionResponse),
-               "/v1/chat/completions": (ChatCompletionRequest, ChatCompletionResponse)}
+               "/v1/chat/completions": (ChatCompletionRequest, ChatCompletionResponse),
+               "/v1/responses": (ResponsesRequest, ResponseObject),
+               "/v1/messages": (MessagesRequest, MessageResponse),
+               "/v1/messages/count_tokens": (CountTokensRequest, CountTokensResponse)}
+_NOT_STREAMED = ("/v1/messages/count_tokens",)
 _ERRORS = {"400": "invalid request (the message says what to change)", "401": "missing or wrong API key",
            "404": "no such model or path", "413": "request body too large",
            "503": "the engine cannot take it now (Retry-After when transient)",
@@ -34,9 +47,9 @@ _PROMPT = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "in
 
 def _ref(model: type[BaseModel], components: dict) -> dict:
     schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-    for name, sub in schema.pop("$defs", {}).items():
-        components.setdefault(name, sub)
-    components[model.__name__] = schema
+    for name, sub in [*schema.pop("$defs", {}).items(), (model.__name__, schema)]:
+        if components.setdefault(name, sub) != sub:  # two models of one name: one would publish the other's shape
+            raise ValueError(f"two different models publish the schema {name!r}: rename one of them")
     return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
@@ -50,8 +63,10 @@ def install_openapi(app: FastAPI) -> None:
 
         schema = get_openapi(title=app.title, version="1", summary=app.summary, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        error = {"content": {"application/json": {"schema": _ref(ErrorResponse, components)}}}
+        openai_error = {"content": {"application/json": {"schema": _ref(ErrorResponse, components)}}}
+        anthropic_error = {"content": {"application/json": {"schema": _ref(AnthropicErrorResponse, components)}}}
         for path, methods in schema.get("paths", {}).items():
+            error = anthropic_error if is_anthropic_path(path) else openai_error
             for op in methods.values():
                 responses = op.setdefault("responses", {})
                 responses.pop("422", None)  # never sent: schema errors are 400
@@ -69,6 +84,9 @@ def install_openapi(app: FastAPI) -> None:
                     responses["200"] = {"description": "the answer, or with `stream: true` an SSE stream of chunks",
                                         "content": {"application/json": {"schema": _ref(answer, components)},
                                                     "text/event-stream": {"schema": {}}}}  # JSON chunks, then [DONE]
+                    if path in _NOT_STREAMED:
+                        responses["200"] = {"description": "the answer",
+                                            "content": {"application/json": {"schema": _ref(answer, components)}}}
         app.openapi_schema = schema
         return schema
 

@@ -7,12 +7,16 @@ The steps every request takes, in order:
     -> reject a prompt that leaves no room: prompt_tokens >= max_model_len  (400, naming both numbers)
     -> max_tokens = min(requested or the context left, max_model_len - prompt_tokens)
     -> SamplingParams (its ValueError becomes a 400 naming the field)
+       chat with tools or a JSON response_format: the tool plan (which tools the model sees, which parser
+       reads its output, which calls are forced; `plan_tools`), rendered by router/tool_prompt.py, with the
+       grammar of router/structured.py in SamplingParams.grammar
     -> n GenerateRequests "<base>-0" ... "<base>-{n-1}"; with a seed, choice i uses seed + i,
        so streamed and non-streamed answers with the same seed are the same.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, replace
 from typing import Optional, Union
@@ -21,7 +25,10 @@ from cluster.request import GenerateRequest, SamplingParams
 from router.errors import APIError, bad_request
 from router.openai_schema import (CONTEXT_LENGTH_EXCEEDED, INT64_MAX, ChatCompletionRequest, CompletionRequest,
                                   context_length_message)
+from router.structured import build_grammar
 from router.tokenizer import ChatTemplateError, PromptTooLong, RouterTokenizer
+from router.tool_calls import ToolParser, forced_tool_parser_for, tool_parser_for
+from router.tool_prompt import chat_messages
 
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (as in vLLM): dividing by ~0 overflows
 
@@ -31,7 +38,9 @@ class PreparedRequest:
     """Everything the serving code needs besides the engine: the prompt, the choices, the output options.
 
     `logprobs` is the number of alternatives per generated token (None = no logprobs); `echo` (completions
-    only) prepends `prompt_text` and, with logprobs, the prompt's logprobs.
+    only) prepends `prompt_text` and, with logprobs, the prompt's logprobs. `tools`: the request's function
+    tools (OpenAI-shaped dicts); `tool_parser`: what reads calls out of the output (None without tools or with
+    tool_choice "none"); `parallel_tool_calls` False reports at most one call per choice.
     """
 
     request_id: str
@@ -44,6 +53,14 @@ class PreparedRequest:
     include_usage: bool
     logprobs: Optional[int]
     echo: bool = False
+    tools: tuple[dict, ...] = ()
+    tool_parser: Optional[ToolParser] = None
+    parallel_tool_calls: bool = True
+
+    @property
+    def max_tool_calls(self) -> Optional[int]:
+        """The most calls a choice reports (1 without parallel tool calls, else no limit)."""
+        return None if self.parallel_tool_calls else 1
 
     @property
     def n(self) -> int:
@@ -65,19 +82,56 @@ def too_long(exc: PromptTooLong, param: str) -> APIError:
                     "once the prompt could not fit)", param=param, code=CONTEXT_LENGTH_EXCEEDED)
 
 
-async def tokenize_chat(req: ChatCompletionRequest, tok: RouterTokenizer,
-                        max_model_len: Optional[int] = None) -> tuple[str, list[int]]:
-    """(prompt text, token ids) of the chat messages; 400 when the template rejects them, or when the
-    rendered prompt has at least `max_model_len` tokens and is far longer (found after bounded work)."""
-    messages = []
-    for m in req.messages:
-        role = "system" if m.role == "developer" else m.role
-        message = {"role": role, "content": m.content or ""}
-        if m.name:
-            message["name"] = m.name
-        messages.append(message)
+@dataclass(frozen=True)
+class ToolPlan:
+    """How a chat request uses tools: all its `tools`, those `shown` to the model (none with tool_choice
+    "none"), the `parser` of its output, the tools one of which is `forced` (tool_choice "required" or named;
+    None when the model may answer freely), and whether the template renders them `native`ly."""
+
+    tools: tuple[dict, ...] = ()
+    shown: tuple[dict, ...] = ()
+    parser: Optional[ToolParser] = None
+    forced: Optional[tuple[dict, ...]] = None
+    native: bool = True
+
+
+def plan_tools(req: ChatCompletionRequest, tok: RouterTokenizer) -> ToolPlan:
+    """The ToolPlan of a chat request; 400 naming the field for duplicate tool names, a tool_choice that needs
+    tools when there are none, or a named tool_choice that names none of them. A forced call, or tools next to
+    a JSON response_format, uses the Hermes form (router/structured.py) and its parser."""
+    tools = tuple(t.openai() for t in req.tools or ())
+    names = [t["function"]["name"] for t in tools]
+    duplicate = next((n for n in names if names.count(n) > 1), None)
+    if duplicate is not None:
+        raise bad_request(f"tools: two functions are named {duplicate!r}: give each tool its own name", "tools")
+    choice = req.tool_choice
+    if choice is not None and choice != "none" and not tools:
+        raise bad_request("tool_choice: there are no tools to choose from: send tools, or leave tool_choice out",
+                          "tool_choice")
+    if choice == "none" or not tools:
+        return ToolPlan(tools=tools, native=tool_parser_for(tok).native)
+    forced = None
+    if choice == "required":
+        forced = tools
+    elif choice is not None and choice != "auto":
+        forced = tuple(t for t in tools if t["function"]["name"] == choice.function.name)
+        if not forced:
+            raise bad_request(f"tool_choice: {choice.function.name!r} is not one of the tools "
+                              f"({', '.join(repr(n) for n in names)}): name one of them", "tool_choice")
+    json_format = req.response_format is not None and req.response_format.type != "text"
+    parser = forced_tool_parser_for(tok) if forced or json_format else tool_parser_for(tok)
+    return ToolPlan(tools=tools, shown=tools, parser=parser, forced=forced, native=parser.native)
+
+
+async def tokenize_chat(req: ChatCompletionRequest, tok: RouterTokenizer, max_model_len: Optional[int] = None,
+                        plan: Optional[ToolPlan] = None) -> tuple[str, list[int]]:
+    """(prompt text, token ids) of the chat messages (with the plan's tools and tool turns,
+    router/tool_prompt.py); 400 when the template rejects them, or when the rendered prompt has at least
+    `max_model_len` tokens and is far longer (found after bounded work)."""
+    plan = plan or plan_tools(req, tok)
+    messages, template_tools = chat_messages(req.messages, plan.shown, plan.native)
     try:
-        return await tok.arender_chat(messages, max_model_len)
+        return await tok.arender_chat(messages, max_model_len, template_tools)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from exc
     except PromptTooLong as exc:
@@ -115,7 +169,8 @@ def clamp_max_tokens(requested: Optional[int], num_prompt_tokens: int, max_model
 
 def build_sampling(req: Union[ChatCompletionRequest, CompletionRequest], *, max_tokens: int,
                    logprobs: Optional[int], prompt_logprobs: Optional[int],
-                   tok: RouterTokenizer) -> SamplingParams:
+                   tok: RouterTokenizer, grammar: Optional[str] = None,
+                   skip_special_tokens: bool = True) -> SamplingParams:
     """SamplingParams for one choice (seed not yet offset); 400 naming the field on a bad value."""
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     stop_ids = list(req.stop_token_ids or ())
@@ -145,7 +200,8 @@ def build_sampling(req: Union[ChatCompletionRequest, CompletionRequest], *, max_
         logit_bias=tuple(bias), logprobs=logprobs, prompt_logprobs=prompt_logprobs, stop=stop,
         stop_token_ids=tuple(stop_ids), ignore_eos=req.ignore_eos, seed=req.seed,
         speculative_method=req.speculative.method if req.speculative else None,
-        num_draft_tokens=req.speculative.num_draft_tokens if req.speculative else None)
+        num_draft_tokens=req.speculative.num_draft_tokens if req.speculative else None,
+        grammar=grammar, skip_special_tokens=skip_special_tokens)
     try:
         return SamplingParams(**fields)
     except ValueError as exc:
@@ -181,13 +237,21 @@ async def prepare_chat(req: ChatCompletionRequest, tok: RouterTokenizer, *, requ
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs: set logprobs to true to use top_logprobs", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    text, ids = await tokenize_chat(req, tok, max_model_len)
+    plan = plan_tools(req, tok)
+    grammar = None
+    if plan.forced or (req.response_format is not None and req.response_format.type != "text"):
+        grammar = await asyncio.get_running_loop().run_in_executor(
+            None, build_grammar, req, plan.shown, plan.forced, tok)  # the first one builds the llg tokenizer
+    text, ids = await tokenize_chat(req, tok, max_model_len, plan)
     max_tokens = clamp_max_tokens(req.requested_max_tokens, len(ids), max_model_len, "messages")
-    sampling = build_sampling(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=None, tok=tok)
+    special = plan.parser is not None and plan.parser.markers_are_special
+    sampling = build_sampling(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=None, tok=tok,
+                              grammar=grammar, skip_special_tokens=not special)
     return PreparedRequest(
         request_id=request_id, model=model, prompt_token_ids=tuple(ids), prompt_text=text,
         requests=make_requests(request_id, ids, sampling, req.n or 1, req.cache_salt, arrival_time),
-        max_tokens=max_tokens, stream=req.stream, include_usage=req.include_usage, logprobs=logprobs)
+        max_tokens=max_tokens, stream=req.stream, include_usage=req.include_usage, logprobs=logprobs,
+        tools=plan.tools, tool_parser=plan.parser, parallel_tool_calls=req.parallel_tool_calls is not False)
 
 
 async def prepare_completion(req: CompletionRequest, tok: RouterTokenizer, *, request_id: str,

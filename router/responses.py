@@ -12,14 +12,22 @@ Chat format: `logprobs.content = [{token, logprob, bytes, top_logprobs: [{token,
 Legacy (completions) format: `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}`,
 where `top_logprobs` always includes the sampled token (so up to k+1 entries, as OpenAI documents) and
 `text_offset` counts characters of the display strings from the start of the returned text.
+
+Tool calls (a request with a `tool_parser`, router/tool_calls.py): the whole answer's `message.tool_calls`
+lists the calls and `content` is the remaining text or null; a stream sends, per call, a chunk with
+`delta.tool_calls = [{index, id, type: "function", function: {name, arguments: ""}}]` then one with
+`[{index, function: {arguments}}]`, content in chunks of its own; text the parser holds back (a possible
+marker, a call not yet closed) waits, and so do its logprobs, which ride on the next chunk. A choice that
+made a call and stopped by itself finishes with "tool_calls"; one cut by max_tokens keeps "length".
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from cluster.request import FinishReason, RequestOutput, TokenLogprob
 from router.errors import APIError, engine_unavailable
@@ -28,7 +36,10 @@ from router.openai_schema import (ChatChoice, ChatChunkChoice, ChatCompletionChu
                                   CompletionResponse, DeltaMessage, PromptTokensDetails, TokenLogprobOut,
                                   TopLogprob, Usage)
 from router.params import PreparedRequest
+from router.streams import SSE_DONE, sse_event
 from router.tokenizer import RouterTokenizer
+from router.tool_calls import ContentDelta, ToolCallArguments, ToolCallStarted, ToolCallStream, ToolEvent
+from router.tool_schema import DeltaFunction, DeltaToolCall, FunctionCallOut, ToolCallOut
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +73,7 @@ class ChoiceState:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: Optional[tuple[TokenLogprob, ...]] = None
     finish_reason: Optional[str] = None
+    stop_string: Optional[str] = None  # the stop string that ended it (finish_reason "stop")
     num_cached_tokens: int = 0
     started: bool = False  # streaming: the first chunk (role / echo) was sent
     text_offset: int = 0  # legacy logprobs: characters emitted so far
@@ -87,6 +99,7 @@ class Accumulator:
         state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
         if out.finish_reason is not None:
             state.finish_reason = FinishReason(out.finish_reason).value
+            state.stop_string = out.stop_string
             if out.num_output_tokens and out.num_output_tokens != state.num_tokens:
                 logger.warning("request %s: the engine counts %d output tokens but delivered %d; usage "
                                "reports the delivered count", out.request_id, out.num_output_tokens,
@@ -111,9 +124,31 @@ class _Formatter:
     def _top(self, entry: TokenLogprob) -> list[tuple[int, float]]:
         return list(entry.top[: self.p.logprobs or 0])
 
+    def frame(self, chunk: str) -> str:
+        """One chunk as SSE text: OpenAI's chunks are unnamed `data:` events."""
+        return sse_event(chunk)
+
+    def error_event(self, error: APIError) -> str:
+        """The SSE event reporting `error` once the stream has started: OpenAI's error object."""
+        return sse_event(json.dumps(error.body()))
+
+    def end_of_stream(self) -> str:
+        """The SSE text after the last event: OpenAI's `data: [DONE]`."""
+        return SSE_DONE
+
+
+def tool_finish_reason(finish_reason: Optional[str], num_calls: int) -> Optional[str]:
+    """OpenAI's finish_reason of a choice: "tool_calls" when it made calls and stopped by itself."""
+    return "tool_calls" if num_calls and finish_reason == "stop" else finish_reason
+
 
 class ChatFormatter(_Formatter):
     """Chunks and answers of /v1/chat/completions."""
+
+    def __init__(self, prepared: PreparedRequest, tok: RouterTokenizer, created: int):
+        super().__init__(prepared, tok, created)
+        self._streams: dict[int, ToolCallStream] = {}
+        self._held_logprobs: dict[int, list[TokenLogprob]] = {}
 
     def _entries(self, logprobs: Sequence[TokenLogprob]) -> list[TokenLogprobOut]:
         tok = self.tok
@@ -133,8 +168,10 @@ class ChatFormatter(_Formatter):
         return [self._chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
                 for i in range(self.p.n)]
 
-    def delta_chunk(self, state: ChoiceState, out: RequestOutput) -> Optional[str]:
-        """The chunk for one delta (None when it carries nothing); logprobs ride with their tokens."""
+    def delta_chunk(self, state: ChoiceState, out: RequestOutput) -> Union[None, str, list[str]]:
+        """The chunk(s) for one delta (None when it carries nothing); logprobs ride with their tokens."""
+        if self.p.tool_parser is not None:
+            return self._tool_chunks(state, out)
         if not (out.token_ids or out.text or out.finished):
             return None
         logprobs = None
@@ -144,16 +181,62 @@ class ChatFormatter(_Formatter):
         return self._chunk([ChatChunkChoice(index=state.index, delta=delta, logprobs=logprobs,
                                             finish_reason=state.finish_reason if out.finished else None)])
 
+    def _tool_chunks(self, state: ChoiceState, out: RequestOutput) -> list[str]:
+        """The chunks of one delta of a request that parses tool calls (see the module docstring)."""
+        stream = self._streams.get(state.index)
+        if stream is None:
+            stream = self._streams[state.index] = self.p.tool_parser.stream(self.p.tools, self.p.max_tool_calls)
+        events: list[ToolEvent] = stream.feed(out.text) if out.text else []
+        if out.finished:
+            events += stream.finish(state.finish_reason)
+        held = self._held_logprobs.setdefault(state.index, [])
+        held.extend(out.logprobs or ())
+        deltas = []
+        for e in events:
+            if isinstance(e, ContentDelta):
+                deltas.append(DeltaMessage(content=e.text))
+            elif isinstance(e, ToolCallStarted):
+                deltas.append(DeltaMessage(tool_calls=[DeltaToolCall(
+                    index=e.index, id=e.id, type="function", function=DeltaFunction(name=e.name, arguments=""))]))
+            elif isinstance(e, ToolCallArguments):
+                deltas.append(DeltaMessage(tool_calls=[DeltaToolCall(index=e.index,
+                                                                     function=DeltaFunction(arguments=e.text))]))
+        if out.finished and not deltas:
+            deltas.append(DeltaMessage())
+        chunks = []
+        for i, delta in enumerate(deltas):
+            logprobs = None
+            if self.p.logprobs is not None and i == 0:
+                logprobs = ChatLogprobs(content=self._entries(held))
+                held.clear()
+            last = out.finished and i == len(deltas) - 1
+            chunks.append(self._chunk([ChatChunkChoice(
+                index=state.index, delta=delta, logprobs=logprobs,
+                finish_reason=tool_finish_reason(state.finish_reason, stream.num_calls) if last else None)]))
+        return chunks
+
     def usage_chunk(self, usage: Usage) -> str:
         """The final `choices: []` chunk of `stream_options.include_usage`."""
         return self._chunk([], usage)
 
+    def _message(self, c: ChoiceState) -> tuple[ChatMessageOut, Optional[str]]:
+        """A whole choice's message and finish_reason, its tool calls parsed out when the request has tools."""
+        text = "".join(c.texts)
+        if self.p.tool_parser is None:
+            return ChatMessageOut(content=text), c.finish_reason
+        content, calls = self.p.tool_parser.parse(text, self.p.tools, c.finish_reason, self.p.max_tool_calls)
+        out = [ToolCallOut(id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments))
+               for call in calls]
+        return ChatMessageOut(content=content, tool_calls=out or None), tool_finish_reason(c.finish_reason, len(calls))
+
     def response(self, acc: Accumulator) -> ChatCompletionResponse:
         """The non-streamed answer."""
-        choices = [ChatChoice(
-            index=c.index, message=ChatMessageOut(content="".join(c.texts)), finish_reason=c.finish_reason,
-            logprobs=ChatLogprobs(content=self._entries(c.logprobs)) if self.p.logprobs is not None else None)
-            for c in acc.choices]
+        choices = []
+        for c in acc.choices:
+            message, finish_reason = self._message(c)
+            choices.append(ChatChoice(
+                index=c.index, message=message, finish_reason=finish_reason,
+                logprobs=ChatLogprobs(content=self._entries(c.logprobs)) if self.p.logprobs is not None else None))
         return ChatCompletionResponse(id=self.p.request_id, created=self.created, model=self.p.model,
                                       choices=choices, usage=acc.usage())
 

@@ -10,33 +10,61 @@ Failure rules (what the client sees):
     any other engine failure             500 (`engine_error`) or an SSE error event
     client disconnect                    every unfinished choice is aborted; nothing more is sent
 
-A stream always ends with `data: [DONE]` unless the client is gone. A streamed answer starts (status
-200 and headers) when the first delta arrives, so an engine that refuses the request still gets a
-proper status code; until then a side task watches for a disconnect, as for non-streamed answers.
+A stream always ends with the formatter's end of stream (OpenAI's `data: [DONE]`; nothing after Anthropic's
+`message_stop`) unless the client is gone. A streamed answer starts (status 200 and headers) when the first
+delta arrives, so an engine that refuses the request still gets a proper status code; until then a side task
+watches for a disconnect, as for non-streamed answers.
+
+The bodies come from a `Formatter`, one per API (router/responses.py: OpenAI's chat and completions;
+router/anthropic_responses.py: Anthropic's Messages); the rules above are the same for every API.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from typing import AsyncIterator, Optional, Union
+from typing import AsyncIterator, Optional, Protocol, Union
 
 from fastapi import Request
 from fastapi.responses import Response
+from pydantic import BaseModel
 
 from cluster.engine_client import EngineClient, EngineError
 from cluster.request import FinishReason, RequestOutput
 from router.errors import CLIENT_CLOSED, APIError, engine_unavailable
 from router.metrics import RouterMetrics
 from router.params import PreparedRequest
-from router.responses import Accumulator, ChatFormatter, CompletionFormatter, finish_error
-from router.streams import (SSE_DONE, ChoiceStreams, ClientDisconnected, EngineStreamEnded, SSEResponse,
-                            StallTimeout, sse_event, watch_disconnect)
+from router.openai_schema import Usage
+from router.responses import Accumulator, ChoiceState, finish_error
+from router.streams import (ChoiceStreams, ClientDisconnected, EngineStreamEnded, SSEResponse, StallTimeout,
+                            watch_disconnect)
 
 logger = logging.getLogger(__name__)
 
-Formatter = Union[ChatFormatter, CompletionFormatter]
+
+class Formatter(Protocol):
+    """The bodies of one API for one request. Chunks are the formatter's own strings; `frame` makes one SSE text."""
+
+    def first_chunks(self) -> list[str]:
+        """Chunks sent before the first delta's."""
+
+    def delta_chunk(self, state: ChoiceState, out: RequestOutput) -> Union[None, str, list[str]]:
+        """The chunk(s) for one delta of choice `state` (already added to it); None when it carries nothing."""
+
+    def usage_chunk(self, usage: Usage) -> str:
+        """The chunk after the last delta when the request asked for usage in the stream."""
+
+    def response(self, acc: Accumulator) -> BaseModel:
+        """The non-streamed answer."""
+
+    def frame(self, chunk: str) -> str:
+        """One chunk as SSE text."""
+
+    def error_event(self, error: APIError) -> str:
+        """The SSE text reporting `error` once the stream has started."""
+
+    def end_of_stream(self) -> str:
+        """The SSE text after everything else ("" for none)."""
 
 
 def to_api_error(exc: BaseException) -> APIError:
@@ -110,33 +138,35 @@ async def _collect(first: tuple[int, RequestOutput], streams: ChoiceStreams, acc
 
 async def _events(first: tuple[int, RequestOutput], streams: ChoiceStreams, acc: Accumulator,
                   formatter: Formatter, metrics: Optional[RouterMetrics]) -> AsyncIterator[str]:
-    """The SSE body: first chunks, one chunk per delta, the usage chunk, then [DONE]."""
+    """The SSE body: first chunks, the chunks of each delta, the usage chunk, then the end of stream."""
     try:
         for chunk in formatter.first_chunks():
-            yield sse_event(chunk)
+            yield formatter.frame(chunk)
         index, out = first
         while True:
             state = acc.add(index, out)
             error = finish_error(out)
             if error is not None:
-                yield sse_event(json.dumps(error.body()))
+                yield formatter.error_event(error)
                 break
-            chunk = formatter.delta_chunk(state, out)
-            if chunk is not None:
-                yield sse_event(chunk)
+            chunks = formatter.delta_chunk(state, out)  # None, one chunk, or several (tool calls)
+            for chunk in ([chunks] if isinstance(chunks, str) else chunks or ()):
+                yield formatter.frame(chunk)
             if streams.done:
                 if acc.prepared.include_usage:
-                    yield sse_event(formatter.usage_chunk(acc.usage()))
+                    yield formatter.frame(formatter.usage_chunk(acc.usage()))
                 _count_cached(metrics, acc)
                 break
             index, out = await streams.next()
     except ClientDisconnected:
         return
     except Exception as exc:
-        yield sse_event(json.dumps(to_api_error(exc).body()))
+        yield formatter.error_event(to_api_error(exc))
     finally:
         await streams.aclose()
-    yield SSE_DONE
+    end = formatter.end_of_stream()
+    if end:
+        yield end
 
 
 def _count_cached(metrics: Optional[RouterMetrics], acc: Accumulator) -> None:

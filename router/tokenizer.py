@@ -122,6 +122,11 @@ class RouterTokenizer:
         return "decode"
 
     @property
+    def wrapped(self) -> Any:
+        """The wrapped tokenizer (mlx-lm's TokenizerWrapper), for tool parsing and grammars."""
+        return self._tok
+
+    @property
     def has_chat_template(self) -> bool:
         """True when the model ships a chat template."""
         flag = getattr(self._tok, "has_chat_template", None)
@@ -129,9 +134,10 @@ class RouterTokenizer:
 
     # ------------------------------------------------------------------------------ encoding
 
-    def render_chat(self, messages: Sequence[dict[str, Any]], limit: Optional[int] = None
-                    ) -> tuple[str, list[int]]:
-        """(prompt text, token ids) of `messages` rendered with the chat template plus the generation prompt.
+    def render_chat(self, messages: Sequence[dict[str, Any]], limit: Optional[int] = None,
+                    tools: Optional[list[dict[str, Any]]] = None) -> tuple[str, list[int]]:
+        """(prompt text, token ids) of `messages` rendered with the chat template plus the generation prompt;
+        `tools` (OpenAI function tools) is passed to the template when given (router/tool_prompt.py).
 
         Raises ChatTemplateError when there is no template or the template rejects the messages
         (e.g. roles that do not alternate), and PromptTooLong when the rendered text has at least `limit`
@@ -140,8 +146,9 @@ class RouterTokenizer:
         if not self.has_chat_template:
             raise ChatTemplateError("this model has no chat template: use /v1/completions")
         try:
+            extra = {"tools": tools} if tools else {}
             text = self._tok.apply_chat_template(list(messages), add_generation_prompt=True,
-                                                 tokenize=False)
+                                                 tokenize=False, **extra)
         except Exception as exc:  # jinja2 TemplateError, or a template that raises on purpose
             raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from exc
         if not isinstance(text, str):
@@ -176,11 +183,11 @@ class RouterTokenizer:
         """Text of `token_ids` (special tokens kept, as in the prompt)."""
         return self._tok.decode(list(token_ids))
 
-    async def arender_chat(self, messages: Sequence[dict[str, Any]], limit: Optional[int] = None
-                           ) -> tuple[str, list[int]]:
+    async def arender_chat(self, messages: Sequence[dict[str, Any]], limit: Optional[int] = None,
+                           tools: Optional[list[dict[str, Any]]] = None) -> tuple[str, list[int]]:
         """`render_chat`, off the event loop when the messages are long."""
-        size = sum(len(m.get("content") or "") for m in messages)
-        return await self._maybe_offload(size, self.render_chat, messages, limit)
+        size = sum(len(m.get("content") or "") for m in messages) + (len(str(tools)) if tools else 0)
+        return await self._maybe_offload(size, self.render_chat, messages, limit, tools)
 
     async def aencode(self, text: str, limit: Optional[int] = None) -> list[int]:
         """`encode`, off the event loop when the text is long."""

@@ -84,9 +84,12 @@ def real_tok():
 
 
 def assert_400_naming(r, param: str) -> None:
+    """A 400 whose message starts with `param`: OpenAI's error object also names it in `param`; Anthropic's
+    (the /v1/messages endpoints) has no such field."""
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["param"] == param and err["type"] == "invalid_request_error", err
+    assert err.get("param", param) == param and err["type"] == "invalid_request_error", err
+    assert ("param" in err) != (r.json().get("type") == "error"), r.json()  # one shape or the other
     assert err["message"].startswith(f"{param}: ") and "not valid Unicode" in err["message"], err
 
 

@@ -1,0 +1,205 @@
+"""Anthropic's Messages API on the router: POST /v1/messages and POST /v1/messages/count_tokens.
+
+A Messages request is translated into the OpenAI chat request that asks for the same thing (`chat_body`), which
+then takes the Chat Completions path (router/params.py: chat template, tools, grammar, GenerateRequests;
+router/serving.py: engine, failure rules), with Anthropic's formatter (router/anthropic_responses.py):
+
+    system (string or text blocks)     a system message first
+    user turn: text blocks             a user message (blocks joined by newlines)
+               tool_result blocks      a "tool" message each, `tool_call_id` = tool_use_id, the content's text
+                                       (prefixed "Error: " when `is_error`)
+    assistant turn: text, tool_use     an assistant message: content and `tool_calls` (id, name, input as JSON)
+    system turn (the SDK allows them)  a system message
+    tools                              function tools (input_schema -> parameters)
+    tool_choice auto | any | tool | none   "auto" | "required" | {"type": "function", ...} | "none";
+                                       disable_parallel_tool_use -> parallel_tool_calls false
+    stop_sequences, temperature, top_p, top_k, max_tokens, stream   the same sampling fields
+    metadata.user_id                   user
+    output_config.format               response_format {"type": "json_schema", ...}
+
+Consecutive turns of one role are merged first (as Anthropic does). A conversation that ends with an assistant
+turn (a prefill to continue) is refused with a 400, as Anthropic does for models without prefill. Errors on these
+paths take Anthropic's shape (router/errors.py); a 400 from the chat path names the Anthropic field
+(`_anthropic_names`). count_tokens renders the same prompt (tools included) and counts its tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from typing import Any, Callable, Union
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from router.anthropic_output import CountTokensResponse
+from router.anthropic_responses import AnthropicFormatter
+from router.anthropic_schema import (CountTokensRequest, MessageParam, MessagesRequest, TextBlockParam,
+                                     ToolResultBlockParam, ToolUseBlockParam)
+from router.body import read_request
+from router.errors import APIError, bad_request, from_validation_error
+from router.openai_schema import ChatCompletionRequest
+from router.params import prepare_chat, tokenize_chat
+from router.serving import serve_prepared
+
+_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+_RENAMES = [(re.compile(r"^response_format\.json_schema\.schema"), "output_config.format.schema"),
+            (re.compile(r"^response_format"), "output_config.format"),
+            (re.compile(r"^tools\[(\d+)\]\.function\.parameters"), r"tools[\1].input_schema"),
+            (re.compile(r"^tools\[(\d+)\]\.function\.(\w+)"), r"tools[\1].\2"),
+            (re.compile(r"^stop\b"), "stop_sequences"),
+            (re.compile(r"^max_completion_tokens\b"), "max_tokens")]
+
+
+def _anthropic_names(error: APIError) -> APIError:
+    """`error` with an OpenAI field name at the start of its param and message replaced by the Anthropic one."""
+    for pattern, name in _RENAMES:
+        if error.param and pattern.match(error.param):
+            old, error.param = error.param, pattern.sub(name, error.param)
+            if error.message.startswith(old):
+                error.message = error.param + error.message[len(old):]
+            break
+    return error
+
+
+def _merged(turns: list[MessageParam]) -> list[tuple[str, list[Any]]]:
+    """(role, blocks) of the turns, consecutive turns of one role merged into one."""
+    out: list[tuple[str, list[Any]]] = []
+    for turn in turns:
+        if out and out[-1][0] == turn.role:
+            out[-1][1].extend(turn.content)
+        else:
+            out.append((turn.role, list(turn.content)))
+    return out
+
+
+def _check_blocks(turns: list[MessageParam]) -> None:
+    """400 naming the block for a tool_use outside an assistant turn, a tool_result outside a user turn, or a
+    tool_result whose tool_use_id names no earlier tool_use; and for a last turn from the assistant."""
+    called: set[str] = set()
+    for i, turn in enumerate(turns):
+        for j, block in enumerate(turn.content):
+            where = f"messages[{i}].content[{j}]"
+            if isinstance(block, ToolUseBlockParam):
+                if turn.role != "assistant":
+                    raise bad_request(f"{where}: tool_use blocks belong to assistant turns: move it to the "
+                                      "assistant turn that made the call", where)
+                called.add(block.id)
+            elif isinstance(block, ToolResultBlockParam):
+                if turn.role != "user":
+                    raise bad_request(f"{where}: tool_result blocks belong to user turns: send the result in the "
+                                      "user turn after the call", where)
+                if block.tool_use_id not in called:
+                    raise bad_request(f"{where}.tool_use_id: {block.tool_use_id!r} matches no tool_use block of an "
+                                      "earlier assistant turn: send the id of the call this result answers",
+                                      f"{where}.tool_use_id")
+    if turns and turns[-1].role == "assistant":
+        last = f"messages[{len(turns) - 1}]"
+        raise bad_request(f"{last}: the conversation ends with an assistant turn (a prefill to continue), which "
+                          "this server does not support: end with a user turn", last)
+
+
+def _text(blocks: list[TextBlockParam]) -> str:
+    return "\n".join(b.text for b in blocks)
+
+
+def _messages(req: CountTokensRequest) -> list[dict[str, Any]]:
+    """The OpenAI chat messages of the system prompt and the turns (see the module docstring)."""
+    _check_blocks(req.messages)
+    out: list[dict[str, Any]] = []
+    if req.system:
+        out.append({"role": "system", "content": _text(req.system)})
+    for role, blocks in _merged(req.messages):
+        if role == "assistant":
+            texts = [b for b in blocks if isinstance(b, TextBlockParam)]
+            calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
+                     for b in blocks if isinstance(b, ToolUseBlockParam)]
+            message: dict[str, Any] = {"role": "assistant", "content": _text(texts) if texts or not calls else None}
+            if calls:
+                message["tool_calls"] = calls
+            out.append(message)
+            continue
+        pending: list[TextBlockParam] = []
+        for block in blocks:
+            if isinstance(block, ToolResultBlockParam):
+                if pending:
+                    out.append({"role": role, "content": _text(pending)})
+                    pending = []
+                text = "Error: " + block.text if block.is_error else block.text
+                out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": text})
+            else:
+                pending.append(block)
+        if pending:
+            out.append({"role": role, "content": _text(pending)})
+    return out
+
+
+def chat_body(req: Union[CountTokensRequest, MessagesRequest]) -> dict[str, Any]:
+    """The OpenAI chat request body (for ChatCompletionRequest) asking for what `req` asks; 400 naming the field
+    for turns that do not fit together (`_check_blocks`)."""
+    body: dict[str, Any] = {"model": req.model, "messages": _messages(req)}
+    if req.tools:
+        body["tools"] = [{"type": "function", "function": {
+            "name": t.name, "parameters": t.input_schema,
+            **({"description": t.description} if t.description is not None else {})}} for t in req.tools]
+    choice = req.tool_choice
+    if choice is not None:
+        body["tool_choice"] = (_CHOICES[choice.type] if choice.type in _CHOICES
+                               else {"type": "function", "function": {"name": choice.name}})
+        if choice.disable_parallel_tool_use:
+            body["parallel_tool_calls"] = False
+    if req.output_config is not None and req.output_config.format is not None:
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "output", "schema": req.output_config.format.schema_}}
+    if isinstance(req, MessagesRequest):
+        body.update(max_tokens=req.max_tokens, stream=req.stream, temperature=req.temperature, top_p=req.top_p,
+                    top_k=req.top_k, stop=req.stop_sequences,
+                    user=req.metadata.user_id if req.metadata is not None else None)
+    return body
+
+
+def to_chat_request(req: Union[CountTokensRequest, MessagesRequest], context: dict[str, Any]) -> ChatCompletionRequest:
+    """The validated ChatCompletionRequest of `req` (a 400 naming the Anthropic field when it does not validate)."""
+    try:
+        return ChatCompletionRequest.model_validate(chat_body(req), context=context)
+    except ValidationError as exc:
+        raise _anthropic_names(from_validation_error(exc)) from None
+
+
+def install_anthropic_api(app: FastAPI, *, resolve_model: Callable[[Any], str], body_limit: Callable[[], int],
+                          request_timeout_s: float) -> None:
+    """Add the Messages endpoints to the router's `app` (engine, tokenizer and metrics from `app.state`);
+    `resolve_model` maps a requested model name to the served one (404 otherwise), `body_limit()` is the body
+    size limit in bytes, `request_timeout_s` the engine's stall timeout (as for Chat Completions)."""
+    engine, tokenizer, metrics = app.state.engine, app.state.tokenizer, app.state.metrics
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        """Anthropic's Messages: one answer (JSON, or Anthropic's SSE events with "stream": true)."""
+        arrival, arrival_wall = time.monotonic(), time.time()
+        context = {"max_model_len": engine.max_model_len}
+        req = await read_request(request, MessagesRequest, body_limit(), context)
+        model = resolve_model(req.model)
+        chat = to_chat_request(req, context)
+        try:
+            prepared = await prepare_chat(chat, tokenizer, request_id="msg_" + uuid.uuid4().hex, model=model,
+                                          max_model_len=engine.max_model_len, arrival_time=arrival_wall)
+        except APIError as exc:
+            raise _anthropic_names(exc) from None
+        return await serve_prepared(request, prepared, AnthropicFormatter(prepared, req.max_tokens), engine=engine,
+                                    metrics=metrics, stall_timeout_s=request_timeout_s, arrival=arrival)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> JSONResponse:
+        """The number of tokens of the prompt a Messages request renders to (system, turns and tools)."""
+        req = await read_request(request, CountTokensRequest, body_limit())
+        resolve_model(req.model)
+        chat = to_chat_request(req, {})
+        try:
+            _, ids = await tokenize_chat(chat, tokenizer)
+        except APIError as exc:
+            raise _anthropic_names(exc) from None
+        return JSONResponse(CountTokensResponse(input_tokens=len(ids)).model_dump())

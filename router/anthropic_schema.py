@@ -1,0 +1,389 @@
+"""Pydantic models of the Anthropic Messages requests the router serves (the shapes of the `anthropic` SDK's
+`MessageCreateParams` and `MessageCountTokensParams`; the answers are in router/anthropic_output.py).
+
+Requests ignore unknown keys (as the OpenAI models do) and refuse, with a 400 naming the field, every key of
+the SDK's request types that the router cannot honour (`MESSAGES_REFUSED`), so nothing a client asks for is dropped
+silently. What is honoured, and how:
+
+    system, messages          text blocks (string shorthand too); `tool_use` blocks in assistant turns,
+                              `tool_result` blocks (string or text content, `is_error`) in user turns;
+                              "system" turns inside `messages` (the SDK allows them); consecutive turns of one
+                              role are one turn, as Anthropic merges them. Other block types are refused by name.
+    tools, tool_choice        custom tools (`input_schema` a JSON schema of an object); auto | any | tool | none,
+                              `disable_parallel_tool_use`. Server tools (bash, web search, ...) are refused.
+    stop_sequences            at most 16 non-empty strings
+    temperature, top_p, top_k Anthropic's ranges (temperature in [0, 1]); the SDK sends them as extra body keys
+    output_config.format      {"type": "json_schema", "schema"}: the answer's text follows the schema
+    cache_control             accepted anywhere Anthropic takes it: the prefix cache keeps every prompt's blocks
+                              anyway (LRU, whatever the `ttl`), and `usage.cache_read_input_tokens` reports hits
+    metadata.user_id, service_tier ("auto" | "standard_only": one standard tier here), speed "standard",
+    thinking {"type": "disabled"} and `null` for any field are accepted as meaning what the server does anyway.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Callable, Literal, Optional, Union
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, ValidationInfo, field_validator
+from pydantic.json_schema import SkipJsonSchema
+from pydantic_core import PydanticCustomError
+
+from router.field_audit import Refusal, check_field
+from router.openai_schema import CONTEXT_LENGTH_EXCEEDED, context_length_message
+from router.tool_schema import NAME_PATTERN, check_json_schema
+
+MAX_STOP_SEQUENCES = 16  # cluster.request.SamplingParams' limit on stop strings
+Refused = SkipJsonSchema[Any]  # a field of MESSAGES_REFUSED (left out of the OpenAPI schema)
+
+
+def _absent(value: Any) -> bool:
+    return value is None
+
+
+def _one_of(*values: Any) -> Callable[[Any], bool]:
+    return lambda value: value is None or any(value == v and type(value) is type(v) for v in values)
+
+
+# Every key of the anthropic SDK's MessageCreateParams (and of the beta one) is in one of these sets
+# (tests/test_anthropic_api.py walks them), as router/field_audit.py does for OpenAI's fields.
+MESSAGES_HONOURED = frozenset({
+    "model", "messages", "max_tokens", "system", "stop_sequences", "temperature", "top_p", "top_k", "stream",
+    "tools", "tool_choice", "output_config", "cache_control"})
+MESSAGES_METADATA = frozenset({"metadata"})  # `user_id`, accepted with no effect on the output
+MESSAGES_REFUSED: dict[str, Refusal] = {
+    "thinking": Refusal(_one_of({"type": "disabled"}), "extended thinking is not supported by this server: leave "
+                                                       "thinking out or send {\"type\": \"disabled\"}"),
+    "service_tier": Refusal(_one_of("auto", "standard_only"), "this server has one (standard) service tier: leave "
+                                                              "service_tier out or send \"auto\""),
+    "speed": Refusal(_one_of("standard"), "this server has one speed: leave speed out or send \"standard\""),
+    "container": Refusal(_absent, "containers (code execution) are not supported by this server: leave container "
+                                  "out"),
+    "diagnostics": Refusal(_absent, "prompt-cache diagnostics are not supported by this server: leave diagnostics "
+                                    "out (usage.cache_read_input_tokens reports prefix-cache hits)"),
+    "inference_geo": Refusal(_absent, "this server has no inference regions: leave inference_geo out"),
+    "user_profile_id": Refusal(_absent, "user profiles are not supported by this server: leave user_profile_id "
+                                        "out"),
+    "workspace_id": Refusal(_absent, "workspaces are not supported by this server: leave workspace_id out"),
+    "mcp_servers": Refusal(_absent, "MCP servers are not supported by this server: leave mcp_servers out and "
+                                    "send their tools as custom tools"),
+    "context_management": Refusal(_absent, "context management is not supported by this server: leave "
+                                           "context_management out"),
+    "betas": Refusal(_absent, "beta features are not supported by this server: leave betas out"),
+    "compaction": Refusal(_absent, "compaction is not supported by this server: leave compaction out"),
+    "fallbacks": Refusal(_absent, "model fallbacks are not supported by this server: leave fallbacks out"),
+    "fallback_credit_token": Refusal(_absent, "model fallbacks are not supported by this server: leave "
+                                              "fallback_credit_token out"),
+    "billing_policy": Refusal(_absent, "billing policies are not supported by this server: leave billing_policy "
+                                       "out"),
+    "thread": Refusal(_absent, "server-side threads are not supported by this server: leave thread out and send "
+                               "the whole conversation in messages"),
+}
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class CacheControlEphemeralParam(BaseModel):
+    """`cache_control`: {"type": "ephemeral", "ttl"?}; the prefix cache serves it (module docstring)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["ephemeral"]
+    ttl: Optional[Literal["5m", "1h"]] = None
+
+
+class TextBlockParam(_Request):
+    """A text block of a turn or of the system prompt."""
+
+    type: Literal["text"]
+    text: str
+    cache_control: Optional[CacheControlEphemeralParam] = None
+    citations: Optional[list[Any]] = None
+
+    @field_validator("citations")
+    @classmethod
+    def _citations(cls, value: Optional[list[Any]]) -> Optional[list[Any]]:
+        if value:
+            raise ValueError("citations are not supported by this server: leave citations out of the text block")
+        return value
+
+
+def _refuse_toolset(value: Optional[str]) -> Optional[str]:
+    if value is not None:
+        raise ValueError("toolsets are not supported by this server: leave toolset_name out")
+    return value
+
+
+class ToolUseBlockParam(_Request):
+    """An assistant turn's call of a tool: `input` is the arguments object."""
+
+    type: Literal["tool_use"]
+    id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    input: dict[str, Any]
+    cache_control: Optional[CacheControlEphemeralParam] = None
+    caller: Optional[dict[str, Any]] = None
+    toolset_name: Optional[str] = None
+
+    @field_validator("caller")
+    @classmethod
+    def _caller(cls, value: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        if value is not None and value.get("type") != "direct":
+            raise ValueError("only {\"type\": \"direct\"} callers are supported: this server runs no "
+                             "server-side code execution")
+        return value
+
+    _toolset = field_validator("toolset_name")(_refuse_toolset)
+
+
+def _block_parser(kinds: dict[str, type[BaseModel]]) -> Callable[[Any], BaseModel]:
+    """A validator of one content block that dispatches on its `type` to the model in `kinds`, refusing other
+    types by name (errors inside the block keep their path, e.g. `messages[0].content[1].tool_use_id`)."""
+    allowed = ", ".join(kinds)
+
+    def parse(value: Any) -> BaseModel:
+        if isinstance(value, BaseModel):
+            return value
+        kind = value.get("type") if isinstance(value, dict) else None
+        if not isinstance(kind, str):
+            raise PydanticCustomError("block_type", "must be a content block: an object with a \"type\" ({allowed})",
+                                      {"allowed": allowed})
+        if kind not in kinds:
+            raise PydanticCustomError("unsupported_block", "content blocks of type '{kind}' are not supported by this "
+                                      "server: send only {allowed} blocks here", {"kind": kind, "allowed": allowed})
+        return kinds[kind].model_validate(value)
+    return parse
+
+
+def _text_shorthand(value: Any) -> Any:
+    """A string stands for one text block."""
+    return [{"type": "text", "text": value}] if isinstance(value, str) else value
+
+
+def _blocks(*models: type[BaseModel]) -> Any:
+    """The type of a content list holding blocks of `models` (keyed by their `type` literal), or a string."""
+    kinds = {m.model_fields["type"].annotation.__args__[0]: m for m in models}
+    one = Union[models] if len(models) > 1 else models[0]  # type: ignore[valid-type]
+    block = Annotated[one, PlainValidator(_block_parser(kinds), json_schema_input_type=one)]
+    return Annotated[list[block], BeforeValidator(_text_shorthand, json_schema_input_type=Union[str, list[one]])]
+
+
+TextContent = _blocks(TextBlockParam)
+
+
+class ToolResultBlockParam(_Request):
+    """A user turn's result of an earlier `tool_use` (by its id); `is_error` marks a failed call."""
+
+    type: Literal["tool_result"]
+    tool_use_id: str = Field(min_length=1)
+    content: TextContent = []
+    is_error: bool = False
+    cache_control: Optional[CacheControlEphemeralParam] = None
+    toolset_name: Optional[str] = None
+
+    _toolset = field_validator("toolset_name")(_refuse_toolset)
+
+    @property
+    def text(self) -> str:
+        """The result as one text (text parts joined by newlines)."""
+        return "\n".join(p.text for p in self.content)
+
+
+class MessageParam(_Request):
+    """One entry of `messages`; string content is one text block."""
+
+    role: Literal["user", "assistant", "system"]
+    content: _blocks(TextBlockParam, ToolUseBlockParam, ToolResultBlockParam)  # type: ignore[valid-type]
+
+
+_TOOL_OPTIONS = {
+    "defer_loading": "tool search is not supported by this server: leave defer_loading out (or false)",
+    "eager_input_streaming": "each call's input arrives whole, in one input_json_delta, once the model has "
+                             "written the call: leave eager_input_streaming out (or false)",
+    "input_examples": "input examples are not supported by this server: leave input_examples out and describe "
+                      "the input in the description",
+}
+
+
+class ToolParam(_Request):
+    """A client tool: `input_schema` is the JSON schema of the `input` the model produces. `strict` is kept
+    whatever its value: a call is reported as tool_use only when its input validates against the schema
+    (router/tool_calls.py); other text stays text."""
+
+    name: str
+    input_schema: dict[str, Any]
+    description: Optional[str] = None
+    type: Optional[Literal["custom"]] = None
+    cache_control: Optional[CacheControlEphemeralParam] = None
+    strict: Optional[bool] = None
+    allowed_callers: Optional[list[str]] = None
+    defer_loading: Optional[bool] = None
+    eager_input_streaming: Optional[bool] = None
+    input_examples: Optional[list[Any]] = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not NAME_PATTERN.match(value):
+            raise ValueError(f"{value!r} is not a valid tool name: use 1 to 64 of a-z, A-Z, 0-9, _ and -")
+        return value
+
+    @field_validator("input_schema")
+    @classmethod
+    def _schema(cls, value: dict[str, Any]) -> dict[str, Any]:
+        check_json_schema(value)
+        if value.get("type") != "object":
+            raise ValueError("must be a JSON schema with \"type\": \"object\" (a tool's input is an object)")
+        return value
+
+    @field_validator("allowed_callers")
+    @classmethod
+    def _callers(cls, value: Optional[list[str]]) -> Optional[list[str]]:
+        if value is not None and value != ["direct"]:
+            raise ValueError("only [\"direct\"] is supported: this server runs no server-side code execution")
+        return value
+
+    @field_validator("defer_loading", "eager_input_streaming", "input_examples")
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        if value not in (None, False, []):
+            raise ValueError(_TOOL_OPTIONS[info.field_name])
+        return value
+
+
+def _tool_type(value: Any) -> Any:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in (None, "custom"):
+        raise PydanticCustomError("unsupported_tool", "server tools such as '{kind}' are not supported by this "
+                                  "server: send custom tools (name, description, input_schema)", {"kind": str(kind)})
+    return value
+
+
+class ToolChoiceParam(BaseModel):
+    """`tool_choice`: auto | any | tool (with `name`) | none."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: Optional[str] = None
+    disable_parallel_tool_use: bool = False
+
+
+class JSONOutputFormatParam(BaseModel):
+    """`output_config.format`: the answer is JSON following `schema`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+    @field_validator("schema_")
+    @classmethod
+    def _schema(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return check_json_schema(value)
+
+
+class OutputConfigParam(BaseModel):
+    """`output_config`: `format` is served; `effort` is refused unless null."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    format: Optional[JSONOutputFormatParam] = None
+    effort: Optional[str] = None
+
+    @field_validator("effort")
+    @classmethod
+    def _effort(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None:
+            raise ValueError("effort levels are not supported by this server: remove effort")
+        return value
+
+
+class MetadataParam(BaseModel):
+    """`metadata`: only `user_id`, an opaque id of the end user."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    user_id: Optional[str] = None
+
+
+class CountTokensRequest(_Request):
+    """POST /v1/messages/count_tokens (the prompt-shaping fields of a Messages request).
+
+    Validated with `context={"max_model_len": N}`, more than N turns are refused by their number first (each
+    renders to at least one token), as for Chat Completions."""
+
+    model: Optional[str] = None
+    messages: list[MessageParam]
+    system: Optional[TextContent] = None
+    tools: Optional[list[Annotated[ToolParam, BeforeValidator(_tool_type)]]] = None
+    tool_choice: Optional[ToolChoiceParam] = None
+    output_config: Optional[OutputConfigParam] = None
+    cache_control: Optional[CacheControlEphemeralParam] = None
+    thinking: Refused = None
+    service_tier: Refused = None
+    speed: Refused = None
+    container: Refused = None
+    diagnostics: Refused = None
+    inference_geo: Refused = None
+    user_profile_id: Refused = None
+    workspace_id: Refused = None
+    mcp_servers: Refused = None
+    context_management: Refused = None
+    betas: Refused = None
+    compaction: Refused = None
+    fallbacks: Refused = None
+    fallback_credit_token: Refused = None
+    billing_policy: Refused = None
+    thread: Refused = None
+
+    @field_validator(*MESSAGES_REFUSED, mode="before")
+    @classmethod
+    def _refused(cls, value: Any, info: ValidationInfo) -> Any:
+        return check_field(MESSAGES_REFUSED, info.field_name, value)
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _turn_count(cls, value: Any, info: ValidationInfo) -> Any:
+        limit = (info.context or {}).get("max_model_len")
+        if limit is not None and isinstance(value, list) and len(value) > limit:
+            raise PydanticCustomError(CONTEXT_LENGTH_EXCEEDED, context_length_message(
+                f"{len(value)} messages, so at least {len(value) - 1}", limit))
+        return value
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, value: list[MessageParam]) -> list[MessageParam]:
+        if not value:
+            raise ValueError("must contain at least one message")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, value: Optional[ToolChoiceParam]) -> Optional[ToolChoiceParam]:
+        if value is not None and value.type == "tool" and not value.name:
+            raise ValueError("a tool_choice of type \"tool\" needs the name of the tool to call")
+        return value
+
+
+class MessagesRequest(CountTokensRequest):
+    """POST /v1/messages. `max_tokens` is required (0 answers with no output)."""
+
+    max_tokens: int = Field(ge=0)
+    stop_sequences: Optional[list[str]] = None
+    temperature: Optional[float] = Field(None, ge=0, le=1)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=0)
+    stream: bool = False
+    metadata: Optional[MetadataParam] = None
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _stops(cls, value: Optional[list[str]]) -> Optional[list[str]]:
+        if value is not None:
+            if len(value) > MAX_STOP_SEQUENCES:
+                raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(value)}")
+            if any(not s for s in value):
+                raise ValueError("stop sequences must be non-empty strings")
+        return value

@@ -1,0 +1,168 @@
+"""Pydantic v2 models of the bodies the router answers with (OpenAI's chat.completion, chat.completion.chunk,
+text_completion, error and model list objects). Fields that are None where OpenAI leaves them out are left out
+(`exclude_if`); router/openai_schema.py re-exports every name here."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, Field
+
+from router.tool_schema import DeltaToolCall, ToolCallOut
+
+
+def _omit_none(value: Any) -> bool:
+    return value is None
+
+
+class PromptTokensDetails(BaseModel):
+    """`usage.prompt_tokens_details`: prompt tokens served from the prefix cache."""
+
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    """Token counts of one request (completion_tokens summed over its choices)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class TopLogprob(BaseModel):
+    """A candidate token at one position (chat format)."""
+
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class TokenLogprobOut(TopLogprob):
+    """The sampled token at one position with its alternatives (chat format)."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    """`choices[i].logprobs` of the chat API."""
+
+    content: Optional[list[TokenLogprobOut]] = None
+
+
+class ChatMessageOut(BaseModel):
+    """The assistant message of a non-streamed chat choice; `content` None when the model wrote no text,
+    `tool_calls` left out when it made no call."""
+
+    role: Literal["assistant"] = "assistant"
+    content: Optional[str] = None
+    tool_calls: Optional[list[ToolCallOut]] = Field(None, exclude_if=_omit_none)
+
+
+class ChatChoice(BaseModel):
+    """One choice of a non-streamed chat completion."""
+
+    index: int
+    message: ChatMessageOut
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    """The body of a non-streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    """`choices[i].delta` of a chat chunk; fields that are None are left out."""
+
+    role: Optional[str] = Field(None, exclude_if=_omit_none)
+    content: Optional[str] = Field(None, exclude_if=_omit_none)
+    tool_calls: Optional[list[DeltaToolCall]] = Field(None, exclude_if=_omit_none)
+
+
+class ChatChunkChoice(BaseModel):
+    """One choice's part of a chat chunk."""
+
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One SSE event of a streamed chat completion (`choices: []` and `usage` on the usage chunk)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Optional[Usage] = Field(None, exclude_if=_omit_none)
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy logprobs format of /v1/completions, one list entry per token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    """One choice of a completion (also the streamed form, with a text delta)."""
+
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class CompletionResponse(BaseModel):
+    """The body of a non-streamed completion, and (object "text_completion" too) of each chunk."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = Field(None, exclude_if=_omit_none)
+
+
+class ErrorInfo(BaseModel):
+    """OpenAI's error object."""
+
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[Union[str, int]] = None
+
+
+class ErrorResponse(BaseModel):
+    """`{"error": {...}}`, the body of every 4xx/5xx answer and of an SSE error event."""
+
+    error: ErrorInfo
+
+
+class ModelCard(BaseModel):
+    """One entry of GET /v1/models."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "mlx-pd"
+    max_model_len: Optional[int] = None
+
+
+class ModelList(BaseModel):
+    """GET /v1/models."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

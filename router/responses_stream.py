@@ -1,0 +1,316 @@
+"""From engine deltas to OpenAI's Responses API answers: the Response object and its streaming events.
+
+One `OutputBuilder` turns the choice's text into output items, for the streamed and the non-streamed answer
+alike (so both give the same items, in the same order): plain text opens an assistant `message` item with one
+`output_text` part; a tool call (found by the request's tool parser, router/tool_calls.py) closes it and adds
+a `function_call` item; text after a call opens a new message. With no call and no text there is one empty
+message. Streamed, each step is an event of OpenAI's Responses streaming format, in this order:
+
+    response.created, response.in_progress                       (status in_progress, no output)
+    per message:  response.output_item.added, response.content_part.added,
+                  response.output_text.delta ..., response.output_text.done,
+                  response.content_part.done, response.output_item.done
+    per call:     response.output_item.added (arguments ""), response.function_call_arguments.delta ...,
+                  response.function_call_arguments.done, response.output_item.done
+    response.completed | response.incomplete                    (the whole Response, usage included)
+
+Every event is `event: <type>` and `data: <json>` with `type` and a `sequence_number` counting from 0; an
+error mid-stream is an `error` event (`code`, `message`, `param`). The stream has no `[DONE]` line, as
+OpenAI's has none. A response is `incomplete` (`incomplete_details.reason` "max_output_tokens") when the
+output stopped at max_output_tokens or at the end of the context.
+
+Logprobs (with `include: ["message.output_text.logprobs"]`): each token's logprob rides with the first text
+delta after it arrives and ends in that message's output_text part (OpenAI's format, -inf as -9999.0); the
+tokens of a tool call have none (function_call items carry no logprobs).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
+
+from cluster.request import RequestOutput, TokenLogprob
+from router.errors import APIError
+from router.params import PreparedRequest
+from router.openai_schema import Usage
+from router.responses import Accumulator, ChoiceState, clamp_logprob
+from router.responses_output import (FunctionCallItem, IncompleteDetails, InputTokensDetails, OutputLogprob,
+                                     OutputMessage, OutputText, OutputTopLogprob, ResponseObject, ResponseUsage)
+from router.responses_schema import ResponsesRequest
+from router.tokenizer import RouterTokenizer
+from router.tool_calls import ContentDelta, ToolCallArguments, ToolCallStarted
+
+OBFUSCATION_MIN_CHARS = 16  # an obfuscated delta's text plus padding is at least this long, plus 0..15 more
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+@dataclass
+class _Message:
+    output_index: int
+    id: str = field(default_factory=lambda: _item_id("msg"))
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    status: str = "in_progress"
+
+
+@dataclass
+class _Call:
+    output_index: int
+    call_id: str
+    name: str
+    id: str = field(default_factory=lambda: _item_id("fc"))
+    arguments: list[str] = field(default_factory=list)
+
+
+class OutputBuilder:
+    """The output items of one choice, built from its text events (`ContentDelta`, `ToolCallStarted`,
+    `ToolCallArguments`); every step appends the stream events it causes to `events` (dicts without
+    `sequence_number`), which a non-streamed answer simply drops."""
+
+    def __init__(self, tok: RouterTokenizer, top_logprobs: Optional[int]):
+        self.tok = tok
+        self.top_logprobs = top_logprobs  # None = no logprobs
+        self.items: list[Union[_Message, _Call]] = []
+        self.events: list[dict[str, Any]] = []
+        self._message: Optional[_Message] = None  # the open message
+        self._calls: dict[int, _Call] = {}  # parser index -> call
+        self._open_calls: list[_Call] = []
+        self._pending: list[TokenLogprob] = []  # logprobs not yet attached to a text delta
+
+    # ---- logprobs, in OpenAI's two shapes
+    def _full(self, entries: Sequence[TokenLogprob]) -> list[OutputLogprob]:
+        tok, k = self.tok, self.top_logprobs or 0
+        return [OutputLogprob(token=tok.token_text(e.token_id), logprob=clamp_logprob(e.logprob),
+                              bytes=list(tok.token_bytes(e.token_id)),
+                              top_logprobs=[OutputTopLogprob(token=tok.token_text(t), logprob=clamp_logprob(lp),
+                                                             bytes=list(tok.token_bytes(t))) for t, lp in e.top[:k]])
+                for e in entries]
+
+    def _delta_logprobs(self, entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+        return [{"token": p.token, "logprob": p.logprob,
+                 "top_logprobs": [{"token": t.token, "logprob": t.logprob} for t in p.top_logprobs]}
+                for p in self._full(entries)]
+
+    # ---- steps
+    def add_logprobs(self, entries: Sequence[TokenLogprob]) -> None:
+        """Tokens that arrived; their logprobs ride with the next text delta."""
+        if self.top_logprobs is not None:
+            self._pending.extend(entries)
+
+    def feed(self, events: Sequence[Any]) -> None:
+        """Apply the parser's events in order."""
+        for event in events:
+            if isinstance(event, ContentDelta):
+                self._content(event.text)
+            elif isinstance(event, ToolCallStarted):
+                self._start_call(event)
+            elif isinstance(event, ToolCallArguments):
+                self._arguments(event)
+
+    def _open_message(self) -> _Message:
+        message = self._message = _Message(len(self.items))
+        self.items.append(message)
+        self.events.append({"type": "response.output_item.added", "output_index": message.output_index,
+                            "item": self.message_item(message, "in_progress", with_text=False)})
+        self.events.append({"type": "response.content_part.added", **self._part_ref(message),
+                            "part": {"type": "output_text", "text": "", "annotations": []}})
+        return message
+
+    def _content(self, text: str) -> None:
+        if not text:
+            return
+        self._close_calls()
+        message = self._message or self._open_message()
+        logprobs, self._pending = self._pending, []
+        message.texts.append(text)
+        message.logprobs.extend(logprobs)
+        self.events.append({"type": "response.output_text.delta", **self._part_ref(message), "delta": text,
+                            "logprobs": self._delta_logprobs(logprobs)})
+
+    def _start_call(self, event: ToolCallStarted) -> None:
+        self._close_message("completed")
+        self._pending = []  # the call's tokens: function_call items carry no logprobs
+        call = _Call(len(self.items), call_id=event.id, name=event.name)
+        self.items.append(call)
+        self._calls[event.index] = call
+        self._open_calls.append(call)
+        self.events.append({"type": "response.output_item.added", "output_index": call.output_index,
+                            "item": self.call_item(call, "in_progress", with_arguments=False)})
+
+    def _arguments(self, event: ToolCallArguments) -> None:
+        call = self._calls[event.index]
+        call.arguments.append(event.text)
+        self.events.append({"type": "response.function_call_arguments.delta", "item_id": call.id,
+                            "output_index": call.output_index, "delta": event.text})
+
+    def finish(self, status: str) -> None:
+        """Close every open item with `status` ("completed" or "incomplete"); an output with no item gets one
+        empty message."""
+        if not self.items:
+            self._open_message()
+        if self._message is not None and self._pending:
+            self._message.logprobs.extend(self._pending)
+            self._pending = []
+        self._close_message(status)
+        self._close_calls()
+
+    def _close_message(self, status: str) -> None:
+        message, self._message = self._message, None
+        if message is None:
+            return
+        part = self.output_text(message)
+        message.status = status
+        self.events.append({"type": "response.output_text.done", **self._part_ref(message), "text": part.text,
+                            "logprobs": self._delta_logprobs(message.logprobs)})
+        self.events.append({"type": "response.content_part.done", **self._part_ref(message),
+                            "part": part.model_dump(mode="json")})
+        self.events.append({"type": "response.output_item.done", "output_index": message.output_index,
+                            "item": self.message_item(message, status)})
+
+    def _close_calls(self) -> None:
+        for call in self._open_calls:
+            self.events.append({"type": "response.function_call_arguments.done", "item_id": call.id,
+                                "output_index": call.output_index, "name": call.name,
+                                "arguments": "".join(call.arguments)})
+            self.events.append({"type": "response.output_item.done", "output_index": call.output_index,
+                                "item": self.call_item(call, "completed")})
+        self._open_calls = []
+
+    # ---- items
+    @staticmethod
+    def _part_ref(message: _Message) -> dict[str, Any]:
+        return {"item_id": message.id, "output_index": message.output_index, "content_index": 0}
+
+    def output_text(self, message: _Message) -> OutputText:
+        """The message's output_text part so far."""
+        logprobs = self._full(message.logprobs) if self.top_logprobs is not None else None
+        return OutputText(text="".join(message.texts), logprobs=logprobs)
+
+    def message_item(self, message: _Message, status: str, with_text: bool = True) -> dict[str, Any]:
+        """The message item as JSON (no content part while it is being added)."""
+        content = [self.output_text(message)] if with_text else []
+        return OutputMessage(id=message.id, status=status, content=content).model_dump(mode="json")
+
+    def call_item(self, call: _Call, status: str, with_arguments: bool = True) -> dict[str, Any]:
+        """The function_call item as JSON (arguments "" while it is being added)."""
+        return FunctionCallItem(id=call.id, call_id=call.call_id, name=call.name, status=status,
+                                arguments="".join(call.arguments) if with_arguments else "").model_dump(mode="json")
+
+    def output(self) -> list[Union[OutputMessage, FunctionCallItem]]:
+        """The finished output items (after `finish`)."""
+        out: list[Union[OutputMessage, FunctionCallItem]] = []
+        for item in self.items:
+            if isinstance(item, _Message):
+                out.append(OutputMessage(id=item.id, status=item.status, content=[self.output_text(item)]))
+            else:
+                out.append(FunctionCallItem(id=item.id, call_id=item.call_id, name=item.name,
+                                            arguments="".join(item.arguments), status="completed"))
+        return out
+
+
+class ResponsesFormatter:
+    """The `router.serving.Formatter` of POST /v1/responses (one choice): the Response object whole, or the
+    events above. Its chunks are whole SSE events already (each names its event type), so `frame` keeps them."""
+
+    def __init__(self, prepared: PreparedRequest, tok: RouterTokenizer, req: ResponsesRequest, created: int):
+        self.p = prepared
+        self.req = req
+        self.created = created
+        self._sequence = 0
+        self._obfuscate = bool(req.stream_options and req.stream_options.include_obfuscation)
+        self.builder = OutputBuilder(tok, (req.top_logprobs or 0) if req.wants_logprobs else None)
+        parser = prepared.tool_parser
+        self._parser = parser.stream(prepared.tools, prepared.max_tool_calls) if parser is not None else None
+
+    # ---- the Response object
+    def _response(self, status: str, output: list, usage: Optional[ResponseUsage] = None) -> ResponseObject:
+        req = self.req
+        return ResponseObject(
+            id=self.p.request_id, created_at=self.created, status=status, model=self.p.model, output=output,
+            completed_at=int(time.time()) if status != "in_progress" else None,
+            incomplete_details=IncompleteDetails() if status == "incomplete" else None,
+            instructions=req.instructions, usage=usage, parallel_tool_calls=req.parallel_tool_calls is not False,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            tool_choice=req.tool_choice or "auto", tools=[t.echo() for t in req.tools or ()],
+            text=req.text.echo() if req.text else {"format": {"type": "text"}, "verbosity": "medium"},
+            max_output_tokens=req.max_output_tokens, max_tool_calls=req.max_tool_calls,
+            metadata=req.metadata or {}, top_logprobs=req.top_logprobs or 0, user=req.user,
+            safety_identifier=req.safety_identifier, prompt_cache_key=req.prompt_cache_key)
+
+    def _usage(self, state: ChoiceState) -> ResponseUsage:
+        prompt = len(self.p.prompt_token_ids)
+        return ResponseUsage(input_tokens=prompt, output_tokens=state.num_tokens,
+                             total_tokens=prompt + state.num_tokens,
+                             input_tokens_details=InputTokensDetails(cached_tokens=state.num_cached_tokens))
+
+    def _feed(self, text: str, logprobs: Sequence[TokenLogprob]) -> None:
+        self.builder.add_logprobs(logprobs)
+        if text:
+            self.builder.feed(self._parser.feed(text) if self._parser is not None else [ContentDelta(text)])
+
+    def _finish(self, state: ChoiceState) -> ResponseObject:
+        if self._parser is not None:
+            self.builder.feed(self._parser.finish(state.finish_reason))
+        status = "incomplete" if state.finish_reason == "length" else "completed"
+        self.builder.finish(status)
+        return self._response(status, self.builder.output(), self._usage(state))
+
+    def response(self, acc: Accumulator) -> ResponseObject:
+        """The non-streamed answer: the choice's whole text through the same builder as the stream."""
+        state = acc.choices[0]
+        self._feed("".join(state.texts), state.logprobs)
+        return self._finish(state)
+
+    # ---- the stream
+    def _event(self, event: dict[str, Any]) -> str:
+        event["sequence_number"] = self._sequence
+        self._sequence += 1
+        if self._obfuscate and "delta" in event:
+            pad = max(OBFUSCATION_MIN_CHARS - len(event["delta"]), 0) + secrets.randbelow(16)
+            event["obfuscation"] = secrets.token_urlsafe(pad)[:pad]
+        return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+    def _drain(self) -> list[str]:
+        events, self.builder.events = self.builder.events, []
+        return [self._event(e) for e in events]
+
+    def first_chunks(self) -> list[str]:
+        """response.created and response.in_progress (status in_progress, no output yet)."""
+        response = self._response("in_progress", []).model_dump(mode="json")
+        return [self._event({"type": kind, "response": response})
+                for kind in ("response.created", "response.in_progress")]
+
+    def delta_chunk(self, state: ChoiceState, out: RequestOutput) -> list[str]:
+        """The events of one delta; the finishing delta closes every item and ends with response.completed
+        (or response.incomplete) carrying the whole Response."""
+        self._feed(out.text, out.logprobs or ())
+        if not out.finished:
+            return self._drain()
+        response = self._finish(state)
+        kind = "response.completed" if response.status == "completed" else "response.incomplete"
+        return self._drain() + [self._event({"type": kind, "response": response.model_dump(mode="json")})]
+
+    def usage_chunk(self, usage: Usage) -> str:
+        """Nothing (the translated request never asks for a usage chunk): usage rides on response.completed."""
+        return ""
+
+    def frame(self, chunk: str) -> str:
+        """The chunk itself: it is a whole SSE event (`event: <type>`, `data: <json>`)."""
+        return chunk
+
+    def error_event(self, error: APIError) -> str:
+        """The `error` event of a failure mid-stream (OpenAI's ResponseErrorEvent: code, message, param)."""
+        code = error.code if isinstance(error.code, str) else error.type
+        return self._event({"type": "error", "code": code, "message": error.message, "param": error.param})
+
+    def end_of_stream(self) -> str:
+        """Nothing: OpenAI's Responses stream ends with its last event, no [DONE]."""
+        return ""

@@ -1,0 +1,144 @@
+"""Chat messages with tools and tool-call turns, as the chat template renders them.
+
+Native rendering (the template renders tools itself and mlx-lm knows its call format; router/tool_calls.py):
+the tools go to `apply_chat_template(messages, tools=...)`; an assistant turn keeps its `tool_calls` with
+the arguments parsed from JSON text to an object (as vLLM and mlx-lm hand them to templates, which write
+them with `tojson`); a tool turn keeps `tool_call_id` and gets the called function's `name`; a content of
+None becomes "" (templates concatenate it).
+
+Fallback rendering (a template that ignores `tools`, such as SmolLM2's plain ChatML, or one whose call format
+mlx-lm cannot parse), in the Hermes style the json_tools parser reads:
+
+    system    the request's system text, then TOOLS_SECTION: the function signatures as a JSON list and the
+              instruction to answer with <tool_call>{"name": ..., "arguments": ...}</tool_call>
+    assistant its text, then each call as  <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>
+    tool      consecutive results merged into one user turn of <tool_response>\\n...\\n</tool_response> blocks
+              (a role every template renders, and user/assistant turns keep alternating)
+
+Which rendering a request gets follows its parser (`ToolParser.native`). Whether a template renders tools is
+probed once per tokenizer: rendered with and without a probe tool, it must differ and name the tool.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional, Sequence
+
+from router.errors import bad_request
+
+_PROBE_NAME = "mlx_pd_probe_function"
+_PROBE_TOOL = {"type": "function", "function": {"name": _PROBE_NAME, "description": "probe",
+                                                "parameters": {"type": "object", "properties": {}}}}
+
+TOOLS_SECTION = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{signatures}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+    "XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>")
+
+
+def template_renders_tools(wrapper: Any) -> bool:
+    """True when the tokenizer's chat template renders a `tools` list (probe; see the module docstring)."""
+    messages = [{"role": "user", "content": "Hi"}]
+    try:
+        plain = wrapper.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        with_tools = wrapper.apply_chat_template(messages, tools=[_PROBE_TOOL], add_generation_prompt=True,
+                                                 tokenize=False)
+    except Exception:  # no template, or one that fails on tools
+        return False
+    return isinstance(with_tools, str) and with_tools != plain and _PROBE_NAME in with_tools
+
+
+def tools_section(tools: Sequence[dict]) -> str:
+    """The fallback's system-prompt section describing `tools` (OpenAI-shaped dicts)."""
+    signatures = json.dumps([t["function"] for t in tools], ensure_ascii=False)
+    return TOOLS_SECTION.format(signatures=signatures)
+
+
+def call_text(name: str, arguments: dict[str, Any]) -> str:
+    """One call in the Hermes form the fallback and the forced grammar use."""
+    body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return f"<tool_call>\n{body}\n</tool_call>"
+
+
+def _check_tool_turns(messages: Sequence[Any]) -> dict[str, str]:
+    """tool_call_id -> function name over the conversation; 400 naming the message field for a tool turn
+    that answers no earlier call, a tool turn without tool_call_id, or tool fields on the wrong role."""
+    called: dict[str, str] = {}
+    for i, m in enumerate(messages):
+        if m.tool_calls and m.role != "assistant":
+            raise bad_request(f"messages[{i}].tool_calls: only assistant messages carry tool calls; move them "
+                              f"to an assistant message", f"messages[{i}].tool_calls")
+        for call in m.tool_calls or ():
+            called[call.id] = call.function.name
+        if m.role == "tool":
+            if not m.tool_call_id:
+                raise bad_request(f"messages[{i}].tool_call_id: a tool message must say which call it answers: "
+                                  "send the id of a tool call of an earlier assistant message",
+                                  f"messages[{i}].tool_call_id")
+            if m.tool_call_id not in called:
+                raise bad_request(f"messages[{i}].tool_call_id: {m.tool_call_id!r} matches no tool call of an "
+                                  "earlier assistant message: send the id of one of their tool_calls",
+                                  f"messages[{i}].tool_call_id")
+        elif m.tool_call_id is not None:
+            raise bad_request(f"messages[{i}].tool_call_id: only tool messages answer a call; send it on a "
+                              "message with role \"tool\"", f"messages[{i}].tool_call_id")
+    return called
+
+
+def _native(messages: Sequence[Any], called: dict[str, str]) -> list[dict[str, Any]]:
+    out = []
+    for m in messages:
+        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
+        if m.name:
+            message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                     for c in m.tool_calls]
+        if m.role == "tool":
+            message["tool_call_id"] = m.tool_call_id
+            message["name"] = called[m.tool_call_id]
+        out.append(message)
+    return out
+
+
+def _fallback(messages: Sequence[Any], tools: Sequence[dict]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        text = m.content or ""
+        if m.role == "tool":
+            block = f"<tool_response>\n{text}\n</tool_response>"
+            if out and out[-1].get("_tool_results"):
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block, "_tool_results": True})
+            continue
+        if m.tool_calls:
+            calls = "\n".join(call_text(c.function.name, c.function.arguments) for c in m.tool_calls)
+            text = f"{text}\n{calls}" if text else calls
+        message = {"role": "system" if m.role == "developer" else m.role, "content": text}
+        if m.name:
+            message["name"] = m.name
+        out.append(message)
+    for message in out:
+        message.pop("_tool_results", None)
+    if tools:
+        section = tools_section(tools)
+        if out and out[0]["role"] == "system":
+            out[0]["content"] = f"{out[0]['content']}\n\n{section}" if out[0]["content"] else section
+        else:
+            out.insert(0, {"role": "system", "content": section})
+    return out
+
+
+def chat_messages(messages: Sequence[Any], tools: Sequence[dict], native: bool
+                  ) -> tuple[list[dict[str, Any]], Optional[list[dict]]]:
+    """(messages for the chat template, `tools` argument for it or None) of validated ChatMessages.
+
+    `tools`: the function tools to show the model (OpenAI-shaped; empty shows none); `native`: render them
+    with the template (True) or with the Hermes fallback (False). 400 for inconsistent tool turns."""
+    called = _check_tool_turns(messages)
+    if native:
+        return _native(messages, called), (list(tools) or None)
+    return _fallback(messages, tools), None

@@ -1,0 +1,127 @@
+"""Nothing a client sends is silently ignored: every key of the openai SDK's request types for Chat Completions
+and Completions (and of its chat messages) is honoured, accepted as metadata, or refused with a 400 naming it
+(router/field_audit.py); the refused ones are sent to the app to check. Served by the FakeEngine: what is tested
+is the HTTP layer."""
+
+from __future__ import annotations
+
+import typing
+
+import pytest
+from openai.types import completion_create_params as completion_params
+from openai.types.chat import ChatCompletionMessageParam
+from openai.types.chat import completion_create_params as chat_params
+from starlette.testclient import TestClient
+
+from router.app import create_app
+from router.field_audit import (CHAT_HONOURED, CHAT_METADATA, CHAT_REFUSED, COMPLETION_HONOURED, COMPLETION_METADATA,
+                                COMPLETION_REFUSED, MESSAGE_REFUSED)
+from router.openai_schema import ChatCompletionRequest, ChatMessage, CompletionRequest
+from tests.router_fakes import MODEL, FakeEngine, load_tokenizer
+
+# A value of each refused field that asks for something this server does not do, and one it may have.
+REFUSED_VALUES = {
+    "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
+    "prediction": {"type": "content", "content": "x"}, "web_search_options": {}, "store": True,
+    "service_tier": "flex", "reasoning_effort": "low", "verbosity": "low", "functions": [{"name": "f"}],
+    "function_call": "auto", "moderation": {"model": "omni-moderation-latest"},
+    "prompt_cache_options": {"ttl": "1h"}, "prompt_cache_retention": "24h", "best_of": 2, "suffix": "end"}
+ALLOWED_VALUES = {"modalities": ["text"], "store": False, "service_tier": "auto", "prompt_cache_retention": "in_memory",
+                  "best_of": 1, "suffix": ""}
+MESSAGE_VALUES = {"audio": {"id": "audio_1"}, "function_call": {"name": "f", "arguments": "{}"},
+                  "refusal": "I cannot."}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+COMPLETION = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+
+
+def sdk_keys(module) -> set[str]:
+    keys: set[str] = set()
+    for name in ("CompletionCreateParamsBase", "CompletionCreateParamsStreaming",
+                 "CompletionCreateParamsNonStreaming"):
+        for cls in getattr(module, name).__mro__:
+            keys.update(getattr(cls, "__annotations__", {}))
+    return keys
+
+
+@pytest.fixture(scope="module")
+def client():
+    tok = load_tokenizer()
+    with TestClient(create_app(FakeEngine(tok), tok, served_model_names=[MODEL])) as c:
+        yield c
+
+
+@pytest.mark.parametrize("module, honoured, metadata, refused, model", [
+    (chat_params, CHAT_HONOURED, CHAT_METADATA, CHAT_REFUSED, ChatCompletionRequest),
+    (completion_params, COMPLETION_HONOURED, COMPLETION_METADATA, COMPLETION_REFUSED, CompletionRequest),
+])
+def test_every_sdk_request_key_is_honoured_metadata_or_refused(module, honoured, metadata, refused, model):
+    keys = sdk_keys(module)
+    assert "stream" in keys and "model" in keys
+    unaudited = keys - honoured - metadata - set(refused)
+    assert not unaudited, f"decide for {sorted(unaudited)} in router/field_audit.py"
+    assert not (honoured & metadata) and not (honoured & set(refused)) and not (metadata & set(refused))
+    assert honoured <= set(model.model_fields)  # an honoured field is read by the request model
+    assert set(refused) <= set(model.model_fields)  # and a refused one is seen, to be refused
+
+
+def test_every_sdk_message_key_is_honoured_or_refused():
+    keys: set[str] = set()
+    for member in typing.get_args(ChatCompletionMessageParam):
+        keys.update(member.__annotations__)
+    honoured = {"role", "content", "name", "tool_calls", "tool_call_id"}
+    assert keys == honoured | set(MESSAGE_REFUSED)
+    assert honoured | set(MESSAGE_REFUSED) <= set(ChatMessage.model_fields)
+
+
+@pytest.mark.parametrize("field", sorted(CHAT_REFUSED))
+def test_each_refused_chat_field_is_a_400_naming_it(client, field):
+    r = client.post("/v1/chat/completions", json={**CHAT, field: REFUSED_VALUES[field]})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and error["message"].startswith(f"{field}: ")
+    if field in ALLOWED_VALUES:
+        assert client.post("/v1/chat/completions", json={**CHAT, field: ALLOWED_VALUES[field]}).status_code == 200
+
+
+@pytest.mark.parametrize("field", sorted(COMPLETION_REFUSED))
+def test_each_refused_completion_field_is_a_400_naming_it(client, field):
+    r = client.post("/v1/completions", json={**COMPLETION, field: REFUSED_VALUES[field]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field
+    assert client.post("/v1/completions", json={**COMPLETION, field: ALLOWED_VALUES[field]}).status_code == 200
+
+
+@pytest.mark.parametrize("field", sorted(MESSAGE_REFUSED))
+def test_each_refused_message_field_is_a_400_naming_it(client, field):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello",
+                                                    field: MESSAGE_VALUES[field]}]
+    r = client.post("/v1/chat/completions", json={**CHAT, "messages": messages})
+    assert r.status_code == 400 and r.json()["error"]["param"] == f"messages[1].{field}"
+
+
+@pytest.mark.parametrize("part", [
+    {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+    {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+    {"type": "file", "file": {"file_id": "file-1"}},
+])
+def test_non_text_content_parts_are_refused_naming_the_message(client, part):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Look:"}, part]}]
+    r = client.post("/v1/chat/completions", json={**CHAT, "messages": messages})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "messages[0].content" and part["type"] in r.json()["error"]["message"]
+
+
+def test_metadata_fields_are_accepted(client):
+    body = {**CHAT, "user": "u1", "metadata": {"k": "v"}, "safety_identifier": "s", "prompt_cache_key": "p",
+            "store": False, "service_tier": "default"}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    assert client.post("/v1/completions", json={**COMPLETION, "user": "u1"}).status_code == 200
+
+
+def test_published_schema_has_the_tool_fields_and_not_the_refused_ones(client):
+    schemas = client.get("/openapi.json").json()["components"]["schemas"]
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    assert {"tools", "tool_choice", "parallel_tool_calls", "response_format"} <= set(chat)
+    assert not set(CHAT_REFUSED) & set(chat)
+    assert {"tool_calls", "tool_call_id"} <= set(schemas["ChatMessage"]["properties"])
+    assert "tool_calls" in schemas["ChatMessageOut"]["properties"]
+    assert {"name", "schema", "strict"} <= set(schemas["JsonSchemaFormat"]["properties"])
