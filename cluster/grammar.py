@@ -11,7 +11,7 @@ computes the set of allowed next tokens, the "mask", in tens to hundreds of micr
   every output token the scheduler appends (`GrammarMatcher.consume`: also each accepted draft token, and on
   a decode worker the first token, sampled on the prefill worker, replayed into a fresh matcher);
 - the masks of a step: `masks` fills an int32 bitmask [R, ceil(V/32)] for the R constrained rows (bit t of
-  word w allows token 32w + t, llguidance's layout) and unpacks it with plain mlx ops into bool [R, V] rows,
+  word w allows token 32w + t, llguidance's layout) and unpacks it on the host (NumPy) into bool [R, V] rows,
   which `cluster.sampling.sample` applies to those rows only (free rows of the batch are untouched);
   `draft_masks` gives a verifying row the masks at each of its k+1 positions by advancing the matcher through
   the drafts and rolling it back; `mask_after` serves a drafter the same way.
@@ -19,7 +19,7 @@ computes the set of allowed next tokens, the "mask", in tens to hundreds of micr
 Masks are filled one matcher after another: llguidance's `LLExecutor` (`fill_next_token_bitmask_par`) was
 measured slower on the 2-core CPU this engine is tested on (SmolLM2's 49,152 tokens, JSON schema grammars:
 ~0.02 ms per row in the loop, ~0.04-0.08 ms per row through the executor, whose thread hand-off dominates).
-`mask_seconds` sums the wall time of filling and unpacking (evaluated), `num_constrained` counts requests.
+`mask_seconds` sums the wall time of filling and unpacking, `num_constrained` counts requests.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import llguidance.numpy as llg_numpy
 import mlx.core as mx
 import numpy as np
 
-_SHIFTS = mx.array(np.arange(32, dtype=np.int32))  # from data, not a lazy graph: the engine thread evaluates it
 _MAX_MESSAGE = 600  # characters of an llguidance error kept in a request's error message
 
 
@@ -171,13 +170,13 @@ class Grammars:
         return mask
 
     def unpack(self, bitmask: np.ndarray) -> mx.array:
-        """int32 [R, W] llguidance bitmask -> bool [R, vocab_size], evaluated (plain mlx ops: llguidance.mlx's
-        kernel is Metal-only, and one elementwise pass costs about as much as its launch)."""
-        words = mx.array(bitmask)
-        bits = ((words[:, :, None] >> _SHIFTS) & 1).reshape(words.shape[0], -1)[:, :self.vocab_size]
-        mask = bits.astype(mx.bool_)
-        mx.eval(mask)
-        return mask
+        """int32 [R, W] llguidance bitmask -> bool [R, vocab_size] (bit t of word w allows token 32w + t).
+        Unpacked on the host with NumPy (the words' little-endian bytes, least significant bit first) and copied
+        into an mlx array: nothing is queued on MLX's stream, so the mask never waits behind the step's forward
+        pass (an mlx-ops unpack evaluated there would, and was measured 3x slower on the CPU backend; the
+        llguidance.mlx kernel is Metal-only)."""
+        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :self.vocab_size]
+        return mx.array(bits.view(np.bool_))
 
     def _count(self, start: float, rows: int, draft: bool) -> None:
         self.mask_seconds += time.perf_counter() - start

@@ -20,7 +20,9 @@ router/serving.py: engine, failure rules), with Anthropic's formatter (router/an
 Consecutive turns of one role are merged first (as Anthropic does). A conversation that ends with an assistant
 turn (a prefill to continue) is refused with a 400, as Anthropic does for models without prefill. Errors on these
 paths take Anthropic's shape (router/errors.py); a 400 from the chat path names the Anthropic field
-(`_anthropic_names`). count_tokens renders the same prompt (tools included) and counts its tokens.
+(`_anthropic_names`). count_tokens renders the same prompt (tools included) and counts its tokens; a prompt
+that leaves no room in the context is refused as a Messages request is (400 context_length_exceeded, after
+bounded work for one far over it), so a body far over the context is never tokenized whole.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from router.anthropic_schema import (CountTokensRequest, MessageParam, MessagesR
 from router.body import read_request
 from router.errors import APIError, bad_request, from_validation_error
 from router.openai_schema import ChatCompletionRequest
-from router.params import prepare_chat, tokenize_chat
+from router.params import clamp_max_tokens, prepare_chat, tokenize_chat
 from router.serving import serve_prepared
 
 _CHOICES = {"auto": "auto", "any": "required", "none": "none"}
@@ -194,12 +196,15 @@ def install_anthropic_api(app: FastAPI, *, resolve_model: Callable[[Any], str], 
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> JSONResponse:
-        """The number of tokens of the prompt a Messages request renders to (system, turns and tools)."""
-        req = await read_request(request, CountTokensRequest, body_limit())
+        """The number of tokens of the prompt a Messages request renders to (system, turns and tools); a prompt
+        that leaves no room in the context is the 400 a Messages request gets, found after bounded work."""
+        context = {"max_model_len": engine.max_model_len}
+        req = await read_request(request, CountTokensRequest, body_limit(), context)
         resolve_model(req.model)
-        chat = to_chat_request(req, {})
+        chat = to_chat_request(req, context)
         try:
-            _, ids = await tokenize_chat(chat, tokenizer)
+            _, ids = await tokenize_chat(chat, tokenizer, engine.max_model_len)
+            clamp_max_tokens(None, len(ids), engine.max_model_len, "messages")
         except APIError as exc:
             raise _anthropic_names(exc) from None
         return JSONResponse(CountTokensResponse(input_tokens=len(ids)).model_dump())

@@ -5,10 +5,10 @@ Requests ignore unknown keys (as the OpenAI models do) and refuse, with a 400 na
 the SDK's request types that the router cannot honour (`MESSAGES_REFUSED`), so nothing a client asks for is dropped
 silently. What is honoured, and how:
 
-    system, messages          text blocks (string shorthand too); `tool_use` blocks in assistant turns,
-                              `tool_result` blocks (string or text content, `is_error`) in user turns;
-                              "system" turns inside `messages` (the SDK allows them); consecutive turns of one
-                              role are one turn, as Anthropic merges them. Other block types are refused by name.
+    system, messages          text blocks (string shorthand too); `tool_use` blocks in assistant turns, `tool_result`
+                              blocks (string or text content, `is_error`) in user turns; "system" turns inside
+                              `messages` (the SDK allows them); consecutive turns of one role are one turn, as
+                              Anthropic merges them. Other block types, and empty content lists, are refused.
     tools, tool_choice        custom tools (`input_schema` a JSON schema of an object); auto | any | tool | none,
                               `disable_parallel_tool_use`. Server tools (bash, web search, ...) are refused.
     stop_sequences            at most 16 non-empty strings
@@ -29,7 +29,8 @@ from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
 from router.field_audit import Refusal, check_field
-from router.openai_schema import CONTEXT_LENGTH_EXCEEDED, context_length_message
+from router.openai_schema import CONTEXT_LENGTH_EXCEEDED, _count, context_length_message
+from router.request_model import RequestModel
 from router.tool_schema import NAME_PATTERN, check_json_schema
 
 MAX_STOP_SEQUENCES = 16  # cluster.request.SamplingParams' limit on stop strings
@@ -80,8 +81,8 @@ MESSAGES_REFUSED: dict[str, Refusal] = {
 }
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Request(RequestModel):
+    """Unknown keys ignored, near misses of known fields refused (router/request_model.py)."""
 
 
 class CacheControlEphemeralParam(BaseModel):
@@ -195,6 +196,13 @@ class MessageParam(_Request):
 
     role: Literal["user", "assistant", "system"]
     content: _blocks(TextBlockParam, ToolUseBlockParam, ToolResultBlockParam)  # type: ignore[valid-type]
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, value: list[Any]) -> list[Any]:
+        if not value:
+            raise ValueError("is empty: send a string or at least one content block (text, tool_use, tool_result)")
+        return value
 
 
 _TOOL_OPTIONS = {
@@ -368,7 +376,11 @@ class CountTokensRequest(_Request):
 
 
 class MessagesRequest(CountTokensRequest):
-    """POST /v1/messages. `max_tokens` is required (0 answers with no output)."""
+    """POST /v1/messages. `max_tokens` is required, an integer >= 0 as on the OpenAI endpoints (0 answers with no
+    output; past the context, it is clamped to the context left)."""
+
+    MOVED = {"stop": "use stop_sequences", "max_completion_tokens": "use max_tokens",
+             "response_format": "use output_config.format"}
 
     max_tokens: int = Field(ge=0)
     stop_sequences: Optional[list[str]] = None
@@ -377,6 +389,8 @@ class MessagesRequest(CountTokensRequest):
     top_k: Optional[int] = Field(None, ge=0)
     stream: bool = False
     metadata: Optional[MetadataParam] = None
+
+    _max_tokens = field_validator("max_tokens", mode="before")(_count)  # null: pydantic's "a valid integer"
 
     @field_validator("stop_sequences")
     @classmethod

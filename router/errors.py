@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.anthropic_output import AnthropicErrorInfo, AnthropicErrorResponse
 from router.openai_schema import CONTEXT_LENGTH_EXCEEDED, ErrorInfo, ErrorResponse
+from router.request_model import UNKNOWN_FIELD
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +119,10 @@ def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, Optio
         return "invalid request", None
     messages, first_param = [], None
     for err in errors[:3]:
-        where = _loc(tuple(err.get("loc", ())))
+        loc = tuple(err.get("loc", ()))
+        if err.get("type") == UNKNOWN_FIELD:  # a refused unknown key: name it, not the object holding it
+            loc += ((err.get("ctx") or {}).get("field", ""),)
+        where = _loc(loc)
         if err.get("type") == "json_invalid":
             ctx = err.get("ctx") or {}
             messages.append(f"the body is not valid JSON: {ctx.get('error', err.get('msg'))}")

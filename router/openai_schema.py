@@ -28,6 +28,7 @@ from router.openai_output import (ChatChoice, ChatChunkChoice, ChatCompletionChu
                                   ChatLogprobs, ChatMessageOut, CompletionChoice, CompletionLogprobs,
                                   CompletionResponse, DeltaMessage, ErrorInfo, ErrorResponse, ModelCard, ModelList,
                                   PromptTokensDetails, TokenLogprobOut, TopLogprob, Usage)
+from router.request_model import RequestModel
 from router.tool_schema import MessageToolCall, ResponseFormat, ToolChoice, ToolDefinition, check_tool_choice
 
 __all__ = [  # the response models live in router/openai_output.py; importing them from here keeps working
@@ -67,8 +68,8 @@ def _count(value: Any) -> Optional[int]:
     return value
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Request(RequestModel):
+    """Unknown keys ignored, near misses of known fields refused (router/request_model.py)."""
 
 
 Refused = SkipJsonSchema[Any]  # a field of router/field_audit.py's refusal tables (left out of the OpenAPI schema)
@@ -219,6 +220,10 @@ class ChatCompletionRequest(_SamplingFields):
     Validated with `context={"max_model_len": N}`, more than N messages are refused by their number before
     any is validated or rendered: a chat template renders every message to at least one token (its role
     marker; at most a first system message may be merged into the next), so they cannot fit."""
+
+    MOVED = {"max_output_tokens": "use max_completion_tokens (or max_tokens)",
+             "input": "send the conversation as messages", "instructions": "send them as a system message",
+             "stop_sequences": "use stop", "system": "send it as a system message in messages"}
 
     messages: list[ChatMessage]
     max_completion_tokens: Optional[int] = None

@@ -86,13 +86,17 @@ def too_long(exc: PromptTooLong, param: str) -> APIError:
 class ToolPlan:
     """How a chat request uses tools: all its `tools`, those `shown` to the model (none with tool_choice
     "none"), the `parser` of its output, the tools one of which is `forced` (tool_choice "required" or named;
-    None when the model may answer freely), and whether the template renders them `native`ly."""
+    None when the model may answer freely), whether the template renders them `native`ly, and whether a choice
+    may hold `parallel` calls (not with parallel_tool_calls false, nor with a named tool_choice: naming a
+    function asks for one call of it, as vLLM's named function calling gives, so a tool with side effects is
+    not run twice)."""
 
     tools: tuple[dict, ...] = ()
     shown: tuple[dict, ...] = ()
     parser: Optional[ToolParser] = None
     forced: Optional[tuple[dict, ...]] = None
     native: bool = True
+    parallel: bool = True
 
 
 def plan_tools(req: ChatCompletionRequest, tok: RouterTokenizer) -> ToolPlan:
@@ -108,19 +112,20 @@ def plan_tools(req: ChatCompletionRequest, tok: RouterTokenizer) -> ToolPlan:
     if choice is not None and choice != "none" and not tools:
         raise bad_request("tool_choice: there are no tools to choose from: send tools, or leave tool_choice out",
                           "tool_choice")
+    parallel = req.parallel_tool_calls is not False
     if choice == "none" or not tools:
-        return ToolPlan(tools=tools, native=tool_parser_for(tok).native)
+        return ToolPlan(tools=tools, native=tool_parser_for(tok).native, parallel=parallel)
     forced = None
     if choice == "required":
         forced = tools
     elif choice is not None and choice != "auto":
-        forced = tuple(t for t in tools if t["function"]["name"] == choice.function.name)
+        forced, parallel = tuple(t for t in tools if t["function"]["name"] == choice.function.name), False
         if not forced:
             raise bad_request(f"tool_choice: {choice.function.name!r} is not one of the tools "
                               f"({', '.join(repr(n) for n in names)}): name one of them", "tool_choice")
     json_format = req.response_format is not None and req.response_format.type != "text"
     parser = forced_tool_parser_for(tok) if forced or json_format else tool_parser_for(tok)
-    return ToolPlan(tools=tools, shown=tools, parser=parser, forced=forced, native=parser.native)
+    return ToolPlan(tools=tools, shown=tools, parser=parser, forced=forced, native=parser.native, parallel=parallel)
 
 
 async def tokenize_chat(req: ChatCompletionRequest, tok: RouterTokenizer, max_model_len: Optional[int] = None,
@@ -241,7 +246,7 @@ async def prepare_chat(req: ChatCompletionRequest, tok: RouterTokenizer, *, requ
     grammar = None
     if plan.forced or (req.response_format is not None and req.response_format.type != "text"):
         grammar = await asyncio.get_running_loop().run_in_executor(
-            None, build_grammar, req, plan.shown, plan.forced, tok)  # the first one builds the llg tokenizer
+            None, build_grammar, req, plan.shown, plan.forced, tok, plan.parallel)  # the first builds the llg tokenizer
     text, ids = await tokenize_chat(req, tok, max_model_len, plan)
     max_tokens = clamp_max_tokens(req.requested_max_tokens, len(ids), max_model_len, "messages")
     special = plan.parser is not None and plan.parser.markers_are_special
@@ -251,7 +256,7 @@ async def prepare_chat(req: ChatCompletionRequest, tok: RouterTokenizer, *, requ
         request_id=request_id, model=model, prompt_token_ids=tuple(ids), prompt_text=text,
         requests=make_requests(request_id, ids, sampling, req.n or 1, req.cache_salt, arrival_time),
         max_tokens=max_tokens, stream=req.stream, include_usage=req.include_usage, logprobs=logprobs,
-        tools=plan.tools, tool_parser=plan.parser, parallel_tool_calls=req.parallel_tool_calls is not False)
+        tools=plan.tools, tool_parser=plan.parser, parallel_tool_calls=plan.parallel)
 
 
 async def prepare_completion(req: CompletionRequest, tok: RouterTokenizer, *, request_id: str,

@@ -20,11 +20,12 @@ from __future__ import annotations
 import json
 from typing import Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from router.field_audit import check_field
 from router.openai_schema import CONTEXT_LENGTH_EXCEEDED, Refused, _count, context_length_message
+from router.request_model import RequestModel
 from router.responses_audit import INCLUDE_LOGPROBS, INCLUDE_SERVED, RESPONSES_REFUSED
 from router.tool_schema import NAME_PATTERN, check_json_schema
 
@@ -49,8 +50,8 @@ def _as_parts(value: Any) -> Any:
     return [{"type": "input_text", "text": value}] if isinstance(value, str) else value
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+class _Request(RequestModel):
+    """Unknown keys ignored, near misses of known fields refused (router/request_model.py)."""
 
 
 class InputContentPart(_Request):
@@ -136,6 +137,9 @@ class InputItem(_Request):
 
 class FunctionTool(_Request):
     """One entry of `tools`: only `{"type": "function", name, description?, parameters?, strict?}`."""
+
+    MOVED = {"function": "a Responses API tool is flat: send {\"type\": \"function\", \"name\": ..., "
+                         "\"parameters\": ...} without the \"function\" wrapper of Chat Completions"}
 
     type: str
     name: Optional[str] = None
@@ -259,6 +263,11 @@ class ResponsesRequest(_Request):
     """POST /v1/responses. Every key of OpenAI's ResponseCreateParams is in RESPONSES_HONOURED, RESPONSES_METADATA
     or RESPONSES_REFUSED (router/responses_audit.py); a refused one gets a 400 naming it unless its value asks
     for what the server does anyway, e.g. `store: false`."""
+
+    MOVED = {"messages": "send the conversation as input (a string or items)",
+             "max_tokens": "use max_output_tokens", "max_completion_tokens": "use max_output_tokens",
+             "response_format": "use text.format", "stop": "the Responses API has no stop sequences: leave it "
+             "out, or use /v1/chat/completions"}
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True,
                               json_schema_extra=lambda s: _text_or_list(s, "input"))

@@ -4,8 +4,9 @@ What each request asks for, and the grammar (`SamplingParams.grammar`) the engin
 
     response_format json_object          one JSON object: grammar_from_json_schema({"type": "object"})
     response_format json_schema          JSON valid against the schema: grammar_from_json_schema(schema)
-    tool_choice "required" / named       one call (parallel_tool_calls false) or several, newline-separated,
+    tool_choice "required"               one call (parallel_tool_calls false) or several, newline-separated,
                                          in the Hermes form the json_tools parser reads (Lark; see below)
+    tool_choice naming a function        exactly one call of it, in the same form
     tools, tool_choice "auto", and a     either the JSON answer or the calls: `start: answer | calls`
       JSON response_format
     tool_choice "none", no tools, text   the JSON format's grammar, or none
@@ -170,17 +171,18 @@ def _check_tool_schemas(tools: Sequence[dict], all_tools: Sequence[dict], tok: A
             raise bad_request(f"{field}: {exc}", field) from None
 
 
-def build_grammar(req: Any, tools: Sequence[dict], forced: Optional[Sequence[dict]], tok: Any) -> Optional[str]:
+def build_grammar(req: Any, tools: Sequence[dict], forced: Optional[Sequence[dict]], tok: Any,
+                  parallel: bool = True) -> Optional[str]:
     """The grammar of a chat request, checked (see the module docstring), or None for free output.
 
     `tools`: the request's function tools offered to the model (empty for none or tool_choice "none");
-    `forced`: the tools one of which must be called (tool_choice "required": all; named: that one), or None.
+    `forced`: the tools one of which must be called (tool_choice "required": all; named: that one), or None;
+    `parallel`: calls may follow one another (False: exactly one; router/params.py's `ToolPlan.parallel`).
     Raises a 400 naming the field whose schema llguidance cannot build.
     """
     from llguidance import LLMatcher
 
     field, schema = format_schema(req.response_format)
-    parallel = req.parallel_tool_calls is not False
     if forced:
         _check_tool_schemas(forced, tools, tok)
         lark = tool_calls_lark(forced, parallel, llg_tokenizer(tok))

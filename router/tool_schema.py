@@ -22,7 +22,9 @@ import json
 import re
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from router.request_model import RequestModel
 
 NAME_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
@@ -51,8 +53,8 @@ def _name(value: str) -> str:
     return value
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+class _Model(RequestModel):
+    """Unknown keys ignored, near misses of known fields refused (router/request_model.py)."""
 
 
 class FunctionDefinition(_Model):

@@ -221,3 +221,122 @@ def test_turns_that_do_not_fit_together_are_refused_and_tool_results_reach_the_p
     prompt = tok.decode(list(engine.submitted[-1].prompt_token_ids))
     assert "Error: no network" in prompt and '"city": "Paris"' in prompt
     assert "Weather in Paris?\nBe brief." in prompt and prompt.count("<|im_start|>user") == 2  # question, result
+
+
+def test_a_stop_sequence_spanning_several_tokens_is_never_streamed(client, story):
+    """A stop sequence of three words (several tokens) that the greedy answer reaches: no text_delta carries any
+    of it, the streamed deltas join to the non-streamed text, which is the answer up to the sequence."""
+    text = story.content[0].text
+    stop = " ".join(text.split()[2:5])
+    tok = load_tokenizer()
+    assert len(tok.encode(stop)) - len(tok.encode("")) >= 3 and stop in text
+    kwargs = dict(model=MODEL, max_tokens=12, messages=QUESTION, extra_body=GREEDY, stop_sequences=[stop])
+    with client.messages.stream(**kwargs) as stream:
+        deltas = [e.delta.text for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
+    whole = client.messages.create(**kwargs)
+    assert "".join(deltas) == whole.content[0].text == text[:text.index(stop)]
+    assert final.stop_reason == whole.stop_reason == "stop_sequence" and final.stop_sequence == stop
+
+
+CONTEXT = 64  # the scripted engine's context in the invalid-value tests
+
+
+def anthropic_error(r, status: int, kind: str = "invalid_request_error", field: str | None = None) -> str:
+    """The message of an error answer in Anthropic's shape, after checking the status, shape and type, and that
+    the message starts with `field` when one is given."""
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert body["type"] == "error" and set(body["error"]) == {"type", "message"} and body["error"]["type"] == kind
+    assert field is None or body["error"]["message"].startswith(field + ":"), body
+    return body["error"]["message"]
+
+
+@pytest.fixture
+def scripted():
+    """A TestClient of an app over the scripted engine (a 64-token context) and the engine."""
+    tok = load_tokenizer()
+    engine = FakeEngine(tok, max_model_len=CONTEXT)
+    with TestClient(create_app(engine, tok, served_model_names=[MODEL])) as http:
+        yield http, engine
+
+
+def serves_on(http) -> None:
+    """The server is healthy and answers a plain Messages request."""
+    assert http.get("/health").status_code == 200
+    r = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 2, "messages": QUESTION})
+    assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == 2, r.text
+
+
+@pytest.mark.parametrize("value", [100000000, 2147483647, 1e18, 1e300])
+def test_a_huge_max_tokens_is_clamped_to_the_context_left(scripted, value):
+    """max_tokens far past the context (an integral JSON number too) generates until the context is full, whole
+    and streamed: output_tokens is the context left and the stop_reason says the context ran out."""
+    http, _ = scripted
+    body = {"model": MODEL, "max_tokens": value, "messages": QUESTION}
+    r = http.post("/v1/messages", content=json.dumps(body))
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    prompt = usage["input_tokens"] + usage["cache_read_input_tokens"]
+    assert usage["output_tokens"] == CONTEXT - prompt > 0
+    assert r.json()["stop_reason"] == "model_context_window_exceeded"
+    r = http.post("/v1/messages", content=json.dumps({**body, "stream": True}))
+    [delta] = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {\"type\": \"message_d")]
+    assert delta["delta"]["stop_reason"] == "model_context_window_exceeded"
+    assert delta["usage"]["output_tokens"] == CONTEXT - prompt
+    serves_on(http)
+
+
+def test_max_tokens_0_and_1_answer_no_token_and_one_token(scripted):
+    """max_tokens 0 answers with no content and 0 output tokens, 1 with one token; both stop at max_tokens."""
+    http, _ = scripted
+    for n in (0, 1):
+        r = http.post("/v1/messages", json={"model": MODEL, "max_tokens": n, "messages": QUESTION})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["output_tokens"] == n and r.json()["stop_reason"] == "max_tokens"
+        assert len(r.json()["content"]) == n
+
+
+@pytest.mark.parametrize("path,raw,status,kind,field", [
+    ("/v1/messages", {"temperature": -1}, 400, "invalid_request_error", "temperature"),
+    ("/v1/messages", {"temperature": 1.5}, 400, "invalid_request_error", "temperature"),
+    ("/v1/messages", {"top_p": 2}, 400, "invalid_request_error", "top_p"),
+    ("/v1/messages", {"top_k": -1}, 400, "invalid_request_error", "top_k"),
+    ("/v1/messages", {"max_tokens": -1}, 400, "invalid_request_error", "max_tokens"),
+    ("/v1/messages", {"max_tokens": True}, 400, "invalid_request_error", "max_tokens"),
+    ("/v1/messages", {"max_tokens": 2.5}, 400, "invalid_request_error", "max_tokens"),
+    ("/v1/messages", {"max_tokens": None}, 400, "invalid_request_error", "max_tokens"),
+    ("/v1/messages", {"messages": None}, 400, "invalid_request_error", "messages"),
+    ("/v1/messages", {"messages": []}, 400, "invalid_request_error", "messages"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": []}]}, 400, "invalid_request_error",
+     "messages[0].content"),
+    ("/v1/messages", {"model": "no-such-model"}, 404, "not_found_error", None),
+    ("/v1/messages", '{"model": "x", "max_tokens": ', 400, "invalid_request_error", None),
+    ("/v1/messages", "", 400, "invalid_request_error", None),
+    ("/v1/messages", "[1, 2]", 400, "invalid_request_error", None),
+    ("/v1/messages/count_tokens", {"messages": None}, 400, "invalid_request_error", "messages"),
+    ("/v1/messages/count_tokens", {"model": "no-such-model"}, 404, "not_found_error", None),
+    ("/v1/messages/count_tokens", '{"messages": [', 400, "invalid_request_error", None),
+])
+def test_invalid_values_are_4xx_in_anthropic_shape_and_the_server_serves_on(scripted, path, raw, status, kind,
+                                                                             field):
+    """Out-of-range sampling values, a bad or missing max_tokens, missing or empty messages, an unknown model and
+    bodies that are not a JSON object: a 4xx in Anthropic's error shape (naming the field when there is one),
+    nothing reaches the engine, and a plain request is answered after it."""
+    http, engine = scripted
+    if isinstance(raw, dict):
+        body = {"model": MODEL, "max_tokens": 4, "messages": QUESTION, **raw}
+        raw = json.dumps({k: v for k, v in body.items() if v is not None})
+    anthropic_error(http.post(path, content=raw), status, kind, field)
+    assert engine.submitted == []
+    serves_on(http)
+
+
+def test_an_empty_user_message_is_served_on_the_rendered_template(scripted):
+    """An empty text turn still renders the chat template's turn markers: it is answered (and counted alike)."""
+    http, engine = scripted
+    empty = [{"role": "user", "content": ""}]
+    r = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 2, "messages": empty})
+    assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == 2, r.text
+    counted = http.post("/v1/messages/count_tokens", json={"model": MODEL, "messages": empty}).json()
+    assert counted["input_tokens"] == len(engine.submitted[-1].prompt_token_ids) > 0

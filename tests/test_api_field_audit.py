@@ -5,6 +5,7 @@ is the HTTP layer."""
 
 from __future__ import annotations
 
+import json
 import typing
 
 import pytest
@@ -125,3 +126,35 @@ def test_published_schema_has_the_tool_fields_and_not_the_refused_ones(client):
     assert {"tool_calls", "tool_call_id"} <= set(schemas["ChatMessage"]["properties"])
     assert "tool_calls" in schemas["ChatMessageOut"]["properties"]
     assert {"name", "schema", "strict"} <= set(schemas["JsonSchemaFormat"]["properties"])
+
+
+def test_published_schema_documents_the_responses_and_messages_endpoints_and_their_fields(client):
+    """/openapi.json documents POST /v1/responses, /v1/messages and /v1/messages/count_tokens: their request
+    bodies carry every honoured and metadata key of the audits and none of the refused ones, with the tool and
+    format shapes; their answers and errors have each API's own shape."""
+    from router.anthropic_schema import MESSAGES_HONOURED, MESSAGES_METADATA, MESSAGES_REFUSED
+    from router.responses_audit import RESPONSES_HONOURED, RESPONSES_METADATA, RESPONSES_REFUSED
+
+    published = client.get("/openapi.json").json()
+    schemas = published["components"]["schemas"]
+    bodies = {"/v1/responses": ("ResponsesRequest", "ResponseObject", "ErrorResponse"),
+              "/v1/messages": ("MessagesRequest", "MessageResponse", "AnthropicErrorResponse"),
+              "/v1/messages/count_tokens": ("CountTokensRequest", "CountTokensResponse", "AnthropicErrorResponse")}
+    for path, (request, answer, error) in bodies.items():
+        op = published["paths"][path]["post"]
+        assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/" + request)
+        assert op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/" + answer)
+        for status in ("400", "404", "413", "503"):
+            assert op["responses"][status]["content"]["application/json"]["schema"]["$ref"].endswith("/" + error)
+    responses = set(schemas["ResponsesRequest"]["properties"])
+    assert RESPONSES_HONOURED | RESPONSES_METADATA == responses and not set(RESPONSES_REFUSED) & responses
+    messages = set(schemas["MessagesRequest"]["properties"])
+    assert MESSAGES_HONOURED | MESSAGES_METADATA == messages and not set(MESSAGES_REFUSED) & messages
+    assert set(schemas["CountTokensRequest"]["properties"]) < messages
+    assert {"name", "parameters", "strict"} <= set(schemas["FunctionTool"]["properties"])
+    assert {"type", "name", "schema", "strict"} <= set(schemas["TextFormat"]["properties"])
+    assert {"name", "input_schema", "description"} <= set(schemas["ToolParam"]["properties"])
+    assert {"format"} <= set(schemas["OutputConfigParam"]["properties"])
+    assert {"call_id", "arguments", "output"} <= set(schemas["InputItem"]["properties"])
+    turn = json.dumps(schemas["MessageParam"])
+    assert all(f"/{block}" in turn for block in ("TextBlockParam", "ToolUseBlockParam", "ToolResultBlockParam"))

@@ -244,3 +244,86 @@ def test_stream_and_whole_answer_agree_on_text_calls_and_text_again():
     assert parsed[-1].type == "response.completed" and final.usage.output_tokens == len(range(0, len(text), 5))
     added = [e["item"]["id"] for e in events if e["type"] == "response.output_item.added"]
     assert added == [i.id for i in final.output]
+
+
+CONTEXT = 64  # the scripted engine's context in the invalid-value tests
+
+
+@pytest.fixture
+def scripted():
+    """A TestClient of an app over the scripted engine (a 64-token context) and the engine."""
+    from starlette.testclient import TestClient
+
+    from router.app import create_app
+    from tests.router_fakes import FakeEngine, load_tokenizer
+
+    tok = load_tokenizer()
+    engine = FakeEngine(tok, max_model_len=CONTEXT)
+    with TestClient(create_app(engine, tok, served_model_names=[MODEL])) as http:
+        yield http, engine
+
+
+def serves_on(http) -> None:
+    """The server is healthy and answers a plain request."""
+    assert http.get("/health").status_code == 200
+    r = http.post("/v1/responses", json={"model": MODEL, "input": QUESTION, "max_output_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == 2, r.text
+
+
+@pytest.mark.parametrize("value", [100000000, 2147483647, 1e18])
+def test_a_huge_max_output_tokens_is_clamped_to_the_context_left(scripted, value):
+    """max_output_tokens far past the context generates until the context is full, whole and streamed: the
+    response is incomplete (max_output_tokens) with output_tokens the context left."""
+    http, _ = scripted
+    body = {"model": MODEL, "input": QUESTION, "max_output_tokens": value}
+    r = http.post("/v1/responses", content=json.dumps(body))
+    assert r.status_code == 200, r.text
+    answer = Response.model_validate(r.json())
+    assert answer.status == "incomplete" and answer.incomplete_details.reason == "max_output_tokens"
+    assert answer.usage.output_tokens == CONTEXT - answer.usage.input_tokens > 0
+    r = http.post("/v1/responses", content=json.dumps({**body, "stream": True}))
+    last = json.loads(r.text.strip().split("\n")[-1][6:])
+    assert last["type"] == "response.incomplete" and last["response"]["usage"]["output_tokens"] == \
+        answer.usage.output_tokens
+    serves_on(http)
+
+
+def test_max_output_tokens_0_and_1_answer_no_token_and_one_token(scripted):
+    """max_output_tokens 0 answers an empty, incomplete message with 0 output tokens; 1 answers one token."""
+    http, _ = scripted
+    for n in (0, 1):
+        r = http.post("/v1/responses", json={"model": MODEL, "input": QUESTION, "max_output_tokens": n})
+        assert r.status_code == 200, r.text
+        answer = Response.model_validate(r.json())
+        assert answer.usage.output_tokens == n and answer.status == "incomplete"
+        assert (answer.output_text == "") == (n == 0)
+
+
+@pytest.mark.parametrize("raw,status,param", [
+    ({"temperature": -1}, 400, "temperature"),
+    ({"top_p": 2}, 400, "top_p"),
+    ({"max_output_tokens": -1}, 400, "max_output_tokens"),
+    ({"max_output_tokens": True}, 400, "max_output_tokens"),
+    ({"input": None}, 400, "input"),
+    ({"input": []}, 400, "input"),
+    ({"input": 5}, 400, "input"),
+    ({"model": "no-such-model"}, 404, "model"),
+    ('{"model": "x", "input": ', 400, None),
+    ("", 400, None),
+    ('"just text"', 400, None),
+])
+def test_invalid_values_are_4xx_in_openai_shape_and_the_server_serves_on(scripted, raw, status, param):
+    """Out-of-range sampling values, a bad max_output_tokens, a missing or empty input, an unknown model and
+    bodies that are not a JSON object: a 4xx with OpenAI's error object naming the field, nothing reaches the
+    engine, and a plain request is answered after it."""
+    http, engine = scripted
+    if isinstance(raw, dict):
+        body = {"model": MODEL, "input": QUESTION, "max_output_tokens": 4, **raw}
+        raw = json.dumps({k: v for k, v in body.items() if v is not None})
+    r = http.post("/v1/responses", content=raw)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
+    assert param is None or error["message"].startswith(param) or f"{param} " in error["message"]
+    assert engine.submitted == []
+    serves_on(http)

@@ -157,9 +157,13 @@ async def _drive(app, path: str, body: dict, *, gone_after_chunks: int | None = 
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-@pytest.mark.parametrize("path,body", [("/v1/chat/completions", chat_body(max_tokens=4000, n=2)),
-                                       ("/v1/completions", completion_body(max_tokens=4000))])
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", chat_body(max_tokens=4000, n=2)), ("/v1/completions", completion_body(max_tokens=4000)),
+    ("/v1/messages", {"model": MODEL, "max_tokens": 4000, "messages": [{"role": "user", "content": "Hi"}]}),
+    ("/v1/responses", {"model": MODEL, "max_output_tokens": 4000, "input": "Hi"})])
 async def test_stream_disconnect_closes_every_engine_generator(tok, anyio_backend, path, body):
+    """A client gone after the first chunk of a stream (every streaming API, ten times over): each of its engine
+    generators is closed and aborted, none finished, nothing is sent after, and a new request is served at once."""
     engine = FakeEngine(tok, max_model_len=8192, delay_s=0.01)
     app = create_app(engine, tok, served_model_names=[MODEL])
     for _ in range(10):

@@ -11,6 +11,7 @@ import pytest
 
 from router.errors import APIError
 from router.openai_schema import ChatCompletionRequest
+from router.params import plan_tools
 from router.structured import _marker, build_grammar, closed_schema, json_grammar, llg_tokenizer, tool_calls_lark
 from tests.router_fakes import load_tokenizer
 from tests.tool_helpers import WEATHER
@@ -46,14 +47,10 @@ def accepts(tok, grammar, text) -> bool:
 
 
 def grammar_of(tok, **body):
+    """The grammar the chat path builds for a request with `body` (its tool plan, then `build_grammar`)."""
     req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "Hi"}], **body})
-    tools = [t.openai() for t in req.tools or ()]
-    forced = None
-    if req.tool_choice == "required":
-        forced = tools
-    elif req.tool_choice not in (None, "auto", "none"):
-        forced = [t for t in tools if t["function"]["name"] == req.tool_choice.function.name]
-    return build_grammar(req, tools, forced, tok)
+    plan = plan_tools(req, tok)
+    return build_grammar(req, plan.shown, plan.forced, tok, plan.parallel)
 
 
 def test_json_object_grammar_takes_compact_objects_only(tok):
@@ -129,6 +126,8 @@ def test_forced_call_grammar_takes_the_hermes_form_with_valid_arguments(tok):
     assert accepts(tok, many, weather + "\n" + time_call)
     named = grammar_of(tok, tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}})
     assert accepts(tok, named, time_call) and not accepts(tok, named, weather)
+    # naming a function asks for one call of it, even with parallel calls allowed: never the same tool twice
+    assert not accepts(tok, named, time_call + "\n" + time_call)
 
 
 def test_tools_with_a_json_format_allow_either_the_answer_or_calls(tok):

@@ -113,7 +113,9 @@ def test_constrained_rows_follow_their_schemas_and_free_rows_are_untouched_in_on
 
 
 def test_speculative_rows_verify_drafts_against_the_grammar_and_match_plain_decoding(engine, mixed):
-    requests = [speculative(constrained(i)) for i in range(len(CASES))] + [speculative(free(0))]
+    """The batch of eight with prompt-lookup speculation on every row: each row's tokens are its plain greedy
+    tokens, so constrained rows validate and free rows equal their output without constrained neighbours."""
+    requests = [speculative(r) for i in range(len(CASES)) for r in (constrained(i), free(i))]
     draft_masks = engine.grammars.num_draft_mask_rows
     results = run_checked(engine, requests)
     proposed = accepted = 0
@@ -123,7 +125,8 @@ def test_speculative_rows_verify_drafts_against_the_grammar_and_match_plain_deco
         assert_valid(result, i)
         proposed += result.seq.speculation.proposed_total
         accepted += result.seq.speculation.accepted_total
-    assert results["f0"].token_ids == mixed["f0"].token_ids
+    for i in range(len(FREE)):
+        assert results[f"f{i}"].token_ids == mixed[f"f{i}"].token_ids
     assert proposed > 0 and engine.grammars.num_draft_mask_rows > draft_masks
     print(f"\nconstrained rows: {accepted}/{proposed} prompt-lookup drafts accepted ({accepted / proposed:.0%})")
 
@@ -160,39 +163,47 @@ def test_the_draft_model_drafts_only_tokens_the_grammar_allows(engine):
 
 
 def test_prefill_decode_pair_samples_the_first_token_under_the_grammar_and_resumes_it(mixed):
-    """A 1P1D cluster in this process (workers over tcp loopback, the router's client without HTTP): the
-    prefill worker samples the first token under the grammar, the decode worker replays it into its matcher."""
+    """A 1P1D cluster in this process (workers over tcp loopback, the router's client without HTTP) serving the
+    batch of eight at once: the prefill worker samples each first token (under the grammar for constrained
+    rows), the decode worker replays it into its matcher; every row's tokens are those of the single engine, so
+    constrained rows validate and free rows equal their output without constrained neighbours."""
     from cluster.launch.workers import make_worker
     from router.cluster_client import ClusterEngineClient
 
     loaded = real_model()
     topology = parse_topology(topology_text(routing="local_prefill_max_tokens = 0"), name="structured-1p1d")
     workers = {w.name: make_worker(topology, w.name, loaded) for w in topology.workers}
-    request = dataclasses.replace(constrained(1), request_id="pd")
+    requests = [r for i in range(len(CASES)) for r in (constrained(i), free(i))]
 
     async def generate():
         client = ClusterEngineClient(topology, loaded[2].model_id, loaded[2].max_model_len, revision=loaded[2].revision)
+
+        async def one(request):
+            return [out async for out in client.generate(request)]
         try:
             assert await client.wait_ready(60), "a worker never answered"
-            return [out async for out in client.generate(request)]
+            return dict(zip([r.request_id for r in requests], await asyncio.gather(*map(one, requests))))
         finally:
             await client.close()
 
     try:
         for w in workers.values():
             w.start()
-        outputs = asyncio.run(generate())
+        results = asyncio.run(generate())
     finally:
         for w in workers.values():
             w.stop()
     prefill, decode = workers["prefill-0"], workers["decode-0"]
-    assert list([o.token_ids for o in outputs if o.token_ids][0]) == mixed["c1"].token_ids[:1]
-    assert [t for o in outputs for t in o.token_ids] == mixed["c1"].token_ids
-    assert outputs[-1].finish_reason is FinishReason.STOP
-    jsonschema.validate(json.loads("".join(o.text for o in outputs)), CASES[1][0])
-    assert prefill.engine.grammars.num_mask_rows == 1  # the first token's mask, on the prefill worker
-    assert decode.engine.grammars.num_mask_rows == len(mixed["c1"].token_ids) - 1
-    assert decode.stats()["constrained_requests"] == 1 and prefill.engine.grammars.mask_seconds > 0
+    for rid, outputs in results.items():
+        first = next(o.token_ids for o in outputs if o.token_ids)
+        assert list(first) == mixed[rid].token_ids[:1], rid  # the prefill worker's token, then decode's
+        assert [t for o in outputs for t in o.token_ids] == mixed[rid].token_ids, rid
+        assert outputs[-1].finish_reason is mixed[rid].final.finish_reason
+    for i in range(len(CASES)):
+        jsonschema.validate(json.loads("".join(o.text for o in results[f"c{i}"])), CASES[i][0])
+    assert prefill.engine.grammars.num_mask_rows == len(CASES)  # the first tokens' masks, on the prefill worker
+    assert decode.engine.grammars.num_mask_rows == sum(len(mixed[f"c{i}"].token_ids) - 1 for i in range(len(CASES)))
+    assert decode.stats()["constrained_requests"] == len(CASES) and prefill.engine.grammars.mask_seconds > 0
 
 
 def test_a_grammar_that_does_not_compile_fails_its_request_and_the_engine_serves_the_next(engine):
