@@ -16,6 +16,7 @@
     mlx-pd bench reliability --json r.json --markdown docs/RELIABILITY.md   # fuzz, soak, faults, overload
     mlx-pd bench speculative --concurrency 1,4 --out s.json  # speculative decoding: plain vs prompt lookup vs draft
     mlx-pd bench hybrid-turns --out h.json                  # hybrid model, 16-turn chat: TTFT cached vs cold, RSS
+    mlx-pd bench structured --out st.json                   # JSON-schema constrained vs free decode tok/s, mask cost
 
 Every run warms up first (not measured), sends unique prompts (unless --shared-prefix), and reports
 p50/p90/p99. See docs/BENCHMARKS.md for the rules and the latest numbers.
@@ -127,9 +128,12 @@ SUBCOMMANDS = {
     "hybrid-turns": "a hybrid model (qwen3_next) in a 16-turn chat: TTFT with its recurrent-state prefix cache vs "
                     "cold, next to mlx_lm.server; snapshot bytes; RSS over many conversations "
                     "(benchmarks/hybrid_bench.py)",
+    "structured": "constrained decoding in process: decode tok/s with every request JSON-schema constrained vs "
+                  "unconstrained at concurrency 8, and the grammar mask's cost per step (benchmarks/structured_bench.py)",
 }
 MODULES = {"cluster": "cluster_bench", "routing": "routing_bench", "routing-sim": "routing_sim",
-           "speculative": "speculative_bench", "hybrid-turns": "hybrid_bench"}  # own add/run/tables
+           "speculative": "speculative_bench", "hybrid-turns": "hybrid_bench",
+           "structured": "structured_bench"}  # own add/run/tables
 
 
 def build_subcommand_parser(name: str) -> argparse.ArgumentParser:

@@ -10,15 +10,17 @@ computes the set of allowed next tokens, the "mask", in tens to hundreds of micr
   that does not compile is a `GrammarError`, which the engine turns into an `error` finish) and advanced by
   every output token the scheduler appends (`GrammarMatcher.consume`: also each accepted draft token, and on
   a decode worker the first token, sampled on the prefill worker, replayed into a fresh matcher);
-- the masks of a step: `masks` fills an int32 bitmask [R, ceil(V/32)] for the R constrained rows (bit t of
-  word w allows token 32w + t, llguidance's layout) and unpacks it on the host (NumPy) into bool [R, V] rows,
-  which `cluster.sampling.sample` applies to those rows only (free rows of the batch are untouched);
+- the masks of a step: `masks` fills an int32 bitmask [B, ceil(V/32)] for the constrained rows of the batch
+  (bit t of word w allows token 32w + t, llguidance's layout; a free row's words stay all ones) and unpacks it
+  on the host (NumPy) into bool [B, V], which `cluster.sampling.sample` applies to the batch's logits in one
+  `where` (a free row's logits are left as they are);
   `draft_masks` gives a verifying row the masks at each of its k+1 positions by advancing the matcher through
   the drafts and rolling it back; `mask_after` serves a drafter the same way.
 
 Masks are filled one matcher after another: llguidance's `LLExecutor` (`fill_next_token_bitmask_par`) was
 measured slower on the 2-core CPU this engine is tested on (SmolLM2's 49,152 tokens, JSON schema grammars:
-~0.02 ms per row in the loop, ~0.04-0.08 ms per row through the executor, whose thread hand-off dominates).
+~0.02-0.06 ms per row in the loop, ~0.04-0.08 ms per row through the executor, whose thread hand-off
+dominates).
 `mask_seconds` sums the wall time of filling and unpacking, `num_constrained` counts requests.
 """
 
@@ -108,23 +110,21 @@ class Grammars:
         self.num_constrained += 1
         return GrammarMatcher(matcher, self.tokenizer)
 
-    def masks(self, grammars: Seq[Optional[GrammarMatcher]]) -> Optional[list[Optional[mx.array]]]:
-        """The next-token masks of a batch's rows (one `Sequence.grammar` or None each): bool [V] for each
-        constrained row (True = allowed), None for a free one; None when no row is constrained."""
+    def masks(self, grammars: Seq[Optional[GrammarMatcher]]) -> Optional[mx.array]:
+        """The next-token masks of a batch's rows (one `Sequence.grammar` or None each) as one bool [B, V]
+        array (True = allowed): a constrained row's grammar mask, all True for a free row (so one `where` over
+        the batch leaves free rows' logits as they are); None when no row is constrained."""
         rows = [b for b, g in enumerate(grammars) if g is not None]
         if not rows:
             return None
         start = time.perf_counter()
-        bitmask = llg_numpy.allocate_token_bitmask(len(rows), self.vocab_size)
-        for r, b in enumerate(rows):
+        bitmask = llg_numpy.allocate_token_bitmask(len(grammars), self.vocab_size)  # all allowed
+        for b in rows:
             matcher = grammars[b].matcher
-            llg_numpy.fill_next_token_bitmask(matcher, bitmask, r)
+            llg_numpy.fill_next_token_bitmask(matcher, bitmask, b)
             if matcher.is_error():  # allow all: the token sampled is then refused by `consume`, naming the error
-                bitmask[r] = -1
-        unpacked = self.unpack(bitmask)
-        out: list[Optional[mx.array]] = [None] * len(grammars)
-        for r, b in enumerate(rows):
-            out[b] = unpacked[r]
+                bitmask[b] = -1
+        out = self.unpack(bitmask)
         self._count(start, len(rows), draft=False)
         return out
 

@@ -168,7 +168,7 @@ class ModelRunner:
         return rows
 
     @staticmethod
-    def _sample(rows: list["RowResult"], masks: Optional[list[Optional[mx.array]]]) -> None:
+    def _sample(rows: list["RowResult"], masks: Optional[mx.array]) -> None:
         if not rows:
             return
         seqs = [row.seq for row in rows]

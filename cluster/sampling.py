@@ -81,22 +81,23 @@ def _filter(row: mx.array, params: SamplingParams) -> mx.array:
 
 def sample(logits: mx.array, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]],
            outputs: Sequence[Sequence[int]], keys: list[Optional[mx.array]],
-           masks: Optional[Sequence[Optional[mx.array]]] = None) -> tuple[list[int], list[Optional[TokenLogprob]]]:
+           masks: Optional[mx.array] = None) -> tuple[list[int], list[Optional[TokenLogprob]]]:
     """Sample one token per row.
 
     logits: float32 [B, vocab]. `prompts`/`outputs`: each row's token history (for penalties).
     `keys`: each row's PRNG key, replaced in place by its successor (None for greedy rows).
-    `masks`: per row, bool [vocab] of the tokens its grammar allows (`cluster.grammar.Grammars.masks`), or
-    None for a free row (None for all: no row is constrained); free rows are computed exactly as without.
+    `masks`: bool [B, vocab] of the tokens each row's grammar allows (`cluster.grammar.Grammars.masks`; all
+    True for a free row), or None when no row is constrained. It is applied to the whole batch in one `where`
+    before the per-row adjustments: logit_bias and the penalties keep a -inf logit at -inf, so this equals
+    masking after them, and free rows are computed exactly as without.
     Returns the token ids and, for rows with `logprobs` set, their TokenLogprob (of the raw logits).
     """
+    masked = logits if masks is None else apply_mask(logits, masks)
     rows = []
     for b, p in enumerate(params):
-        row = logits[b]
+        row = masked[b]
         if p.logit_bias or p.needs_penalties:
             row = _penalize(row, p, prompts[b], outputs[b])
-        if masks is not None:
-            row = apply_mask(row, masks[b])
         if p.greedy:
             rows.append(mx.argmax(row))
         else:

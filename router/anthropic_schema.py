@@ -29,7 +29,7 @@ from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
 from router.field_audit import Refusal, check_field
-from router.openai_schema import CONTEXT_LENGTH_EXCEEDED, _count, context_length_message
+from router.openai_schema import _count, check_turn_count
 from router.request_model import RequestModel
 from router.tool_schema import NAME_PATTERN, check_json_schema
 
@@ -354,11 +354,7 @@ class CountTokensRequest(_Request):
     @field_validator("messages", mode="before")
     @classmethod
     def _turn_count(cls, value: Any, info: ValidationInfo) -> Any:
-        limit = (info.context or {}).get("max_model_len")
-        if limit is not None and isinstance(value, list) and len(value) > limit:
-            raise PydanticCustomError(CONTEXT_LENGTH_EXCEEDED, context_length_message(
-                f"{len(value)} messages, so at least {len(value) - 1}", limit))
-        return value
+        return check_turn_count(value, info)
 
     @field_validator("messages")
     @classmethod

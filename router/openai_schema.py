@@ -50,6 +50,18 @@ def context_length_message(num_tokens: str, max_model_len: int) -> str:
             f"leaves no room for the completion: shorten the prompt to at most {max_model_len - 1} tokens")
 
 
+def check_turn_count(value: Any, info: ValidationInfo) -> Any:
+    """A before-validator of a conversation (`messages`): validated with `context={"max_model_len": N}`, more
+    than N turns are refused by their number (error type CONTEXT_LENGTH_EXCEEDED) before any is validated or
+    rendered: a chat template renders every turn to at least one token (its role marker; at most a first system
+    turn may be merged into the next), so they cannot fit."""
+    limit = (info.context or {}).get("max_model_len")
+    if limit is not None and isinstance(value, list) and len(value) > limit:
+        raise PydanticCustomError(CONTEXT_LENGTH_EXCEEDED, context_length_message(
+            f"{len(value)} messages, so at least {len(value) - 1}", limit))
+    return value
+
+
 def _count(value: Any) -> Optional[int]:
     """An integer >= 0 from an int or an integral finite float; None stays None.
     (Pydantic prefixes the field name to the message.)"""
@@ -260,11 +272,7 @@ class ChatCompletionRequest(_SamplingFields):
     @field_validator("messages", mode="before")
     @classmethod
     def _message_count(cls, value: Any, info: ValidationInfo) -> Any:
-        limit = (info.context or {}).get("max_model_len")
-        if limit is not None and isinstance(value, list) and len(value) > limit:
-            raise PydanticCustomError(CONTEXT_LENGTH_EXCEEDED, context_length_message(
-                f"{len(value)} messages, so at least {len(value) - 1}", limit))
-        return value
+        return check_turn_count(value, info)
 
     @field_validator("messages")
     @classmethod
