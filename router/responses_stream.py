@@ -136,6 +136,7 @@ class OutputBuilder:
 
     def _start_call(self, event: ToolCallStarted) -> None:
         self._close_message("completed")
+        self._close_calls()  # each item is done before the next is added, as OpenAI streams them
         self._pending = []  # the call's tokens: function_call items carry no logprobs
         call = _Call(len(self.items), call_id=event.id, name=event.name)
         self.items.append(call)

@@ -222,7 +222,8 @@ def test_stream_and_whole_answer_agree_on_text_calls_and_text_again():
                                requests=(None,), max_tokens=64, stream=True, include_usage=False, logprobs=None,
                                tools=tools, tool_parser=build_tool_parser(tok.wrapped, False))
     req = ResponsesRequest.model_validate({"input": "x", "tools": TOOLS})
-    text = 'Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\nDone.'
+    paris = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    text = 'Let me look.' + paris + "\n" + paris.replace("Paris", "London") + "\nDone."
     streamed, acc = ResponsesFormatter(prepared, tok, req, 0), Accumulator(prepared)
     chunks = streamed.first_chunks()
     for at in range(0, len(text), 5):
@@ -240,10 +241,14 @@ def test_stream_and_whole_answer_agree_on_text_calls_and_text_again():
         return [(i.type, i.content[0].text) if i.type == "message" else (i.type, i.name, i.arguments)
                 for i in r.output]
     assert shape(final) == shape(whole) == [("message", "Let me look."), ("function_call", "get_weather",
-                                             '{"city": "Paris"}'), ("message", "\nDone.")]
+                                             '{"city": "Paris"}'), ("function_call", "get_weather",
+                                             '{"city": "London"}'), ("message", "\nDone.")]
     assert parsed[-1].type == "response.completed" and final.usage.output_tokens == len(range(0, len(text), 5))
     added = [e["item"]["id"] for e in events if e["type"] == "response.output_item.added"]
     assert added == [i.id for i in final.output]
+    # each item is done before the next one is added (two calls in a row included), as OpenAI streams them
+    opened = [e["type"] for e in events if e["type"] in ("response.output_item.added", "response.output_item.done")]
+    assert opened == ["response.output_item.added", "response.output_item.done"] * len(final.output)
 
 
 CONTEXT = 64  # the scripted engine's context in the invalid-value tests
