@@ -37,6 +37,18 @@ import numpy as np
 _MAX_MESSAGE = 600  # characters of an llguidance error kept in a request's error message
 
 
+def llguidance_tokenizer(tokenizer, n_vocab: Optional[int] = None, eos_ids: Iterable[int] = ()
+                         ) -> "llguidance.LLTokenizer":
+    """The llguidance tokenizer of `tokenizer` (mlx-lm's TokenizerWrapper or a Hugging Face fast tokenizer):
+    over `n_vocab` ids (None = the tokenizer's own size), with `eos_ids` (empty = the tokenizer's EOS) ending a
+    matched grammar. ~0.3 s for a 50k vocabulary: callers keep it. Raises ValueError for a tokenizer that is
+    not a fast one (llguidance reads the Rust tokenizer's JSON)."""
+    import llguidance.hf  # imports transformers, which mlx-lm has loaded already
+
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    return llguidance.hf.from_tokenizer(hf, n_vocab=n_vocab, eos_token=sorted(set(eos_ids)) or None)
+
+
 class GrammarError(ValueError):
     """A request's grammar does not compile (the message says where and why, in llguidance's words)."""
 
@@ -79,7 +91,7 @@ class Grammars:
     """
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: Iterable[int]):
-        self._hf = getattr(tokenizer, "_tokenizer", tokenizer)
+        self._tokenizer_source = tokenizer
         self.vocab_size, self.eos_ids = vocab_size, sorted(set(eos_ids))
         self._tokenizer: Optional[llguidance.LLTokenizer] = None
         self.num_constrained = 0  # requests that started a matcher
@@ -91,9 +103,7 @@ class Grammars:
     def tokenizer(self) -> "llguidance.LLTokenizer":
         """The llguidance tokenizer, built on first use (~0.3 s for a 50k vocabulary)."""
         if self._tokenizer is None:
-            import llguidance.hf  # imports transformers, which mlx-lm has loaded already
-
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size, eos_token=self.eos_ids)
+            self._tokenizer = llguidance_tokenizer(self._tokenizer_source, self.vocab_size, self.eos_ids)
         return self._tokenizer
 
     def start(self, grammar: str, prefix: Seq[int] = ()) -> GrammarMatcher:

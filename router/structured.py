@@ -44,6 +44,7 @@ import threading
 import weakref
 from typing import Any, Optional, Sequence
 
+from cluster.grammar import llguidance_tokenizer
 from router.errors import bad_request
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -59,11 +60,8 @@ def llg_tokenizer(tok: Any) -> Optional[Any]:
     with _LOCK:
         if tok in _TOKENIZERS:
             return _TOKENIZERS[tok]
-        import llguidance.hf
-
-        hf = getattr(tok.wrapped, "_tokenizer", None)
         try:
-            lt = llguidance.hf.from_tokenizer(hf, eos_token=sorted(tok.eos_token_ids) or None)
+            lt = llguidance_tokenizer(tok.wrapped, eos_ids=tok.eos_token_ids)
         except (ValueError, TypeError, AttributeError):
             lt = None
         _TOKENIZERS[tok] = lt
@@ -184,9 +182,8 @@ def build_grammar(req: Any, tools: Sequence[dict], forced: Optional[Sequence[dic
 
     field, schema = format_schema(req.response_format)
     if forced:
-        _check_tool_schemas(forced, tools, tok)
-        lark = tool_calls_lark(forced, parallel, llg_tokenizer(tok))
-        return check_grammar(LLMatcher.grammar_from_lark(lark), tok, "tool_choice")
+        lark = LLMatcher.grammar_from_lark(tool_calls_lark(forced, parallel, llg_tokenizer(tok)))
+        return _checked_calls(lark, tok, "tool_choice", lambda: _check_tool_schemas(forced, tools, tok))
     if field is None:
         return None
     try:
@@ -195,6 +192,17 @@ def build_grammar(req: Any, tools: Sequence[dict], forced: Optional[Sequence[dic
         raise bad_request(f"{field}: {exc}", field) from None
     if not tools:
         return answer
-    _check_tool_schemas(tools, tools, tok)
-    lark = tool_calls_lark(tools, parallel, llg_tokenizer(tok), schema, answer=True)
-    return check_grammar(LLMatcher.grammar_from_lark(lark), tok, "tools")
+    lark = LLMatcher.grammar_from_lark(tool_calls_lark(tools, parallel, llg_tokenizer(tok), schema, answer=True))
+    return _checked_calls(lark, tok, "tools", lambda: _check_tool_schemas(tools, tools, tok))
+
+
+def _checked_calls(grammar: str, tok: Any, field: str, blame_tools: Any) -> str:
+    """`grammar` (calls to some tools) when it compiles. Else `blame_tools()` raises the 400 naming the tool
+    whose parameters schema is at fault, or, when each compiles alone, the 400 names `field`. So a valid
+    request compiles one grammar, not one per tool as well."""
+    from llguidance import LLMatcher
+
+    if not LLMatcher.validate_grammar(grammar, llg_tokenizer(tok)):
+        return grammar
+    blame_tools()
+    return check_grammar(grammar, tok, field)
