@@ -183,8 +183,8 @@ def run_engine_profile(cfg: ProfileConfig, engine_config=None, model: Optional[s
                 bar.update(1)
     decode = []
     for b in tqdm(cfg.batches, desc="decode", unit="batch", disable=not progress, leave=False):
-        if b > engine_config.max_num_seqs:
-            log(f"skipping decode batch {b}: above max_num_seqs={engine_config.max_num_seqs}")
+        if b > core.config.max_num_seqs:  # the engine's, resolved from the KV budget when unset
+            log(f"skipping decode batch {b}: above max_num_seqs={core.config.max_num_seqs}")
             continue
         decode.append(time_decode(core, [make(cfg.decode_prompt_tokens) for _ in range(b)], cfg.decode_steps))
     kv_token = roofline.kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,

@@ -31,7 +31,20 @@ class EngineConfig:
       model's bytes per block (see `cluster.kv_store.kv_bytes_per_block`). `num_blocks`, when set, wins.
       For a model with recurrent layers it also holds the `state_cache_gb` of state snapshots and the
       recurrent states of `max_num_seqs` running sequences.
-    - `max_num_seqs`: sequences in the running batch at most.
+    - `max_num_seqs`: sequences in the running batch at most; None = follows the KV budget
+      (`cluster.step_budget.auto_max_num_seqs`: one sequence per `AUTO_TOKENS_PER_SEQ` tokens of the pool, at
+      least 16, at most 256).
+    - `max_num_batched_tokens`: tokens per engine step at most (decode tokens, drafts and prompt chunks
+      together; vLLM's token budget); None = max(prefill_chunk_size, max_num_seqs + block_size). It must
+      leave a block for prompts beside one token of every running sequence.
+    - `itl_target_ms`: while sequences decode, a step's prompt chunk is sized so that the step takes at most
+      this long (the streams' inter-token latency); None = twice the measured decode step.
+    - `async_scheduling`: the overlapped loop: a step's plain rows (no grammar, drafts, penalties or logprobs)
+      sample on the device and are read back after the next step is built and dispatched, so the host's
+      scheduling and bookkeeping overlap the device's compute (vLLM's async scheduling; mlx-lm's generation
+      loop). Off for models with recurrent layers. False: every step is read back before the next.
+    - `long_prefill_token_threshold`: a prompt with at most this many tokens left is never cut into chunks
+      while others decode (one such prompt per step), so short requests keep their TTFT.
     - `prefill_chunk_size`: tokens of one prompt computed per engine step at most (2048 as in the seeds);
       it is also the step's token budget for prefill, so one long prompt never freezes running streams.
     - `max_model_len`: context limit in tokens; None = the model's `max_position_embeddings`.
@@ -74,8 +87,12 @@ class EngineConfig:
     block_size: int = 32
     kv_cache_gb: float = 1.0
     num_blocks: Optional[int] = None
-    max_num_seqs: int = 16
+    max_num_seqs: Optional[int] = None
     prefill_chunk_size: int = 2048
+    max_num_batched_tokens: Optional[int] = None
+    itl_target_ms: Optional[float] = None
+    long_prefill_token_threshold: int = 256
+    async_scheduling: bool = True
     max_model_len: Optional[int] = None
     dtype: str = field(default_factory=default_dtype)
     kv_bits: Optional[int] = None
@@ -102,10 +119,18 @@ class EngineConfig:
             raise bad("kv_cache_gb", "must be > 0")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise bad("num_blocks", "must be >= 2 (block 0 is reserved as the null block)")
-        if self.max_num_seqs < 1:
-            raise bad("max_num_seqs", "must be >= 1")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise bad("max_num_seqs", "must be >= 1 or unset (follows the KV budget)")
         if self.prefill_chunk_size < 1:
             raise bad("prefill_chunk_size", "must be >= 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < (
+                (self.max_num_seqs or 1) + self.block_size):
+            raise bad("max_num_batched_tokens", "must hold one token of every running sequence and a block of "
+                      f"prompt: at least max_num_seqs + block_size = {(self.max_num_seqs or 1) + self.block_size}")
+        if self.itl_target_ms is not None and not self.itl_target_ms > 0:
+            raise bad("itl_target_ms", "must be > 0 milliseconds or unset (twice the measured decode step)")
+        if self.long_prefill_token_threshold < 0:
+            raise bad("long_prefill_token_threshold", "must be >= 0 tokens")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise bad("max_model_len", "must be >= 2")
         if self.dtype not in KV_DTYPES:

@@ -14,9 +14,13 @@ engine carries on.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 from typing import Optional
+
+import mlx.core as mx
 
 from cluster.block_pool import BlockPool
 from cluster.connector import Connector
@@ -38,6 +42,7 @@ from cluster.sequence import Sequence
 from cluster.scheduler import ScheduledBatch, Scheduler
 from cluster.speculation import Speculator
 from cluster.state_snapshots import StateSnapshots
+from cluster.step_budget import auto_max_num_seqs
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +79,10 @@ class EngineCore:
         snapshot_bytes = int(state_gb * 2**30) if verified.num_state_layers and config.enable_prefix_caching else 0
         # and the running sequences' own states (one per sequence, up to max_num_seqs) come out of it too
         state_shapes = probe_state_shapes(model, verified.state_caches) if verified.num_state_layers else ()
-        budget = int(config.kv_cache_gb * 2**30) - snapshot_bytes - config.max_num_seqs * state_nbytes(state_shapes)
         window_block = kv_bytes_per_block(window_spec, *kv_args) if window_spec is not None else 0
+        self.config = config = self._resolve_limits(config, snapshot_bytes, per_block + window_block,
+                                                    state_nbytes(state_shapes))
+        budget = int(config.kv_cache_gb * 2**30) - snapshot_bytes - config.max_num_seqs * state_nbytes(state_shapes)
         num_blocks, num_window_blocks = self.groups.num_blocks(config, budget, per_block, window_block)
         if min(num_blocks, num_window_blocks or num_blocks) < 2:
             raise ValueError(f"kv_cache_gb={config.kv_cache_gb} holds no block of {per_block} bytes"
@@ -105,8 +112,29 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.kv, self._extra_key, eos_ids, None, connector, snapshots)
         # constrained decoding (cluster/grammar.py): its llguidance tokenizer is built on the first grammar
         self.grammars = Grammars(tokenizer, spec.vocab_size, eos_ids)
+        # the overlapped loop: plain rows' tokens stay on the device for a step (`_defers`, `InFlight`)
+        self._overlap = config.async_scheduling and not verified.num_state_layers
+        self._inflight: Optional[InFlight] = None
         if speculator is not None:
             self.speculator = speculator
+
+    @staticmethod
+    def _resolve_limits(config: EngineConfig, snapshot_bytes: int, block_bytes: int, state_bytes: int) -> EngineConfig:
+        """`config` with `max_num_seqs` (None: following the KV budget, `auto_max_num_seqs`) and
+        `max_num_batched_tokens` (None: max(prefill_chunk_size, max_num_seqs + block_size)) filled in. Raises
+        ValueError when a set token budget cannot hold one token of every running sequence and a block."""
+        n = config.max_num_seqs
+        if n is None:
+            blocks_bytes = (config.num_blocks * block_bytes if config.num_blocks
+                            else int(config.kv_cache_gb * 2**30) - snapshot_bytes)
+            n = auto_max_num_seqs(blocks_bytes, block_bytes, config.block_size, state_bytes)
+        need = n + config.block_size
+        budget = config.max_num_batched_tokens or max(config.prefill_chunk_size, need)
+        if budget < need:
+            raise ValueError(f"max_num_batched_tokens={budget} cannot hold one token of each of max_num_seqs={n} "
+                             f"running sequences and a block of prompt: set it to at least {need} or lower "
+                             "max_num_seqs")
+        return dataclasses.replace(config, max_num_seqs=n, max_num_batched_tokens=budget)
 
     @property
     def speculator(self) -> Speculator:
@@ -224,8 +252,10 @@ class EngineCore:
         return self.kv.release(request_id)
 
     def has_work(self) -> bool:
-        """True when `step` has something to do: a sequence to compute, or one whose prompt KV arrived."""
-        return self.scheduler.has_work()
+        """True when `step` has something to do: a sequence to compute, one whose prompt KV arrived, or tokens
+        of the last step still to read back."""
+        inflight = self._inflight is not None and any(not seq.finished for seq, _ in self._inflight.rows)
+        return inflight or self.scheduler.has_work()
 
     # -- the loop ------------------------------------------------------------------------------------
 
@@ -236,21 +266,78 @@ class EngineCore:
         outputs = self.scheduler.expire(time.monotonic())
         outputs += self.scheduler.admit_prefilled()
         batch = self.scheduler.schedule()
+        inflight, self._inflight = self._inflight, None
         if batch is not None:
-            outputs += self._execute(batch)
+            started = time.perf_counter()
+            outputs += self._execute(batch, inflight)
+            self.scheduler.budget.observe(batch.num_decode_tokens, batch.num_prefill_tokens,
+                                          time.perf_counter() - started)
+        else:
+            outputs += self._resolve(inflight)
         self.scheduler.report_computed(batch)
         return outputs
 
-    def _execute(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        """Run the batch (array work: cluster/runner.py) and update its sequences from the results (the
-        scheduler); a failing step fails the sequences it ran, never the engine."""
+    def _execute(self, batch: ScheduledBatch, inflight: Optional["InFlight"]) -> list[RequestOutput]:
+        """Run the batch (array work: cluster/runner.py), then read back the tokens of the step before it
+        (`inflight`, sampled on the device while this one was being built), then update the batch's sequences
+        from the results (the scheduler); rows sampled on the device this step become the next `InFlight`. A
+        failing step fails the sequences it ran, never the engine."""
         try:
-            drafts = {} if batch.is_prefill else self.speculator.propose(batch.items)
-            rows = self.runner.execute(batch, drafts, self.speculator.verify, self.grammars)
-            return self.scheduler.update_from_output(rows)
+            drafts = self.speculator.propose(batch.decode) if batch.decode else {}
+            rows = self.runner.execute(batch, drafts, self.speculator.verify, self.grammars,
+                                       inflight.feed if inflight is not None else None, self._defers)
+        except Exception as exc:
+            return self._resolve(inflight) + self._fail(batch, exc)
+        outputs = self._resolve(inflight)
+        try:
+            deferred = [row for row in rows if row.pending is not None]
+            outputs += self.scheduler.update_from_output([row for row in rows if row.pending is None])
+            self.scheduler.defer(deferred)
+            live = [row for row in deferred if not row.seq.finished]
+            if live:
+                self._inflight = InFlight(live[0].pending[0], [(row.seq, row.pending[1]) for row in live])
+        except Exception as exc:
+            outputs += self._fail(batch, exc)
+        return outputs
+
+    def _resolve(self, inflight: Optional["InFlight"]) -> list[RequestOutput]:
+        """Read back the tokens sampled on the device by the step before and apply them (`Scheduler.resolve`);
+        if that step failed on the device, its sequences finish with `error`."""
+        if inflight is None:
+            return []
+        try:
+            tokens = inflight.tokens.tolist()
         except Exception as exc:
             logger.exception("engine step failed")
-            if self.store.mirror is not None:
-                self.store.mirror.reset()
-            self.speculator.reset()
-            return self.scheduler.fail(batch, f"engine step failed: {exc}")
+            return [self.scheduler.finish_with_output(seq, FinishReason.ERROR, f"engine step failed: {exc}")
+                    for seq, _ in inflight.rows if not seq.finished]
+        return [self.scheduler.resolve(seq, tokens[i]) for seq, i in inflight.rows if not seq.finished]
+
+    def _fail(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
+        logger.exception("engine step failed")
+        if self.store.mirror is not None:
+            self.store.mirror.reset()
+        self.speculator.reset()
+        return self.scheduler.fail(batch, f"engine step failed: {exc}")
+
+    def _defers(self, seq: Sequence) -> bool:
+        """True when `seq`'s sampled tokens may stay on the device for a step (the overlapped loop): nothing on
+        the host needs them before its next step (no grammar mask, no drafts, no penalties over its output, no
+        logprobs, not handed to another worker), and the model has no recurrent state (evaluated every step)."""
+        sp = seq.request.sampling
+        return (self._overlap and sp.grammar is None and seq.speculation is None and not sp.needs_penalties
+                and sp.logprobs is None and sp.prompt_logprobs is None and not seq.remote_decode)
+
+
+@dataclass
+class InFlight:
+    """The tokens of a step sampled on the device and not read back yet: `tokens` int32 [R], and each row's
+    (sequence, index in `tokens`); `feed` gives the next step the index by request id."""
+
+    tokens: mx.array
+    rows: list[tuple[Sequence, int]]
+
+    @property
+    def feed(self) -> tuple[mx.array, dict[str, int]]:
+        """(tokens, index by request id), as `ModelRunner.execute` takes them."""
+        return self.tokens, {seq.request_id: i for seq, i in self.rows}

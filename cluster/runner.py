@@ -1,11 +1,13 @@
 """One forward pass over a batch of sequences, shared by every worker role.
 
 A batch item is (block_table, start, token_ids): compute `token_ids` at positions [start, start + T_b)
-of a sequence whose KV lives in the blocks of `block_table`. The runner pads the items into one
+of a sequence whose KV lives in the blocks of `block_table`. A forward pads its items into one
 [B, T] token array (T = max T_b), runs the unmodified mlx-lm model over the paged KV cache, and
 returns logits only where the caller needs them: the vocabulary projection (lm_head, ~10% of a small
 model's prefill FLOPs) runs on the selected rows only, and a chunk that needs no logits evaluates just
-the KV writes (the trick mlx-lm's own prefill uses: evaluate the cache, never the logits).
+the KV writes (the trick mlx-lm's own prefill uses: evaluate the cache, never the logits). A step
+(`execute`) runs its decode rows in one forward and its prompt chunks in forwards of chunks of similar length
+(`pack_prefill`), so padding stays bounded, then samples every row that needs a token at once.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from cluster.kv_store import KVStore
 from cluster.model_families import VerifiedModel, verify_model
 from cluster.recurrent_state import State, StateShapes, probe_state_shapes, split_states, stack_states
 from cluster.request import TokenLogprob
-from cluster.sampling import prompt_logprobs, sample
-from cluster.sequence import Sequence
+from cluster.sampling import prompt_logprobs, sample, sample_tokens
+from cluster.sequence import PENDING, Sequence
 from cluster.speculation import Draft, Verified
 
 # `Speculator.verify`: (sequences, drafts, logits, grammar masks or None) -> results
@@ -46,7 +48,8 @@ class BatchItem:
     `block_table`. `mirror_row` names the sequence across decode steps (its row of the decode mirror).
     `state`: the sequence's recurrent state before the step (cluster/recurrent_state.py; None: nothing
     computed yet, or a model without recurrent layers). `window_table`: its window layers' blocks
-    (`Sequence.window_table`; empty without a window group)."""
+    (`Sequence.window_table`; empty without a window group). `pending_request`: set when the first token is a
+    `PENDING` place, to the request whose token the previous step sampled on the device (`execute`)."""
 
     block_table: Seq[int]
     start: int
@@ -55,6 +58,7 @@ class BatchItem:
     mirror_row: Optional[str] = None
     state: Any = None
     window_table: Seq[int] = ()
+    pending_request: Optional[str] = None
 
 
 class ModelRunner:
@@ -78,18 +82,25 @@ class ModelRunner:
         if state_shapes is None:  # the engine probes them first, to budget the states
             state_shapes = probe_state_shapes(model, self.verified.state_caches) if self.verified.num_state_layers else ()
         self.state_shapes = state_shapes
+        self.num_prefill_tokens = 0  # prompt tokens computed
+        self.num_padding_tokens = 0  # padding computed beside them (bounded by `pack_prefill`)
 
     def forward(self, items: Seq[BatchItem]) -> list[Optional[mx.array]]:
         """Run one step; returns per item float32 logits: [vocab] for Logits.LAST, [T_b, vocab] for Logits.ALL,
         None for Logits.NONE. The returned arrays are lazy; if none is returned the KV writes are evaluated here."""
         return self.forward_with_state(items)[0]
 
-    def forward_with_state(self, items: Seq[BatchItem]) -> tuple[list[Optional[mx.array]], list[Optional[State]]]:
+    def forward_with_state(self, items: Seq[BatchItem], fed: Optional[tuple[mx.array, list[int], list[int]]] = None
+                           ) -> tuple[list[Optional[mx.array]], list[Optional[State]]]:
         """`forward`, plus each item's recurrent state after the step (evaluated; None for every item of a
-        model without recurrent layers)."""
+        model without recurrent layers). `fed`: (tokens on the device, rows, indices): row r's first token is
+        tokens[index] (a `PENDING` place in its `token_ids`)."""
         num_new = [len(it.token_ids) for it in items]
         T = max(num_new)
         tokens = mx.array([list(it.token_ids) + [0] * (T - len(it.token_ids)) for it in items], dtype=mx.int32)
+        if fed is not None:
+            source, rows, index = fed
+            tokens[mx.array(rows), 0] = mx.take(source, mx.array(index))
         tables, starts = [it.block_table for it in items], [it.start for it in items]
         if T == 1 and all(it.mirror_row is not None for it in items):
             layout = BatchLayout.build_decode(self.store, [it.mirror_row for it in items], tables, starts,
@@ -133,20 +144,40 @@ class ModelRunner:
         return out, states
 
     def execute(self, batch, drafts: dict[str, Draft], verify: Optional[Verify] = None,
-                grammars: Optional[Grammars] = None) -> list["RowResult"]:
+                grammars: Optional[Grammars] = None, pending: Optional[tuple[mx.array, dict[str, int]]] = None,
+                defer: Optional[Callable[[Sequence], bool]] = None) -> list["RowResult"]:
         """One step's array work over `batch` (cluster.scheduler.ScheduledBatch): build the inputs, run the
         model, sample the rows that reached the end of their tokens, verify the drafts (`drafts` by request
         id) with `verify` (the speculator's rules; needed when there are drafts). With `grammars` (the engine's
         constrained decoding), rows of sequences with a grammar sample under its mask and verify their drafts
         against its mask at every position. Sequences are not changed, except their PRNG keys (advanced by
-        sampling or verification)."""
-        planned = [plan_row(seq, n, batch.is_prefill, drafts.get(seq.request_id)) for seq, n in batch.items]
-        rows = [row for row, _ in planned]
-        for row, logits, state in zip(rows, *self.forward_with_state([item for _, item in planned])):
-            row.logits, row.state = logits, state
+        sampling or verification).
+
+        The overlapped loop: `pending` = (int32 [R] tokens sampled by the previous step and not read back, the
+        index of each request's token in it); a decode row whose last token is still `PENDING` is fed its token
+        from there on the device. Rows of sequences `defer` accepts sample on the device without being read
+        back: their `pending` is (this step's tokens array, their index), evaluated asynchronously
+        (`mx.async_eval`), so the host goes on while the device computes."""
+        decode = [plan_row(seq, n, False, drafts.get(seq.request_id)) for seq, n in batch.decode]
+        prefill = [plan_row(seq, n, True, None) for seq, n in batch.prefill]
+        rows = [row for row, _ in decode + prefill]
+        # the decode rows in one forward, then the prompt chunks in forwards of rows of similar length
+        groups = ([decode] if decode else []) + pack_prefill(prefill, bool(self.verified.num_state_layers))
+        for i, group in enumerate(groups):
+            fed = self._feed_pending([item for _, item in group], pending) if group is decode else None
+            for (row, _), logits, state in zip(group, *self.forward_with_state([item for _, item in group], fed)):
+                row.logits, row.state = logits, state
+            if i + 1 < len(groups):
+                self._settle([row.logits for row, _ in group if row.logits is not None])
+            if group is not decode:
+                real = sum(len(item.token_ids) for _, item in group)
+                self.num_prefill_tokens += real
+                self.num_padding_tokens += len(group) * max(len(item.token_ids) for _, item in group) - real
         if drafts and self.store.mirror is not None:
             self.store.mirror.reset()  # a verify step gathers; the next plain decode step rebuilds the mirror
-        sampling = [row for row in rows if row.samples]
+        deferred = [row for row in rows if row.samples and defer is not None and defer(row.seq)]
+        self._sample_deferred(deferred)
+        sampling = [row for row in rows if row.samples and row.pending is None]
         verifying = [row for row in rows if row.draft is not None]
         masks, draft_masks = None, None
         if grammars is not None and any(r.seq.grammar is not None for r in sampling + verifying):
@@ -166,6 +197,38 @@ class ModelRunner:
             for row, result in zip(verifying, results):
                 row.verified = result
         return rows
+
+    def _settle(self, logits: list[mx.array]) -> None:
+        """Start evaluating a forward (its `logits` and the pool arrays it wrote, `mx.async_eval`) before the
+        next forward of the same step is built. In one lazy graph, a pool array that one forward reads (its
+        contexts) and the next one writes has two consumers, so the write cannot reuse the buffer and copies
+        the whole pool (measured with a 1 GiB pool: 340 ms a step of decode rows and a prompt, 30 ms so)."""
+        stores = (self.store,) + ((self.window_store,) if self.window_store is not None else ())
+        mx.async_eval(*logits, *[a for store in stores for part in (store.keys, store.values) for a in part])
+
+    @staticmethod
+    def _feed_pending(items: Seq[BatchItem], pending) -> Optional[tuple[mx.array, list[int], list[int]]]:
+        """(the previous step's tokens, rows of `items` whose input is a `PENDING` token, their indices in it),
+        or None when no row waits for one."""
+        if pending is None:
+            return None
+        tokens, index = pending
+        rows = [b for b, it in enumerate(items) if it.pending_request is not None]
+        return (tokens, rows, [index[items[b].pending_request] for b in rows]) if rows else None
+
+    @staticmethod
+    def _sample_deferred(rows: list["RowResult"]) -> None:
+        """Sample `rows` on the device in one batch and start evaluating it (`mx.async_eval`); each row's
+        `pending` is (the tokens, its index)."""
+        if not rows:
+            return
+        seqs = [row.seq for row in rows]
+        last = mx.stack([row.logits for row in rows])
+        tokens, keys = sample_tokens(last, [s.request.sampling for s in seqs], [()] * len(rows), [()] * len(rows),
+                                     [s.rng_key for s in seqs])
+        mx.async_eval(tokens, *[k for k in keys if k is not None])
+        for i, (row, key) in enumerate(zip(rows, keys)):
+            row.seq.rng_key, row.pending = key, (tokens, i)
 
     @staticmethod
     def _sample(rows: list["RowResult"], masks: Optional[mx.array]) -> None:
@@ -191,7 +254,8 @@ class RowResult:
     `prompt_logprobs`: for a request that wants them, the entries of the prompt positions this chunk predicted
     (positions start + 1 .. start + num_fed, within the prompt), unless the sequence already has them (a
     recompute after preemption). `state`: the sequence's recurrent state after the step (None without
-    recurrent layers)."""
+    recurrent layers). `pending`: sampled on the device and not read back (the overlapped loop): (the step's
+    tokens, this row's index); `token` is then None."""
 
     seq: Sequence
     start: int
@@ -205,6 +269,7 @@ class RowResult:
     verified: Optional[Verified] = None
     prompt_logprobs: Optional[list[TokenLogprob]] = None
     state: Any = None
+    pending: Optional[tuple[mx.array, int]] = None
 
     @property
     def prompt_logits(self) -> Optional[mx.array]:
@@ -221,12 +286,39 @@ def _prompt_logprobs(row: RowResult) -> Optional[list[TokenLogprob]]:
                            seq.request.sampling.prompt_logprobs)
 
 
+MAX_PADDING = 1 / 8  # padding a prefill forward may compute, as a fraction of its real tokens
+
+
+def pack_prefill(planned: list, exact: bool = False) -> list[list]:
+    """The prompt chunks of a step, (RowResult, BatchItem) pairs, grouped into forwards: longest first, each
+    forward taking the next chunks while its padding to its longest chunk stays within `MAX_PADDING` of its real
+    tokens (`exact`: no padding at all, for recurrent layers, whose state would run over the padding). Chunks of
+    very different lengths thus run as separate forwards (one row each, without padding) instead of one padded
+    [B, T] batch; chunks of similar lengths share a forward (the weights read once)."""
+    groups: list[list] = []
+    for pair in sorted(planned, key=lambda p: -len(p[1].token_ids)):
+        n = len(pair[1].token_ids)
+        if groups:
+            group = groups[-1]
+            longest = len(group[0][1].token_ids)
+            real = sum(len(item.token_ids) for _, item in group) + n
+            if (n == longest) if exact else (len(group) + 1) * longest <= real * (1 + MAX_PADDING):
+                group.append(pair)
+                continue
+        groups.append([pair])
+    return groups
+
+
 def plan_row(seq: Sequence, num_tokens: int, is_prefill: bool,
              draft: Optional[Draft]) -> tuple[RowResult, BatchItem]:
     """The batch item for `seq` in this step (`num_tokens` scheduled for it: a prefill chunk, or in a decode
     step the last token plus room for drafts) and its result slot."""
     start = seq.num_computed_tokens
     mirror_row = None if is_prefill else seq.request_id
+    if not is_prefill and seq.token_ids[start] == PENDING:  # its token is still on the device (overlapped loop)
+        return (RowResult(seq, start, 1, Logits.LAST, True),
+                BatchItem(seq.block_table, start, seq.token_ids[start:], Logits.LAST, mirror_row, seq.recurrent_state,
+                          seq.window_table, seq.request_id))
     if draft is not None:  # verify: the last token and the drafts, logits at every position
         return (RowResult(seq, start, len(seq.token_ids) - start, Logits.ALL, draft=draft),
                 BatchItem(seq.block_table, start, seq.token_ids[start:] + list(draft.tokens), Logits.ALL, mirror_row,

@@ -1,11 +1,12 @@
 """The sequences' lifecycle: continuous batching (which sequences compute how many tokens in the next engine
 step) and the bookkeeping after each step (appending tokens, finishing, caching computed blocks).
 
-Each step is either a prefill step (prompt chunks of one or more sequences, at most
-`prefill_chunk_size` tokens including padding) or a decode step (one token for every sequence that has
-finished its prompt). When both kinds of work exist they alternate, so a long prompt advances one chunk
-between two decode steps and never freezes the streams already running. New sequences are admitted
-from the waiting queue (FCFS) between steps, reusing their longest cached prefix. When a running sequence
+Each step is decode-first under a token budget (cluster/step_budget.py): one token (plus its drafts) for every
+sequence that has finished its prompt, then prompt chunks in the rest of the budget, bounded while anything
+decodes so the streams' inter-token latency stays within its target. A decoding sequence is never skipped for a
+step, and a long prompt advances a bounded chunk beside each decode step. New sequences are admitted from the
+waiting queue (FCFS) whenever the budget, a running slot and the blocks allow, reusing their longest cached
+prefix. When a running sequence
 needs a block and none is free, the most recently admitted other sequence is preempted: its blocks are
 freed and it goes back to the front of the queue to be recomputed later (vLLM's recompute preemption).
 
@@ -27,28 +28,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 from cluster.config import EngineConfig
 from cluster.connector import Connector, NoConnector
-from cluster.hashing import block_hashes
 from cluster.kv_manager import KVManager
+from cluster.prefix_match import PrefixMatcher
 from cluster.request import FinishReason, RequestOutput
 from cluster.runner import RowResult
 from cluster.sampling import advance_key
-from cluster.sequence import Sequence, SequenceStatus
+from cluster.sequence import PENDING, Sequence, SequenceStatus
 from cluster.speculation import Draft, NoSpeculator, Speculator, Verified
 from cluster.state_snapshots import StateSnapshots
-
-
-@dataclass
-class ScheduledBatch:
-    """The work of one step: (sequence, number of tokens to compute from num_computed_tokens on). In a decode
-    step the number is 1 + the draft tokens the sequence may verify (blocks are reserved for all of them)."""
-
-    items: list[tuple[Sequence, int]]
-    is_prefill: bool
+from cluster.step_budget import ScheduledBatch, StepBudget
 
 
 class Scheduler:
@@ -79,9 +71,21 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._preempted: list[Sequence] = []
         self.num_preemptions = 0
-        self.prefix_queries = 0
-        self.prefix_hits = 0
-        self._last_was_prefill = False
+        self.prefix = PrefixMatcher(kv, config.block_size, extra_key, snapshots)
+        self.budget = StepBudget(config.max_num_batched_tokens or config.prefill_chunk_size,
+                                 config.prefill_chunk_size, config.block_size,
+                                 None if config.itl_target_ms is None else config.itl_target_ms / 1000,
+                                 config.long_prefill_token_threshold)
+
+    @property
+    def prefix_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache at first admission."""
+        return self.prefix.queries
+
+    @property
+    def prefix_hits(self) -> int:
+        """Of those, the tokens served from it."""
+        return self.prefix.hits
 
     def add(self, seq: Sequence, remote_prefill: bool = False) -> None:
         """Register and queue a new sequence. `remote_prefill`: its prompt KV is being computed elsewhere (it
@@ -146,17 +150,13 @@ class Scheduler:
         return len(self.waiting) + len(self.awaiting_kv) - free_slots >= self.config.max_waiting
 
     def schedule(self) -> Optional[ScheduledBatch]:
-        """Pick the next step's work, or None when there is nothing to do."""
-        decoding = [s for s in self.running if not s.is_prefilling]
-        wants_prefill = any(s.is_prefilling for s in self.running) or (
-            self.waiting and len(self.running) < self.config.max_num_seqs)
-        batch = None
-        if wants_prefill and (not decoding or not self._last_was_prefill):
-            batch = self._schedule_prefill()
-        self._last_was_prefill = batch is not None
-        if batch is None:
-            batch = self._schedule_decode()
-        return batch
+        """Pick the next step's work (decode first, then prompt chunks within the budget), or None when there is
+        nothing to do."""
+        decode = self._schedule_decode()
+        num_decode = sum(n for _, n in decode)
+        prefill = self._schedule_prefill(self.budget.prefill_allowance(num_decode),
+                                         self.budget.max_batched_tokens - num_decode, may_preempt=not decode)
+        return ScheduledBatch(decode, prefill) if decode or prefill else None
 
     def report_computed(self, batch: Optional[ScheduledBatch]) -> None:
         """Tell the connector which sequences' computed KV changed in the step that ran `batch`: those still
@@ -183,6 +183,8 @@ class Scheduler:
         """The one way a sequence leaves (`reason` None: handed on after its first token, with remote decode).
         The speculator forgets it; its blocks are freed, or held under its request id when the connector
         still needs them (`KVManager.release` frees them then). Called exactly once per sequence."""
+        if seq.token_ids[-1] == PENDING:  # aborted while its token was on the device: that token is dropped
+            seq.token_ids.pop()
         if seq.speculation is not None:
             self.speculator.release(seq)
         if self.snapshots is not None:
@@ -210,23 +212,45 @@ class Scheduler:
         plp = tuple(seq.prompt_logprobs) if sp.prompt_logprobs is not None else None
         return _output(seq, (), "", () if sp.logprobs is not None else None, reason, plp, error)
 
+    def defer(self, rows: list[RowResult]) -> None:
+        """The overlapped loop's bookkeeping for rows whose sampled token is still on the device: count what
+        was computed and cache the blocks that filled up, as `update_from_output` does, and hold the token's
+        place with `PENDING` until `resolve` (finished sequences are skipped)."""
+        for row in rows:
+            if not row.seq.finished:
+                self._advance(row)
+                row.seq.token_ids.append(PENDING)
+
+    def resolve(self, seq: Sequence, token: int) -> RequestOutput:
+        """The token sampled for `seq`'s `PENDING` place (its last token) is read back: put it there and apply
+        the stop rules as `update_from_output` would have; returns its output delta."""
+        assert seq.token_ids[-1] == PENDING, "resolved a sequence without a pending token"
+        seq.token_ids.pop()
+        return self._append_token(seq, token, None)
+
     def _update_row(self, row: RowResult) -> Optional[RequestOutput]:
         seq = row.seq
         if row.verified is not None:
             return self._accept(seq, row.draft, row.verified)
-        if row.prompt_logprobs is not None:
-            seq.prompt_logprobs.extend(row.prompt_logprobs)
-        seq.num_computed_tokens += row.num_fed
-        seq.recurrent_state = row.state
-        self.cache_computed_blocks(seq)
-        self.kv.release_outside_window(seq, self.block_size)
-        if self.snapshots is not None:
-            self.snapshots.save(seq)
+        self._advance(row)
         if not row.samples:
             return None
         if seq.max_tokens == 0:  # echo-only request: prompt logprobs, no token
             return self.finish_with_output(seq, FinishReason.LENGTH)
         return self._append_token(seq, row.token, row.logprob)
+
+    def _advance(self, row: RowResult) -> None:
+        """Count the row's computed tokens (and prompt logprobs, recurrent state), cache the blocks that filled
+        up, release window blocks out of every later window, take a state snapshot where one is due."""
+        seq = row.seq
+        if row.prompt_logprobs is not None:
+            seq.prompt_logprobs.extend(row.prompt_logprobs)
+        seq.num_computed_tokens += row.num_fed
+        seq.recurrent_state = row.state
+        self.prefix.cache_computed_blocks(seq)
+        self.kv.release_outside_window(seq, self.block_size)
+        if self.snapshots is not None:
+            self.snapshots.save(seq)
 
     def _accept(self, seq: Sequence, draft: Draft, result: Verified) -> RequestOutput:
         """Append the verified tokens one by one, as plain decoding would (stopping at the first stop), and
@@ -235,7 +259,7 @@ class Scheduler:
         outs = []
         for token, logprob in zip(result.tokens, result.logprobs):
             seq.num_computed_tokens = len(seq.token_ids)  # every token before this one is in the KV now
-            self.cache_computed_blocks(seq)
+            self.prefix.cache_computed_blocks(seq)
             outs.append(self._append_token(seq, token, logprob))
             if outs[-1].finished:
                 break
@@ -274,25 +298,12 @@ class Scheduler:
         return _output(seq, (token,), text, (logprob,) if logprob else None, reason, plp,
                        stop_string=seq.output_text.stop_string if reason == FinishReason.STOP else None)
 
-    def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Hash and register the blocks that became full and computed in the last step."""
-        full = seq.num_computed_tokens // self.block_size
-        if full <= len(seq.block_hashes):
-            return
-        start = len(seq.block_hashes)
-        parent = seq.block_hashes[-1] if start else None
-        new = block_hashes(seq.token_ids[:full * self.block_size], self.block_size,
-                           self.extra_key(seq.request.cache_salt), start=start, parent=parent)
-        for i, h in enumerate(new, start):
-            self.kv.cache_block(seq, i, h, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-        seq.block_hashes.extend(new)
-
-    def _chunk(self, seq: Sequence, budget: int) -> int:
-        """Tokens of `seq` to compute in this prefill step: up to `budget`; with recurrent state, ending where
-        a snapshot is due (`StateSnapshots.chunk_end`)."""
+    def _chunk(self, seq: Sequence, allowance: int, room: int) -> int:
+        """Tokens of `seq` to compute in this step given `allowance` prompt tokens left (`StepBudget.chunk`);
+        with recurrent state, ending where a snapshot is due (`StateSnapshots.chunk_end`)."""
         start = seq.num_computed_tokens
-        end = start + min(len(seq.token_ids) - start, budget)
-        return (end if self.snapshots is None else self.snapshots.chunk_end(seq, start, end)) - start
+        end = start + self.budget.chunk(len(seq.token_ids) - start, allowance, room)
+        return (end if self.snapshots is None or end == start else self.snapshots.chunk_end(seq, start, end)) - start
 
     # -- internals ---------------------------------------------------------------------------------
 
@@ -300,47 +311,62 @@ class Scheduler:
         total = seq.num_computed_tokens + num_tokens
         return max(0, -(-total // self.block_size) - len(seq.block_table))
 
-    def _schedule_prefill(self) -> Optional[ScheduledBatch]:
-        """Chunks of prompts: the first sequence takes up to the whole budget; others join only while
-        (number of sequences) x (longest chunk) stays within it, so padding never exceeds the budget."""
-        budget = self.config.prefill_chunk_size
+    def _schedule_prefill(self, allowance: int, room: int, may_preempt: bool) -> list[tuple[Sequence, int]]:
+        """Prompt chunks within `allowance` tokens (`room`: the budget left, which the step's first new prompt
+        may fill when short, `StepBudget.chunk`): the running prompts first, then new sequences admitted from
+        the queue while a running slot and the blocks allow. One prompt at a time is cut into chunks (vLLM's
+        one partial prefill): a new prompt that would not finish in this step waits while another is partial,
+        so prompts finish in arrival order instead of all advancing slowly; short ones still join whole. Only
+        the first chunk of a step with no decode work (`may_preempt`) may preempt others for its blocks: decode
+        work is never preempted by a prompt."""
         items: list[tuple[Sequence, int]] = []
-
-        def fits(n: int) -> bool:
-            longest = max([m for _, m in items] + [n])
-            return (len(items) + 1) * longest <= budget
-
-        for seq in [s for s in self.running if s.is_prefilling]:
-            n = self._chunk(seq, budget)
-            if not fits(n) or not self._reserve(seq, n, allow_preempt=not items):
+        partial = False
+        for seq in [s for s in self.running if s.is_prefilling]:  # a long prompt's rest: never past the allowance
+            n = self._chunk(seq, allowance, 0)
+            if not n or not self._reserve(seq, n, allow_preempt=may_preempt and not items):
                 break
             items.append((seq, n))
+            allowance, room, partial = allowance - n, room - n, partial or n < seq.num_uncomputed
+        first_new = True
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            self._match_prefix(seq)
-            n = self._chunk(seq, budget)
-            if not fits(n) or self._blocks_needed(seq, n) > self.kv.num_free_blocks:
-                self._unmatch_prefix(seq)
+            if seq.token_ids[-1] == PENDING:  # preempted with its token on the device: after `resolve`
+                break
+            self.prefix.match(seq)
+            n = self._chunk(seq, allowance, room if first_new else 0)
+            if n < seq.num_uncomputed and partial:
+                n = 0
+            if not n or self._blocks_needed(seq, n) > self.kv.num_free_blocks:
+                self.prefix.unmatch(seq)
+                self.kv.free(seq)
                 break
             self.waiting.popleft()
             self._reserve(seq, n, allow_preempt=False)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             items.append((seq, n))
-        return ScheduledBatch(items, is_prefill=True) if items else None
+            allowance, room, partial = allowance - n, room - n, partial or n < seq.num_uncomputed
+            first_new = False
+        return [(s, n) for s, n in items if s.status is SequenceStatus.RUNNING]
 
-    def _schedule_decode(self) -> Optional[ScheduledBatch]:
+    def _schedule_decode(self) -> list[tuple[Sequence, int]]:
+        """One token for every decoding sequence (preempting others for its block if it must), plus the drafts
+        its speculator wants, from free blocks only and within the token budget (keeping a block's worth for a
+        prompt when one waits)."""
+        decoding = [s for s in self.running if s.status is SequenceStatus.RUNNING and not s.is_prefilling]
+        prompts_wait = len(decoding) < len(self.running) or bool(self.waiting)
+        draft_room = self.budget.max_batched_tokens - len(decoding) - (self.block_size if prompts_wait else 0)
         items = []
-        for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING or seq.is_prefilling:
-                continue
+        for seq in decoding:
+            if seq.status is not SequenceStatus.RUNNING or seq.num_output_tokens >= seq.max_tokens:
+                continue  # preempted for an earlier one's block, or its pending token is its last
             if self._reserve(seq, 1, allow_preempt=True):
-                k = self.speculator.lookahead(seq)
+                k = min(self.speculator.lookahead(seq), max(0, draft_room))
                 if k and not self._reserve(seq, 1 + k, allow_preempt=False):
                     k = 0
+                draft_room -= k
                 items.append((seq, 1 + k))
-        items = [(s, n) for s, n in items if s.status is SequenceStatus.RUNNING]  # minus preempted ones
-        return ScheduledBatch(items, is_prefill=False) if items else None
+        return [(s, n) for s, n in items if s.status is SequenceStatus.RUNNING]  # minus preempted ones
 
     def _reserve(self, seq: Sequence, num_tokens: int, allow_preempt: bool) -> bool:
         """Make the blocks for `num_tokens` more tokens of `seq` exist, preempting others if allowed."""
@@ -364,33 +390,6 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
-
-    def _match_prefix(self, seq: Sequence) -> None:
-        """Take the longest cached prefix (whole blocks, leaving at least one token to compute)."""
-        if seq.block_table or seq.request.sampling.prompt_logprobs is not None:
-            return  # prompt logprobs need every prompt position computed
-        hashes = block_hashes(seq.token_ids, self.block_size, self.extra_key(seq.request.cache_salt))
-        hashes = hashes[:(len(seq.token_ids) - 1) // self.block_size]
-        hit = self.pool.find_cached_prefix(hashes, seq.token_ids, self.block_size)
-        k, window_ids = self.kv.window_hit(hashes, seq.token_ids, self.block_size, len(hit))
-        hit = hit[:k]  # with window layers: only as far as their window blocks are still cached
-        if self.snapshots is not None:  # the pool cut the hit back to its last restore point: restore from it
-            seq.recurrent_state = self.snapshots.get(hashes[len(hit) - 1]) if hit else None
-            assert not hit or seq.recurrent_state is not None, "a restore point without its snapshot"
-        self.kv.take_prefix(seq, hit, window_ids)
-        seq.block_hashes = hashes[:len(hit)]
-        seq.num_computed_tokens = len(hit) * self.block_size
-        if seq.num_output_tokens == 0:  # first admission, not a recompute after preemption
-            seq.num_cached_tokens = seq.num_computed_tokens
-            self.prefix_queries += seq.num_prompt_tokens
-            self.prefix_hits += seq.num_computed_tokens
-
-    def _unmatch_prefix(self, seq: Sequence) -> None:
-        if seq.num_output_tokens == 0:
-            self.prefix_queries -= seq.num_prompt_tokens
-            self.prefix_hits -= seq.num_computed_tokens
-        self.kv.free(seq)
-        seq.block_hashes, seq.num_computed_tokens, seq.recurrent_state = [], 0, None
 
 
 def _output(seq: Sequence, token_ids: tuple, text: str, logprobs, reason: Optional[FinishReason], plp=None,

@@ -16,6 +16,9 @@ from typing import Any
 from cluster.request import GenerateRequest, TokenLogprob
 
 
+PENDING = -1  # the place of a token sampled on the device and not read back yet (the engine's overlapped loop)
+
+
 class SequenceStatus(enum.Enum):
     """WAITING: queued (new or preempted); RUNNING: holds blocks; FINISHED: blocks freed."""
 

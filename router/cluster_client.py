@@ -33,6 +33,7 @@ from cluster.hashing import first_block_key
 from cluster.protocol import (PROTOCOL_VERSION, TO_ROUTER, AbortRequest, Generate, Pong, ProtocolError, Rejected,
                               ResetDone, ResetPrefixCache, Snapshot, pack, unpack)
 from cluster.request import FinishReason, GenerateRequest, RequestOutput
+from cluster.step_budget import AUTO_MAX_SEQS
 from cluster.topology import TopologySpec
 from cluster.transport import CurveKeys, client_socket
 from router.cluster_liveness import ClusterLiveness
@@ -78,8 +79,9 @@ class ClusterEngineClient(ClusterLiveness):
         self.keys = keys
         self.ctx = zmq.asyncio.Context()
         self.workers = [WorkerState(spec) for spec in topology.workers]
-        capacity = {role: sum(w.engine.max_num_seqs + w.engine.max_waiting for w in topology.workers
-                              if w.role == role) for role in ("prefill", "decode")}
+        # a worker whose max_num_seqs follows its KV budget runs at most AUTO_MAX_SEQS (cluster/step_budget.py)
+        capacity = {role: sum((w.engine.max_num_seqs or AUTO_MAX_SEQS) + w.engine.max_waiting
+                              for w in topology.workers if w.role == role) for role in ("prefill", "decode")}
         self.max_sequences = min(c for c in capacity.values() if c) if any(capacity.values()) else None
         self.streams: dict[str, _Stream] = {}
         self._tasks: list[asyncio.Task] = []

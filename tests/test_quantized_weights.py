@@ -147,10 +147,10 @@ def decode_batch_sizes(client):
     runner, sizes = client.engine.runner, []
     forward = runner.forward_with_state
 
-    def recording(items):
+    def recording(items, *args):
         if all(len(it.token_ids) == 1 for it in items):
             sizes.append(len(items))
-        return forward(items)
+        return forward(items, *args)
 
     runner.forward_with_state = recording
     try:

@@ -21,7 +21,8 @@ from cluster.config import EngineConfig
 
 ENGINE_FLAGS = {  # CLI flag -> EngineConfig field; unset flags leave the topology's (or the default) value
     "block_size": int, "kv_cache_gb": float, "kv_bits": int, "kv_group_size": int, "max_num_seqs": int,
-    "prefill_chunk_size": int, "max_model_len": int, "dtype": str, "decode_mirror_gb": float, "state_cache_gb": float,
+    "prefill_chunk_size": int, "max_num_batched_tokens": int, "itl_target_ms": float,
+    "long_prefill_token_threshold": int, "max_model_len": int, "dtype": str, "decode_mirror_gb": float, "state_cache_gb": float,
     "state_snapshot_interval": int,
     "speculative_method": str, "num_draft_tokens": int, "draft_model": str, "draft_quantize_bits": int,
     "draft_cost_per_token": float,
@@ -44,8 +45,20 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help=f"values per quantization group (default {d.kv_group_size})")
     p.add_argument("--block-size", type=int, default=None, help=f"tokens per KV block (default {d.block_size})")
     p.add_argument("--max-num-seqs", type=int, default=None,
-                   help=f"sequences in the running batch (default {d.max_num_seqs})")
-    p.add_argument("--prefill-chunk-size", type=int, default=None, help=f"default {d.prefill_chunk_size}")
+                   help="sequences in the running batch (default: follows the KV budget, one sequence per 256 "
+                        "tokens of the pool, at least 16 and at most 256: 64 or more from about 0.7 GiB for "
+                        "SmolLM2 in float32)")
+    p.add_argument("--prefill-chunk-size", type=int, default=None,
+                   help=f"a prompt's tokens per step at most (default {d.prefill_chunk_size})")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per engine step at most: one per decoding sequence (plus drafts) first, prompt "
+                        "chunks in the rest (default: max(prefill chunk size, max_num_seqs + block size))")
+    p.add_argument("--itl-target-ms", type=float, default=None,
+                   help="while streams decode, size each step's prompt chunk so the step (the streams' "
+                        "inter-token latency) takes at most this long (default: twice the measured decode step)")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                   help=f"a new prompt of at most this many tokens runs whole in one step even while streams "
+                        f"decode, so short requests keep their TTFT (default {d.long_prefill_token_threshold})")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--decode-mirror-gb", type=float, default=None,
                    help="GiB for contiguous decode-batch contexts kept between steps (default: as large as "

@@ -1,0 +1,257 @@
+"""The step's token budget (cluster/step_budget.py) and the decode-first schedule built on it: every decoding
+sequence gets its token in every step while prompts are prefilled, the budget holds, chunks stay on block
+boundaries, prompts of different lengths are grouped into forwards with bounded padding, and the running batch
+follows the KV budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.config import EngineConfig
+from cluster.runner import MAX_PADDING, pack_prefill
+from cluster.step_budget import AUTO_MAX_SEQS, AUTO_MIN_SEQS, StepBudget, auto_max_num_seqs
+from tests.engine_helpers import fast_model, greedy, make_engine
+
+
+def test_allowance_is_the_whole_budget_when_nothing_decodes_or_nothing_is_measured():
+    """With no decode tokens the prompt gets the whole budget; before any step was timed, the rest of it."""
+    b = StepBudget(2048, 2048, 32)
+    assert b.prefill_allowance(0) == 2048
+    assert b.prefill_allowance(10) == 2038
+    b.observe(10, 0, 0.05)
+    b.observe(10, 64, 0.05 + 64 * 0.01)
+    assert b.prefill_allowance(0) == 2048  # nothing decodes: full chunks even with timings known
+
+
+def test_allowance_follows_the_itl_target_in_whole_blocks():
+    """Decode step 50 ms, 1 ms per prompt token: twice the decode step leaves 50 ms, 50 tokens, one block of 32;
+    a 500 ms target leaves 450 tokens, 14 blocks; never less than one block, never more than the budget."""
+    b = StepBudget(2048, 2048, 32)
+    b.observe(8, 0, 0.050)
+    b.observe(8, 100, 0.050 + 100 * 0.001)
+    assert b.decode_step_s == pytest.approx(0.05) and b.prefill_token_s == pytest.approx(0.001)
+    assert b.prefill_allowance(8) == 32
+    b.itl_target_s = 0.5
+    assert b.prefill_allowance(8) == 448
+    b.itl_target_s = 0.001  # below the decode step itself: still one block, so prompts progress
+    assert b.prefill_allowance(8) == 32
+    b.itl_target_s = 100.0
+    assert b.prefill_allowance(8) == 2040
+
+
+def test_chunk_keeps_short_prompts_whole_and_cuts_long_ones_on_block_boundaries():
+    b = StepBudget(2048, 2048, 32, long_prefill_threshold=256)
+    assert b.chunk(20, 64, room=2000) == 20  # fits
+    assert b.chunk(200, 64, room=2000) == 200  # short, first of the step: whole past the time bound
+    assert b.chunk(200, 64, room=0) == 64  # short but not first: the allowance
+    assert b.chunk(200, 64, room=150) == 64  # short, first, but the budget cannot hold it
+    assert b.chunk(1500, 100, room=2000) == 96  # long: whole blocks of the allowance
+    assert b.chunk(1500, 20, room=2000) == 0  # less than a block left: not this step
+    assert b.chunk(1500, -40, room=0) == 0  # a short prompt overran the allowance: nothing more
+    assert b.chunk(5000, 4096, room=4096) == 2048  # never more than a chunk
+
+
+def test_auto_max_num_seqs_follows_the_pool():
+    """One sequence per 256 pool tokens, within [16, 256]."""
+    block = 1000  # bytes of one 32-token block
+    assert auto_max_num_seqs(64 * 8 * block, block, 32) == 64
+    assert auto_max_num_seqs(10 * block, block, 32) == AUTO_MIN_SEQS
+    assert auto_max_num_seqs(10**12, block, 32) == AUTO_MAX_SEQS
+    assert auto_max_num_seqs(64 * (8 * block + 500), block, 32, state_bytes=500) == 64
+
+
+def test_default_engine_runs_at_least_64_sequences_where_the_pool_holds_them():
+    engine = make_engine(fast_model(), kv_cache_gb=1.0)
+    assert engine.config.max_num_seqs >= 64
+    assert engine.config.max_num_batched_tokens >= engine.config.max_num_seqs + engine.config.block_size
+    small = make_engine(fast_model(), num_blocks=40)
+    assert small.config.max_num_seqs == AUTO_MIN_SEQS
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        make_engine(fast_model(), num_blocks=40, max_num_seqs=100, max_num_batched_tokens=64)
+    with pytest.raises(ValueError, match="itl_target_ms"):
+        EngineConfig(itl_target_ms=0)
+
+
+class _Item:
+    def __init__(self, n: int):
+        self.token_ids = [0] * n
+
+
+@pytest.mark.parametrize("lengths", [[2000, 100, 1500, 300, 800, 1200, 600, 1000], [500, 480, 520, 450], [32] * 5])
+def test_packed_prefill_forwards_keep_padding_bounded(lengths):
+    groups = pack_prefill([(f"r{i}", _Item(n)) for i, n in enumerate(lengths)])
+    assert sorted(len(item.token_ids) for g in groups for _, item in g) == sorted(lengths)
+    for g in groups:
+        real = sum(len(item.token_ids) for _, item in g)
+        assert len(g) * max(len(item.token_ids) for _, item in g) <= real * (1 + MAX_PADDING)
+    exact = pack_prefill([(i, _Item(n)) for i, n in enumerate(lengths)], exact=True)
+    assert all(len({len(item.token_ids) for _, item in g}) == 1 for g in exact)
+
+
+def _recording(engine):
+    """Wrap the scheduler so every scheduled batch is recorded with the sequences decoding before it (less
+    those whose token still on the device is their last)."""
+    steps = []
+    schedule = engine.scheduler.schedule
+
+    def wrapped():
+        decoding = {s.request_id for s in engine.scheduler.running
+                    if not s.is_prefilling and s.num_output_tokens < s.max_tokens}
+        prefilling = any(s.is_prefilling for s in engine.scheduler.running) or bool(engine.scheduler.waiting)
+        batch = schedule()
+        steps.append((decoding, prefilling, batch))
+        return batch
+
+    engine.scheduler.schedule = wrapped
+    return steps
+
+
+def test_decoding_sequences_are_never_skipped_while_a_long_prompt_is_prefilled():
+    """Four streams decode; a 1,500-token prompt arrives. Every step runs every stream's token, the prompt
+    advances by block-aligned chunks within the ITL-bounded allowance beside them, and the budget holds."""
+    loaded = fast_model()
+    tok = loaded[1]
+    engine = make_engine(loaded, itl_target_ms=0.001, max_num_batched_tokens=512)  # one block per step
+    steps = _recording(engine)
+    for i in range(4):
+        engine.add_request(greedy(f"s{i}", tok.encode(f"Stream {i} says hello"), 60, ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    long_prompt = (tok.encode("The long document goes on and on about many things. ") * 200)[:1500]
+    engine.add_request(greedy("long", long_prompt, 2, ignore_eos=True))
+    prefill_steps = 0
+    while engine.has_work():
+        engine.step()
+    bs = engine.config.block_size
+    for decoding, prefilling, batch in steps:
+        assert batch is not None or not decoding
+        if batch is None:  # the last step only reads back the tokens of the one before
+            continue
+        assert batch.num_decode_tokens + batch.num_prefill_tokens <= engine.config.max_num_batched_tokens
+        assert decoding <= {s.request_id for s, _ in batch.decode}
+        for seq, n in batch.prefill:
+            if seq.request_id == "long" and decoding:
+                prefill_steps += 1
+                end = seq.num_computed_tokens  # after the step
+                assert end % bs == 0 or end >= 1500, "a chunk ended inside a block"
+                assert n <= bs or len(decoding) == 0  # the measured steps leave one block beside the streams
+    assert prefill_steps >= 1500 // bs - 2  # the long prompt advanced beside the streams, a block at a time
+
+
+def test_prompts_of_different_lengths_arriving_while_others_decode_equal_their_solo_runs():
+    """Greedy, with prompt-lookup speculation on half of the requests: two streams decode, three prompts of 40,
+    300 and 700 tokens arrive together, then one of 1,100 tokens, under a small token budget and ITL target (so
+    prompts are cut into chunks beside decode steps and packed into forwards by length). Every answer equals the
+    same request run alone without speculation, the steps mixed decode tokens and prompt chunks, drafts were
+    verified, and the padding computed stayed within its bound."""
+    from decode_node.drafters import PromptLookupDrafter
+    from decode_node.speculative import DecodeSpeculator
+    from tests.engine_helpers import Result
+
+    loaded = fast_model()
+    tok = loaded[1]
+    text = tok.encode("The quick brown fox jumps over the lazy dog while the cat watches the birds. ")
+    prompts = {"s0": text[:12], "s1": (text * 2)[:30], "a": (text * 4)[:40], "b": (text * 30)[:300],
+               "c": (text * 60)[7:707], "d": (text * 90)[3:1103]}
+    spec = {"s1", "b", "d"}
+
+    def request(rid):
+        kw = {"speculative_method": "prompt_lookup", "num_draft_tokens": 4} if rid in spec else {}
+        return greedy(rid, prompts[rid], 24, ignore_eos=True, **kw)
+
+    solo = {}
+    for rid in prompts:
+        engine = make_engine(loaded)
+        engine.add_request(greedy(rid, prompts[rid], 24, ignore_eos=True))
+        res = Result()
+        while engine.has_work():
+            for out in engine.step():
+                res.add(out)
+        solo[rid] = res.token_ids
+
+    engine = make_engine(loaded, itl_target_ms=0.001, max_num_batched_tokens=384, prefill_chunk_size=256)
+    engine.speculator = DecodeSpeculator({"prompt_lookup": PromptLookupDrafter()}, engine.config)
+    steps = _recording(engine)
+    results = {rid: Result() for rid in prompts}
+    arrivals = {0: ["s0", "s1"], 3: ["a", "b", "c"], 6: ["d"]}
+    for i in range(10_000):
+        for rid in arrivals.get(i, ()):
+            assert engine.add_request(request(rid)) is None
+        if i > max(arrivals) and not engine.has_work():
+            break
+        for out in engine.step():
+            results[out.request_id].add(out)
+    for rid in prompts:
+        assert results[rid].token_ids == solo[rid], rid
+    mixed = [b for _, _, b in steps if b is not None and b.decode and b.prefill]
+    assert len(mixed) >= 10
+    assert engine.speculator.num_draft_tokens > 0
+    runner = engine.runner
+    assert runner.num_prefill_tokens >= sum(map(len, prompts.values())) - engine.scheduler.prefix_hits
+    assert runner.num_padding_tokens <= runner.num_prefill_tokens * MAX_PADDING
+
+
+def test_overlapped_loop_gives_what_reading_every_step_back_gives():
+    """Tokens left on the device for a step (the overlapped loop) change nothing a client sees: greedy,
+    seeded-temperature, stop-token, max_tokens and logprobs requests (the last read back every step) decode in
+    one batch with the loop on and off; their tokens, finish reasons and counts are equal, the tokens computed
+    past a stop are dropped, and every block is free again."""
+    from cluster.request import GenerateRequest, SamplingParams
+
+    loaded = fast_model()
+    prompt = loaded[1].encode("Tell me a story about a lighthouse keeper and the storm")
+    ref = make_engine(loaded, async_scheduling=False)
+    ref.add_request(greedy("probe", prompt, 8, ignore_eos=True))
+    probe = []
+    while ref.has_work():
+        probe += [t for out in ref.step() for t in out.token_ids]
+
+    def requests():
+        return [greedy("g", prompt, 12, ignore_eos=True),
+                GenerateRequest("t", tuple(prompt), SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9,
+                                                                   seed=7, ignore_eos=True)),
+                greedy("stop", prompt, 12, ignore_eos=True, stop_token_ids=(probe[3],)),
+                greedy("short", prompt[:9], 5, ignore_eos=True),
+                greedy("lp", prompt[2:], 6, ignore_eos=True, logprobs=2)]
+
+    results = {}
+    for overlap in (False, True):
+        engine = make_engine(loaded, async_scheduling=overlap)
+        free = engine.pool.num_free_blocks
+        got = {r.request_id: [] for r in requests()}
+        finals = {}
+        for r in requests():
+            engine.add_request(r)
+        while engine.has_work():
+            for out in engine.step():
+                got[out.request_id] += out.token_ids
+                if out.finished:
+                    finals[out.request_id] = (out.finish_reason, out.num_output_tokens)
+        assert engine.pool.num_free_blocks == free
+        results[overlap] = (got, finals)
+    assert results[True] == results[False]
+    got, finals = results[True]
+    at = probe.index(probe[3]) + 1
+    assert got["stop"] == probe[:at] and finals["stop"][1] == at < 12
+    assert len(got["short"]) == 5 and len(got["g"]) == 12
+
+
+def test_one_prompt_at_a_time_is_cut_into_chunks_so_prompts_finish_in_arrival_order():
+    """Three 300-token prompts arrive at once at an engine with 64-token chunks and room for more in the
+    budget: no step computes part of two prompts (the others wait instead of all advancing slowly), and their
+    first tokens come out in arrival order."""
+    loaded = fast_model()
+    engine = make_engine(loaded, prefill_chunk_size=64)
+    steps = _recording(engine)
+    text = loaded[1].encode("A long prompt about rivers, mountains and the weather over the valley. ")
+    for i in range(3):
+        engine.add_request(greedy(f"p{i}", (text * 30)[i:300 + i], 2, ignore_eos=True))
+    first, partial = [], []
+    while engine.has_work():
+        for out in engine.step():
+            if out.token_ids and out.request_id not in first:
+                first.append(out.request_id)
+        batch = steps[-1][2]  # just run: a prompt still short of its end got a partial chunk
+        partial.append(0 if batch is None else sum(s.num_computed_tokens < s.num_prompt_tokens for s, _ in batch.prefill))
+    assert first == ["p0", "p1", "p2"]
+    assert max(partial) == 1
