@@ -161,9 +161,17 @@ def run_compare(args) -> int:
     if args.rate is not None:
         print("mlx-pd bench: error: --compare runs fixed concurrency levels; drop --rate", file=sys.stderr)
         return 2
+    if args.fast_model and args.model_dir:
+        print("mlx-pd bench: error: give --fast-model or --model-dir, not both", file=sys.stderr)
+        return 2
+    model_dir = args.model_dir
+    if args.fast_model:
+        from benchmarks.reliability_long import fast_model_dir
+
+        model_dir = str(fast_model_dir())
     spec, make = _maker(args)
     result = compare(args.concurrency or [1, 4, 8], args.num_requests, max_tokens=args.max_tokens,
-                     model_dir=args.model_dir, dtype=args.dtype, rounds=args.rounds, seed=args.seed,
+                     model_dir=model_dir, dtype=args.dtype, rounds=args.rounds, seed=args.seed,
                      progress=not args.no_progress, suppress_eos=not args.no_eos_bias,
                      log=lambda msg: print(msg, file=sys.stderr, flush=True),
                      targets=[t.strip() for t in args.targets.split(",") if t.strip()], make=make, slos=_slos(args),

@@ -17,6 +17,10 @@
     mlx-pd bench speculative --concurrency 1,4 --out s.json  # speculative decoding: plain vs prompt lookup vs draft
     mlx-pd bench hybrid-turns --out h.json                  # hybrid model, 16-turn chat: TTFT cached vs cold, RSS
     mlx-pd bench structured --out st.json                   # JSON-schema constrained vs free decode tok/s, mask cost
+    mlx-pd bench --compare --fast-model --concurrency 1,8   # the 2-layer stand-in; host CPU s per output token too
+    mlx-pd bench interference --out i.json                  # stream ITL while a 1.5k-token prompt prefills
+    mlx-pd bench mixed-prefill --out m.json                 # 8 prompts of 100-2000 tokens at once: prefill tok/s
+    mlx-pd bench aiperf --aiperf /tmp/aiperf-venv/bin/aiperf  # NVIDIA aiperf against both servers, ABBA rounds
 
 Every run warms up first (not measured), sends unique prompts (unless --shared-prefix), and reports
 p50/p90/p99. See docs/BENCHMARKS.md for the rules and the latest numbers.
@@ -75,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="bearer key for --url")
     p.add_argument("--model-dir", default=None,
                    help="mlx-lm model folder both servers load with --compare (default: the imported SmolLM2)")
+    p.add_argument("--fast-model", action="store_true",
+                   help="--compare: both servers load the random-weight 2-layer stand-in for a fast accelerator "
+                        "(benchmarks/reliability_long.py: fast_model_dir) instead of --model-dir")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="--compare: our server's dtype and the default model folder's (default float32)")
     p.add_argument("--rounds", type=int, default=4, help="--compare: alternating rounds per level (at most)")
@@ -130,10 +137,17 @@ SUBCOMMANDS = {
                     "(benchmarks/hybrid_bench.py)",
     "structured": "constrained decoding in process: decode tok/s with every request JSON-schema constrained vs "
                   "unconstrained at concurrency 8, and the grammar mask's cost per step (benchmarks/structured_bench.py)",
+    "interference": "mlx-pd vs mlx_lm.server: decoding streams' ITL before and during a long prompt's prefill, and "
+                    "its TTFT (benchmarks/interference_bench.py)",
+    "mixed-prefill": "mlx-pd vs mlx_lm.server: prompts of 100-2000 tokens arriving at once, prefill tokens/s and "
+                     "TTFT (benchmarks/mixed_prefill_bench.py)",
+    "aiperf": "mlx-pd vs mlx_lm.server measured by NVIDIA's aiperf (installed apart), ABBA rounds "
+              "(benchmarks/aiperf_compare.py)",
 }
 MODULES = {"cluster": "cluster_bench", "routing": "routing_bench", "routing-sim": "routing_sim",
            "speculative": "speculative_bench", "hybrid-turns": "hybrid_bench",
-           "structured": "structured_bench"}  # own add/run/tables
+           "structured": "structured_bench", "interference": "interference_bench",
+           "mixed-prefill": "mixed_prefill_bench", "aiperf": "aiperf_compare"}  # own add/run/tables
 
 
 def build_subcommand_parser(name: str) -> argparse.ArgumentParser:

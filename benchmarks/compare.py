@@ -1,7 +1,8 @@
 """Side-by-side: mlx-pd against mlx-lm's own server (and/or a local 1P1D cluster), same model, same workload.
 
 Targets (``--targets``, default ``mlx-pd,mlx_lm.server``): ``mlx-pd`` (single-node ``mlx-pd serve``),
-``mlx-pd-1p1d`` (``mlx-pd worker`` x 2 + ``mlx-pd router`` on loopback, benchmarks/servers.py) and
+``mlx-pd-1p1d`` (``mlx-pd worker`` x 2 + ``mlx-pd router`` on loopback, benchmarks/servers.py), ``mlx-pd-0p1d``
+(one ``mlx-pd worker`` that prefills and decodes + ``mlx-pd router``: the engine in its own process) and
 ``mlx_lm.server``, all started by the tool on one model folder; or endpoints already running
 (``mlx-pd bench --url A --url B``, :func:`run_levels`).
 
@@ -12,7 +13,9 @@ drift in machine speed (other processes, thermal state) hits all alike and none 
 Only one target has requests in flight at any time; all processes stay up throughout. Each target is
 warmed up at each level (``concurrency`` requests, not measured) before its first round. Aggregate
 throughput is total output tokens over the summed round durations. Ratios are the first target over
-each other one.
+each other one. When the tool started the targets it also reads each one's host CPU time (its process
+tree's, benchmarks/host_cpu.py) before and after each of its rounds: ``host_cpu_s`` is the sum of those
+differences and ``host_cpu_s_per_output_token`` that over the rounds' output tokens (lower is better).
 """
 
 from __future__ import annotations
@@ -25,13 +28,15 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from benchmarks import host_cpu
 from benchmarks.loadgen import WorkloadConfig, make_prompts, run_load, warmup
 from benchmarks.servers import ClusterProcess, ServerProcess, free_port, mlx_lm_command, mlx_pd_command
 from benchmarks.stats import RequestRecord, merge_rounds
 
 OURS, THEIRS = "mlx-pd", "mlx_lm.server"
 CLUSTER = "mlx-pd-1p1d"
-TARGETS = (OURS, CLUSTER, THEIRS)
+ENGINE_PROCESS = "mlx-pd-0p1d"  # the router and one decode worker (which prefills too), each its own process
+TARGETS = (OURS, CLUSTER, ENGINE_PROCESS, THEIRS)
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RATIO_KEYS = (("output_throughput", None), ("request_throughput", None), ("ttft_s", "p50"), ("ttft_s", "p99"),
               ("tpot_s", "p50"), ("tpot_s", "p99"), ("e2e_s", "p50"), ("e2e_s", "p99"))
@@ -56,9 +61,12 @@ def round_order(r: int, names: Sequence[str] = (OURS, THEIRS)) -> tuple[str, ...
 
 
 def ratios(ours: dict, theirs: dict) -> dict[str, float]:
-    """ours / theirs for the headline numbers (throughput: higher is better; latencies: lower)."""
+    """ours / theirs for the headline numbers (throughput: higher is better; latencies and host CPU time per
+    output token, when both summaries carry it: lower)."""
     out = {}
-    for key, sub in RATIO_KEYS:
+    keys = RATIO_KEYS + ((("host_cpu_s_per_output_token", None),)
+                         if "host_cpu_s_per_output_token" in ours and "host_cpu_s_per_output_token" in theirs else ())
+    for key, sub in keys:
         a, b = (ours[key], theirs[key]) if sub is None else (ours[key][sub], theirs[key][sub])
         out[key if sub is None else f"{key}_{sub}"] = a / b if b else float("nan")
     return out
@@ -127,8 +135,9 @@ def machine_info() -> dict:
 
 async def _level(urls: dict[str, str], concurrency: Optional[int], num_requests: int, rounds: int, max_tokens: int,
                  seed: int, progress: bool, suppress: tuple[int, ...], make=None, slos=None,
-                 rate: Optional[float] = None) -> dict:
-    """One level: warm up every target, then the ABBA rounds; `make(n, seed)` gives the prompts."""
+                 rate: Optional[float] = None, cpu: Optional[dict] = None) -> dict:
+    """One level: warm up every target, then the ABBA rounds; `make(n, seed)` gives the prompts; `cpu` (name ->
+    a function giving that target's host CPU seconds so far) adds host CPU time per output token."""
     level_seed = seed * 1000 + (concurrency or 0)
     names = list(urls)
     cfgs = {name: WorkloadConfig(url=url, max_tokens=max_tokens, suppress_token_ids=suppress)
@@ -143,13 +152,20 @@ async def _level(urls: dict[str, str], concurrency: Optional[int], num_requests:
     prompts = (make or make_prompts)(num_requests, level_seed)
     parts = split_rounds(prompts, rounds)
     done: dict[str, list] = {name: [] for name in names}
+    cpu_s = {name: 0.0 for name in names}
     t0 = time.perf_counter()
     for r, part in enumerate(parts):
         for name in round_order(r, names):
+            before = cpu[name]() if cpu else 0.0
             recs, dur = await run_load(cfgs[name], part, concurrency=concurrency, rate=rate, seed=level_seed + r,
                                        progress=progress, desc=f"c={concurrency} round {r + 1}/{len(parts)} {name}")
+            cpu_s[name] += (cpu[name]() - before) if cpu else 0.0
             done[name].append((recs, dur))
     summaries = {name: merge_rounds(done[name], slos) for name in names}
+    if cpu:
+        for name, s in summaries.items():
+            s["host_cpu_s"] = cpu_s[name]
+            s["host_cpu_s_per_output_token"] = host_cpu.per_token(cpu_s[name], s["output_tokens_total"])
     records = {name: [rec for recs, _ in done[name] for rec in recs] for name in names}
     first, others = names[0], names[1:]
     level = {"concurrency": concurrency, "rate": rate, "num_requests": num_requests, "rounds": len(parts),
@@ -166,8 +182,9 @@ async def _level(urls: dict[str, str], concurrency: Optional[int], num_requests:
 def run_levels(urls: dict[str, str], levels: Sequence[Optional[int]], num_requests: Sequence[int], *,
                max_tokens: int = 64, rounds: int = 4, min_round_waves: int = 2, seed: int = 0, progress: bool = True,
                suppress: tuple[int, ...] = (), make=None, slos=None, rate: Optional[float] = None,
-               log: Optional[callable] = None) -> list[dict]:
-    """Run every level against endpoints already up (`urls`: name -> URL), alternating as the module doc says."""
+               log: Optional[callable] = None, cpu: Optional[dict] = None) -> list[dict]:
+    """Run every level against endpoints already up (`urls`: name -> URL), alternating as the module doc says;
+    `cpu` (name -> host CPU seconds so far, e.g. ``ServerProcess.cpu_seconds``) adds host CPU time per token."""
     if len(num_requests) == 1:
         num_requests = list(num_requests) * len(levels)
     if len(num_requests) != len(levels):
@@ -175,7 +192,8 @@ def run_levels(urls: dict[str, str], levels: Sequence[Optional[int]], num_reques
     out = []
     for c, n in zip(levels, num_requests):
         r = max(1, min(rounds, n // max(1, min_round_waves * (c or 2))))
-        out.append(level := asyncio.run(_level(urls, c, n, r, max_tokens, seed, progress, suppress, make, slos, rate)))
+        out.append(level := asyncio.run(_level(urls, c, n, r, max_tokens, seed, progress, suppress, make, slos, rate,
+                                               cpu)))
         if log:
             log(f"concurrency {c}: {level['wall_s']:.0f} s" + (f", ratios {_fmt(level['ratios'])}"
                                                               if "ratios" in level else ""))
@@ -189,8 +207,10 @@ def start_target(name: str, model_dir: str, dtype: str, env: dict):
         return ServerProcess(OURS, mlx_pd_command(port, model_dir, dtype), port, env=env, cwd=str(REPO_ROOT))
     if name == THEIRS:
         return ServerProcess(THEIRS, mlx_lm_command(port, model_dir), port, env=env, cwd=str(REPO_ROOT))
-    if name == CLUSTER:
-        return ClusterProcess(CLUSTER, model_dir, dtype, port, env=env, cwd=str(REPO_ROOT))
+    if name in (CLUSTER, ENGINE_PROCESS):
+        return ClusterProcess(name, model_dir, dtype, port, env=env, cwd=str(REPO_ROOT),
+                              prefill_worker=name == CLUSTER,  # the engine process: single-node's chunk size
+                              **({} if name == CLUSTER else {"prefill_chunk_size": 2048}))
     raise ValueError(f"unknown target {name!r}; choose from {', '.join(TARGETS)}")
 
 
@@ -227,13 +247,15 @@ def run_compare(levels: Sequence[int], num_requests: Sequence[int], *, max_token
             waited = s.wait_healthy(health_deadline_s)
             log(f"{name} healthy on port {s.port} after {waited:.1f} s (log: {s.log_path})")
         result["memory_idle"] = {name: s.memory() for name, s in servers.items()}
+        cpu = {n: s.cpu_seconds for n, s in servers.items()} if host_cpu.supported() else None
         result["levels"] = run_levels({n: s.url for n, s in servers.items()}, levels, num_requests,
                                       max_tokens=max_tokens, rounds=rounds, min_round_waves=min_round_waves, seed=seed,
-                                      progress=progress, suppress=suppress, make=make, slos=slos, log=log)
+                                      progress=progress, suppress=suppress, make=make, slos=slos, log=log, cpu=cpu)
         result["memory"] = {name: s.memory() for name, s in servers.items()}
     result["machine"]["loadavg_end"] = os.getloadavg()
     return result
 
 
 def _fmt(r: dict) -> str:
-    return ", ".join(f"{k} {v:.2f}" for k, v in r.items() if k in ("output_throughput", "ttft_s_p99", "tpot_s_p50"))
+    return ", ".join(f"{k} {v:.2f}" for k, v in r.items()
+                     if k in ("output_throughput", "ttft_s_p99", "tpot_s_p50", "host_cpu_s_per_output_token"))

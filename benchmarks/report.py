@@ -160,6 +160,11 @@ def print_compare(result: dict, out: Optional[TextIO] = None) -> None:
                  "latencies in ms", header, rows, out)
     if result.get("memory"):
         _print_table("resident memory", MEMORY_HEADER, memory_rows(result), out)
+    from benchmarks.host_cpu import CPU_HEADER, cpu_rows
+
+    if cpu_rows(result):
+        _print_table("host CPU time of each server's process tree over its rounds (lower is better)", CPU_HEADER,
+                     cpu_rows(result), out)
     for level in result["levels"]:
         for other, s in level.get("sanity_vs", {"": level.get("sanity")}).items():
             if s:
@@ -176,10 +181,15 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def markdown_compare(result: dict) -> str:
-    """The comparison (and, when measured, memory) tables as Markdown (what docs/BENCHMARKS.md shows)."""
+    """The comparison (and, when measured, memory and host CPU time) tables as Markdown (what docs/BENCHMARKS.md
+    shows)."""
+    from benchmarks.host_cpu import CPU_HEADER, cpu_rows
+
     text = markdown_table(*compare_rows(result)) + "\n"
     if result.get("memory"):
         text += "\n" + markdown_table(MEMORY_HEADER, memory_rows(result)) + "\n"
+    if cpu_rows(result):
+        text += "\n" + markdown_table(CPU_HEADER, cpu_rows(result)) + "\n"
     return text
 
 

@@ -143,6 +143,14 @@ class ServerProcess:
         assert self.proc is not None, "start() first"
         return process_memory(self.proc.pid)
 
+    def cpu_seconds(self) -> float:
+        """Host CPU seconds the server's process tree has used so far (benchmarks/host_cpu.py); raises
+        ProcessLookupError when the server is gone."""
+        from benchmarks.host_cpu import tree_cpu_seconds
+
+        assert self.proc is not None, "start() first"
+        return tree_cpu_seconds(self.proc.pid)
+
     def stop(self, grace_s: float = 15.0) -> Optional[int]:
         """SIGTERM the server's process group, SIGKILL after `grace_s`; return the exit code."""
         if self.proc is None or self.proc.poll() is not None:
@@ -199,15 +207,21 @@ events_port = {d_ev}
 
 
 def one_p_one_d_topology(model_dir: str, dtype: str, router_port: int, prefill_chunk_size: int = 512,
-                         local_prefill_max_tokens: int = 0) -> str:
+                         local_prefill_max_tokens: int = 0, prefill_worker: bool = True) -> str:
     """TOML of a 1P1D cluster on loopback (like topologies/local-1p1d.toml) with free ports. By default every
-    prompt goes through the prefill worker (`local_prefill_max_tokens` 0), so the run measures disaggregation."""
+    prompt goes through the prefill worker (`local_prefill_max_tokens` 0), so the run measures disaggregation.
+    `prefill_worker` False: the decode worker alone (it prefills its own prompts), the single-node engine in
+    a process of its own behind the router."""
     import json
 
     ports = free_ports(5)
-    return ONE_P_ONE_D.format(model=json.dumps(str(model_dir)), dtype=dtype, chunk=prefill_chunk_size,
+    text = ONE_P_ONE_D.format(model=json.dumps(str(model_dir)), dtype=dtype, chunk=prefill_chunk_size,
                               local_prefill=local_prefill_max_tokens, router=router_port, p_ctl=ports[0],
                               p_ev=ports[1], d_ctl=ports[2], d_kv=ports[3], d_ev=ports[4])
+    if prefill_worker:
+        return text
+    head, _, rest = text.partition("[[workers]]\nname = \"prefill-0\"")
+    return head + rest[rest.index("[[workers]]"):]
 
 
 class ClusterProcess:
@@ -217,15 +231,17 @@ class ClusterProcess:
     worker is alive). Memory sums the three process trees; stopping stops the router first."""
 
     def __init__(self, name: str, model_dir: str, dtype: str, port: int, *, env: Optional[dict] = None,
-                 log_dir: Optional[str] = None, cwd: Optional[str] = None, prefill_chunk_size: int = 512):
+                 log_dir: Optional[str] = None, cwd: Optional[str] = None, prefill_chunk_size: int = 512,
+                 prefill_worker: bool = True):
         self.name, self.port = name, port
         self.dir = Path(tempfile.mkdtemp(prefix="mlx-pd-bench-1p1d-"))
         self.topology = self.dir / "1p1d.toml"
-        self.topology.write_text(one_p_one_d_topology(model_dir, dtype, port, prefill_chunk_size), encoding="utf-8")
+        self.topology.write_text(one_p_one_d_topology(model_dir, dtype, port, prefill_chunk_size,
+                                                      prefill_worker=prefill_worker), encoding="utf-8")
         cli = [sys.executable, "-m", "cluster.launch.cli"]
         kw = {"env": env, "log_dir": log_dir, "cwd": cwd}
         self.workers = [ServerProcess(f"{name}-{w}", cli + ["worker", str(self.topology), w], port, **kw)
-                        for w in ("prefill-0", "decode-0")]
+                        for w in (("prefill-0",) if prefill_worker else ()) + ("decode-0",)]
         self.router = ServerProcess(f"{name}-router", cli + ["router", str(self.topology)], port, **kw)
         self.argv = {"topology": str(self.topology), **{p.name: p.argv for p in (*self.workers, self.router)}}
         self.log_path = self.router.log_path
@@ -261,6 +277,10 @@ class ClusterProcess:
         return {"rss_mib": sum(m["rss_mib"] for m in parts),
                 "peak_rss_mib": sum(m["peak_rss_mib"] or 0 for m in parts),
                 "processes": sum(m["processes"] for m in parts), "source": parts[0]["source"]}
+
+    def cpu_seconds(self) -> float:
+        """Host CPU seconds used so far by the workers' and the router's process trees together."""
+        return sum(p.cpu_seconds() for p in (*self.workers, self.router))
 
     def stop(self) -> None:
         for p in (self.router, *self.workers):
