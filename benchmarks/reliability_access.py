@@ -75,15 +75,9 @@ def curve_probes(c: ReliabilityCluster, strangers: dict, traffic: Callable[[], N
 
 def listening_sockets(pids: dict[str, int]) -> list[dict]:
     """Every TCP/UDP socket our processes (and their children) listen on, from `ss -ltunpH`."""
-    from benchmarks.servers import _children
+    from benchmarks.host_cpu import process_tree
 
-    owner = {}
-    for name, pid in pids.items():
-        todo = [pid]
-        while todo:
-            p = todo.pop()
-            owner[p] = name
-            todo += _children(p)
+    owner = {p: name for name, pid in pids.items() for p in process_tree(pid)}
     try:
         text = subprocess.run(["ss", "-ltunpH"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:

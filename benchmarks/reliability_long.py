@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from benchmarks.host_cpu import child_pids
 from benchmarks.random_models import random_model_dir
 
 BEGIN = "<!-- BEGIN GENERATED: mlx-pd bench reliability --soak-only -->"
@@ -193,7 +194,7 @@ def run_long_soak(args: argparse.Namespace, log: Callable[[str], None] = _log) -
                             model=str(model) if model else None, served_name=name) as c:
         result["startup_s"] = time.monotonic() - t_start
         result["pids"] = c.pids()
-        result["children"] = {n: _children(pid) for n, pid in c.pids().items()}
+        result["children"] = {n: child_pids(pid) for n, pid in c.pids().items()}
         items = soak_workload(args.requests, args.seed, speculative=not args.no_speculative, **pools)
         warm_up(c, items)
         rss_warm = c.rss()
@@ -227,13 +228,6 @@ def run_long_soak(args: argparse.Namespace, log: Callable[[str], None] = _log) -
     from_n = int(args.requests * args.rss_warmup)
     result["rss_fit"] = {"from_answers": from_n, "slopes": fit_slopes(samples, from_n)}
     return result
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except (OSError, ValueError):
-        return []
 
 
 # -- verdict and report --------------------------------------------------------------------------------------

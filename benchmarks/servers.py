@@ -41,16 +41,6 @@ def mlx_lm_command(port: int, model_dir: str) -> list[str]:
             "--log-level", "WARNING"]
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return out
-
-
 def _proc_status_kib(pid: int, key: str) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(key + ":"):
@@ -76,11 +66,9 @@ def process_memory(pid: int) -> dict:
         if Path(f"/proc/{pid}/status").exists():
             peak = sum(_proc_status_kib(p.pid, "VmHWM") for p in procs) / 1024
         return {"rss_mib": rss, "peak_rss_mib": peak, "processes": len(procs), "source": "psutil"}
-    pids, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        pids.append(p)
-        todo += _children(p)
+    from benchmarks.host_cpu import process_tree
+
+    pids = process_tree(pid)
     rss = sum(_proc_status_kib(p, "VmRSS") for p in pids) / 1024
     peak = sum(_proc_status_kib(p, "VmHWM") for p in pids) / 1024
     return {"rss_mib": rss, "peak_rss_mib": peak, "processes": len(pids), "source": "/proc/PID/status"}
