@@ -44,7 +44,8 @@ class EngineConfig:
       scheduling and bookkeeping overlap the device's compute (vLLM's async scheduling; mlx-lm's generation
       loop). Off for models with recurrent layers. False: every step is read back before the next.
     - `long_prefill_token_threshold`: a prompt with at most this many tokens left is never cut into chunks
-      while others decode (one such prompt per step), so short requests keep their TTFT.
+      while others decode, so short requests keep their TTFT; the whole short prompts of one step add up to at
+      most this many tokens.
     - `prefill_chunk_size`: tokens of one prompt computed per engine step at most (2048 as in the seeds);
       it is also the step's token budget for prefill, so one long prompt never freezes running streams.
     - `max_model_len`: context limit in tokens; None = the model's `max_position_embeddings`.

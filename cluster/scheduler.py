@@ -298,11 +298,11 @@ class Scheduler:
         return _output(seq, (token,), text, (logprob,) if logprob else None, reason, plp,
                        stop_string=seq.output_text.stop_string if reason == FinishReason.STOP else None)
 
-    def _chunk(self, seq: Sequence, allowance: int, room: int) -> int:
+    def _chunk(self, seq: Sequence, allowance: int, whole_room: int) -> int:
         """Tokens of `seq` to compute in this step given `allowance` prompt tokens left (`StepBudget.chunk`);
         with recurrent state, ending where a snapshot is due (`StateSnapshots.chunk_end`)."""
         start = seq.num_computed_tokens
-        end = start + self.budget.chunk(len(seq.token_ids) - start, allowance, room)
+        end = start + self.budget.chunk(len(seq.token_ids) - start, allowance, whole_room)
         return (end if self.snapshots is None or end == start else self.snapshots.chunk_end(seq, start, end)) - start
 
     # -- internals ---------------------------------------------------------------------------------
@@ -312,10 +312,10 @@ class Scheduler:
         return max(0, -(-total // self.block_size) - len(seq.block_table))
 
     def _schedule_prefill(self, allowance: int, room: int, may_preempt: bool) -> list[tuple[Sequence, int]]:
-        """Prompt chunks within `allowance` tokens (`room`: the budget left, which the step's first new prompt
-        may fill when short, `StepBudget.chunk`): the running prompts first, then new sequences admitted from
-        the queue while a running slot and the blocks allow. One prompt at a time is cut into chunks (vLLM's
-        one partial prefill): a new prompt that would not finish in this step waits while another is partial,
+        """Prompt chunks within `allowance` tokens (`room`: the budget left, of which the step's new short
+        prompts may take `StepBudget.whole_room` together past the allowance): the running prompts first, then
+        new sequences admitted from the queue while a running slot and the blocks allow. One prompt at a time
+        is cut into chunks (vLLM's one partial prefill): a new prompt that would not finish in this step waits while another is partial,
         so prompts finish in arrival order instead of all advancing slowly; short ones still join whole. Only
         the first chunk of a step with no decode work (`may_preempt`) may preempt others for its blocks: decode
         work is never preempted by a prompt."""
@@ -327,13 +327,13 @@ class Scheduler:
                 break
             items.append((seq, n))
             allowance, room, partial = allowance - n, room - n, partial or n < seq.num_uncomputed
-        first_new = True
+        whole_room = self.budget.whole_room(room)
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.token_ids[-1] == PENDING:  # preempted with its token on the device: after `resolve`
                 break
             self.prefix.match(seq)
-            n = self._chunk(seq, allowance, room if first_new else 0)
+            n = self._chunk(seq, allowance, whole_room)
             if n < seq.num_uncomputed and partial:
                 n = 0
             if not n or self._blocks_needed(seq, n) > self.kv.num_free_blocks:
@@ -345,8 +345,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             items.append((seq, n))
-            allowance, room, partial = allowance - n, room - n, partial or n < seq.num_uncomputed
-            first_new = False
+            allowance, whole_room, partial = allowance - n, whole_room - n, partial or n < seq.num_uncomputed
         return [(s, n) for s, n in items if s.status is SequenceStatus.RUNNING]
 
     def _schedule_decode(self) -> list[tuple[Sequence, int]]:

@@ -11,9 +11,10 @@ where `t_decode` is the measured time of a step of decode tokens alone and `t_to
 prompt token (step time less `t_decode`, over the step's prompt tokens), both exponential moving averages of the
 engine's own steps. `itl_target` is `itl_target_ms`, or by default twice `t_decode` (a stream's ITL at most
 doubles while a long prompt is prefilled). A prompt of at most `long_prefill_token_threshold` tokens still to
-compute when it is admitted is never cut (vLLM's threshold of the same name): it goes whole in one step, one
-such prompt per step even past the time bound, so short requests keep their TTFT; longer prompts advance in the
-time-bounded chunks to their end. With nothing decoding (and always on a prefill worker, which never decodes) prompts go in full
+compute when it is admitted is never cut (vLLM's threshold of the same name): it goes whole in one step even past
+the time bound, so short requests keep their TTFT, and short prompts waiting together share one step while their
+tokens add up to at most the threshold (a step exceeds the time bound by at most `long_prefill_token_threshold`
+prompt tokens); longer prompts advance in the time-bounded chunks to their end. With nothing decoding (and always on a prefill worker, which never decodes) prompts go in full
 `prefill_chunk_size` chunks, as many as the budget holds.
 """
 
@@ -80,20 +81,26 @@ class StepBudget:
         by_time = max(self.block_size, by_time // self.block_size * self.block_size)
         return min(room, by_time)
 
-    def chunk(self, remaining: int, allowance: int, room: int) -> int:
+    def chunk(self, remaining: int, allowance: int, whole_room: int) -> int:
         """Tokens of a prompt with `remaining` tokens left to run in this step, given `allowance` prompt tokens
-        left in the step and `room` tokens left in the budget when it is the step's first prompt (0 for the
-        others). A prompt that fits the allowance runs whole; a short one (at most `long_prefill_threshold`
-        tokens) runs whole when it is the step's first and fits the budget, even past the time bound; a longer
-        one gets the allowance in whole blocks (0: not this step; in whole chunks when `chunk_size` is under a
-        block). At most `chunk_size`."""
+        left in the step and `whole_room` tokens that short prompts may still take whole past the allowance (the
+        step's new prompts start with `whole_room(room)` and subtract what each takes; 0 for a prompt already
+        partly computed). A prompt that fits the allowance runs whole; a short one (at most
+        `long_prefill_threshold` tokens) runs whole when it fits `whole_room`, even past the time bound; a
+        longer one gets the allowance in whole blocks (0: not this step; in whole chunks when `chunk_size` is
+        under a block). At most `chunk_size`."""
         limit = max(0, min(allowance, self.chunk_size))
         if remaining <= limit:
             return remaining
-        if remaining <= min(self.long_prefill_threshold, self.chunk_size, room):
+        if remaining <= min(self.long_prefill_threshold, self.chunk_size, whole_room):
             return remaining
         unit = min(self.block_size, self.chunk_size)  # a chunk size below a block cuts in its own steps
         return limit // unit * unit
+
+    def whole_room(self, room: int) -> int:
+        """Prompt tokens that the step's new short prompts may take together past the time bound, with `room`
+        tokens left in the step's token budget: `long_prefill_threshold`, within the budget."""
+        return max(0, min(self.long_prefill_threshold, room))
 
     def observe(self, num_decode_tokens: int, num_prefill_tokens: int, seconds: float) -> None:
         """Record one step's wall time: a decode-only step updates t_decode; a step with prompt tokens updates

@@ -41,14 +41,54 @@ def test_allowance_follows_the_itl_target_in_whole_blocks():
 
 def test_chunk_keeps_short_prompts_whole_and_cuts_long_ones_on_block_boundaries():
     b = StepBudget(2048, 2048, 32, long_prefill_threshold=256)
-    assert b.chunk(20, 64, room=2000) == 20  # fits
-    assert b.chunk(200, 64, room=2000) == 200  # short, first of the step: whole past the time bound
-    assert b.chunk(200, 64, room=0) == 64  # short but not first: the allowance
-    assert b.chunk(200, 64, room=150) == 64  # short, first, but the budget cannot hold it
-    assert b.chunk(1500, 100, room=2000) == 96  # long: whole blocks of the allowance
-    assert b.chunk(1500, 20, room=2000) == 0  # less than a block left: not this step
-    assert b.chunk(1500, -40, room=0) == 0  # a short prompt overran the allowance: nothing more
-    assert b.chunk(5000, 4096, room=4096) == 2048  # never more than a chunk
+    assert b.whole_room(2000) == 256 and b.whole_room(150) == 150 and b.whole_room(-5) == 0
+    assert b.chunk(20, 64, whole_room=256) == 20  # fits
+    assert b.chunk(200, 64, whole_room=256) == 200  # short: whole past the time bound
+    assert b.chunk(200, 64, whole_room=56) == 64  # short, but the step's short prompts took the threshold
+    assert b.chunk(200, 64, whole_room=0) == 64  # a prompt already partly computed: the allowance
+    assert b.chunk(300, 64, whole_room=256) == 64  # over the threshold: not short
+    assert b.chunk(1500, 100, whole_room=256) == 96  # long: whole blocks of the allowance
+    assert b.chunk(1500, 20, whole_room=256) == 0  # less than a block left: not this step
+    assert b.chunk(1500, -40, whole_room=0) == 0  # a short prompt overran the allowance: nothing more
+    assert b.chunk(5000, 4096, whole_room=256) == 2048  # never more than a chunk
+
+
+def test_short_prompts_waiting_together_share_one_step_up_to_the_threshold():
+    """Streams decode with one block of prompt tokens allowed beside them; five 60-token prompts arrive at
+    once. Each step takes whole short prompts while their tokens add up to at most the threshold (four of
+    them, 240 tokens), the fifth runs whole in the next step, every stream keeps its token in every step, and
+    the greedy outputs equal each prompt's run alone."""
+    loaded = fast_model()
+    tok = loaded[1]
+    engine = make_engine(loaded, itl_target_ms=0.001, max_num_batched_tokens=1024, long_prefill_token_threshold=256)
+    steps = _recording(engine)
+    for i in range(2):
+        engine.add_request(greedy(f"s{i}", tok.encode(f"Stream {i} says hello"), 40, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    text = tok.encode("Short questions about the sea and the sky, asked again and again. ") * 8
+    prompts = {f"q{i}": text[i:60 + i] for i in range(5)}
+    for rid, ids in prompts.items():
+        engine.add_request(greedy(rid, ids, 6, ignore_eos=True))
+    got: dict[str, list[int]] = {}
+    while engine.has_work():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.token_ids)
+    admitted = [sorted(s.request_id for s, _ in batch.prefill)
+                for decoding, _, batch in steps if batch is not None and batch.prefill and decoding]
+    assert admitted[:2] == [["q0", "q1", "q2", "q3"], ["q4"]]
+    for decoding, _, batch in steps:
+        if batch is not None:
+            assert decoding <= {s.request_id for s, _ in batch.decode}
+            assert batch.num_prefill_tokens <= 256 or not decoding
+    for rid, ids in prompts.items():
+        alone = make_engine(loaded)
+        alone.add_request(greedy(rid, ids, 6, ignore_eos=True))
+        solo: list[int] = []
+        while alone.has_work():
+            for out in alone.step():
+                solo.extend(out.token_ids)
+        assert got[rid] == solo, rid
 
 
 def test_auto_max_num_seqs_follows_the_pool():

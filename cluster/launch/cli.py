@@ -58,7 +58,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "inter-token latency) takes at most this long (default: twice the measured decode step)")
     p.add_argument("--long-prefill-token-threshold", type=int, default=None,
                    help=f"a new prompt of at most this many tokens runs whole in one step even while streams "
-                        f"decode, so short requests keep their TTFT (default {d.long_prefill_token_threshold})")
+                        f"decode, so short requests keep their TTFT; short prompts waiting together share a step "
+                        f"up to this many tokens (default {d.long_prefill_token_threshold})")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--decode-mirror-gb", type=float, default=None,
                    help="GiB for contiguous decode-batch contexts kept between steps (default: as large as "
