@@ -74,7 +74,7 @@ class DecodeAdmissions:
         self.engine.abort(failed.request_id)
         if failed.kind == "aborted":
             return None
-        return RequestOutput(failed.request_id, finish_reason=FinishReason.ERROR,
+        return RequestOutput(failed.request_id, finish_reason=FinishReason.ABORT,  # the cluster's fault: 503
                              error=f"KV transfer from the prefill worker failed ({failed.kind}): {failed.reason}")
 
     def abort(self, request_id: str) -> None:
@@ -95,7 +95,7 @@ class DecodeAdmissions:
         for rid in [rid for rid, deadline in self.awaiting.items() if deadline < now and not self.transfer_live(rid)]:
             del self.awaiting[rid]
             self.engine.abort(rid)
-            failed.append(RequestOutput(rid, finish_reason=FinishReason.ERROR,
+            failed.append(RequestOutput(rid, finish_reason=FinishReason.ABORT,  # the cluster's fault: 503
                                         error="the KV transfer from the prefill worker never started (waited "
                                               f"{self.kv_start_deadline_s:g} s); retry the request"))
         return failed

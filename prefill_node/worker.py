@@ -60,7 +60,7 @@ class PrefillWorker(Worker):
     def _poll_transfers(self) -> None:
         for res in self.sender.poll(0.0):
             if not res.ok and res.request_id in self.routes:
-                self.emit(RequestOutput(res.request_id, finish_reason=FinishReason.ERROR,
+                self.emit(RequestOutput(res.request_id, finish_reason=FinishReason.ABORT,  # the cluster's fault
                                         error=f"KV transfer to the decode worker failed ({res.kind}): {res.reason}"))
 
     def _after_step(self, outputs: list[RequestOutput]) -> None:

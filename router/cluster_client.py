@@ -57,6 +57,12 @@ class _Stream:
     num_cached_tokens: int = 0
     migrated_from: int = 0  # tokens streamed before a migration (added to the new worker's counts)
     finished: bool = False
+    client_id: str = ""  # the request id the client's side knows; request.request_id is the workers' (a re-run
+    # on the same worker gets a new one, so that outputs of the abandoned run are told apart and dropped)
+    reruns: int = 0
+
+    def __post_init__(self) -> None:
+        self.client_id = self.client_id or self.request.request_id
 
     @property
     def workers(self) -> list[WorkerState]:
@@ -223,8 +229,9 @@ class ClusterEngineClient(ClusterLiveness):
 
     def _end(self, stream: _Stream, abort: bool) -> None:
         rid = stream.request.request_id
-        if self.streams.get(rid) is stream:
-            del self.streams[rid]
+        for key in {rid, stream.client_id}:
+            if self.streams.get(key) is stream:
+                del self.streams[key]
         stream.finished = True
         for w in stream.workers:
             if abort:  # the client left (or the stream broke): free its blocks on every worker
@@ -233,6 +240,13 @@ class ClusterEngineClient(ClusterLiveness):
 
     def _post(self, w: WorkerState, msg) -> None:
         asyncio.ensure_future(self._send(w, msg))
+
+    def _post_all(self, w: WorkerState, msgs: list) -> None:
+        """Send `msgs` to `w` in this order (one task, so a later message never overtakes an earlier one)."""
+        async def send_all() -> None:
+            for msg in msgs:
+                await self._send(w, msg)
+        asyncio.ensure_future(send_all())
 
     async def _send(self, w: WorkerState, msg) -> None:
         try:
@@ -275,8 +289,8 @@ class ClusterEngineClient(ClusterLiveness):
             return
         rid = msg.request_id if isinstance(msg, Rejected) else msg.output.request_id
         stream = self.streams.get(rid)
-        if stream is None or stream.finished or w not in stream.workers:
-            return  # late: finished, aborted or migrated away
+        if stream is None or stream.finished or w not in stream.workers or rid != stream.request.request_id:
+            return  # late: finished, aborted, migrated away, or from a run given up for a re-run
         if isinstance(msg, Rejected):
             self._deliver(stream, msg)
             return
@@ -296,6 +310,8 @@ class ClusterEngineClient(ClusterLiveness):
         if stream.finished:
             return
         if isinstance(item, RequestOutput):
+            if item.request_id != stream.client_id:  # a re-run under the workers' new id
+                item = dataclasses.replace(item, request_id=stream.client_id)
             stream.token_ids += item.token_ids
             if stream.migrated_from:
                 item = dataclasses.replace(item, num_prompt_tokens=len(stream.request.prompt_token_ids),

@@ -4,8 +4,10 @@
 A worker is marked dead the moment its control connection drops (a ZeroMQ socket monitor: the process died,
 its machine left the network, or ZeroMQ's heartbeats found it silent) or when it has not answered a ping for
 `dead_after_s`; its next pong makes it alive again. Its KV events feed the prefix index; a gap or a new boot
-asks it for a snapshot. A dead decode worker's streams migrate (`_migrate`); other requests on a dead worker
-end with an error.
+asks it for a snapshot. A dead decode worker's streams migrate (`_migrate`); a request whose prefill worker
+dies before its first token is prefilled by its decode worker instead (`_reprefill`), so the client sees a
+longer TTFT, not an error. A request with nowhere left to go ends with `FinishReason.ABORT` (the cluster's
+fault, not the request's: the client gets a 503 with `Retry-After`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ logger = logging.getLogger("router.cluster_client")
 
 class ClusterLiveness:
     """Heartbeats, connection monitors, KV-event feeds, and migration for ClusterEngineClient. Uses its
-    `workers`, `streams`, `index`, `routing`, `_seq`, `_send`, `_post` and `_deliver`."""
+    `workers`, `streams`, `index`, `routing`, `_seq`, `_send`, `_post`, `_post_all` and `_deliver`."""
 
     async def _monitor(self, w: WorkerState) -> None:
         """Mark a worker dead the moment its connection drops (it comes back with its next pong)."""
@@ -90,9 +92,37 @@ class ClusterLiveness:
                 continue  # a prefill worker that already handed over: the decode worker carries on
             if w is stream.decode and self._migrate(stream):
                 continue
-            self._deliver(stream, RequestOutput(rid, finish_reason=FinishReason.ERROR,
+            if w is stream.prefill and self._reprefill(stream):
+                continue
+            self._deliver(stream, RequestOutput(rid, finish_reason=FinishReason.ABORT,
                                                 error=f"the {w.spec.role} worker {w.spec.name} stopped "
                                                       "responding; retry the request"))
+
+    def _reprefill(self, stream: _Stream) -> bool:
+        """Its prefill worker died before the first token reached the router: the decode worker, which was
+        waiting for the KV, drops that run and runs the request from the start, prompt included (as `_migrate`
+        does with nothing streamed). The re-run gets a new request id on the workers: the KV and the first token
+        may have reached the decode worker just before the prefill worker went, and outputs of that abandoned
+        run, still on their way, must not pass for the re-run's (`_on_message` drops them by their old id). The
+        prefill worker is told to stop in case it was only silent. False when the decode worker is gone too."""
+        decode, old = stream.decode, stream.request.request_id
+        if not decode.alive:
+            return False
+        stream.reruns += 1
+        new = f"{stream.client_id[:240]}~rerun{stream.reruns}"
+        logger.warning("prefilling %s on its decode worker %s: the prefill worker %s is gone", stream.client_id,
+                       decode.spec.name, stream.prefill.spec.name)
+        self._post(stream.prefill, AbortRequest(request_id=old))
+        stream.request = dataclasses.replace(stream.request, request_id=new)
+        stream.prefill, stream.first_seen = None, True
+        stream.held.clear()
+        decode.inflight.discard(old)
+        decode.inflight.add(new)
+        if self.streams.get(old) is stream and old != stream.client_id:
+            del self.streams[old]
+        self.streams[new] = stream
+        self._post_all(decode, [AbortRequest(request_id=old), Generate(request=stream.request, prefilled=False)])
+        return True
 
     def _migrate(self, stream: _Stream) -> bool:
         """Re-run a request whose decode worker died on another live decode worker, from its prompt plus the

@@ -57,7 +57,7 @@ def finish_error(out: RequestOutput) -> Optional[APIError]:
     if out.finish_reason == FinishReason.ERROR:
         return APIError(500, f"the engine failed this request: {out.error or 'unknown error'}",
                         code="engine_error")
-    if out.finish_reason == FinishReason.ABORT:  # e.g. it waited too long for KV blocks: overload
+    if out.finish_reason == FinishReason.ABORT:  # overload, or the cluster's fault (a worker or transfer lost)
         message = f"the engine aborted this request: {out.error}" if out.error else "the engine aborted this request"
         return engine_unavailable(message, ABORT_RETRY_AFTER_S)
     return None

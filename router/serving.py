@@ -4,7 +4,9 @@ Failure rules (what the client sees):
 
     EngineError before any output       503 (+ Retry-After when `retry_after` is set)
     ValueError from engine.generate()    400 (the engine's own check of the request)
-    a choice finished "error"/"abort"   500 / 503 before the stream started, else an SSE error event
+    a choice finished "error"/"abort"   500 / 503 before the stream started, else an SSE error event ("abort":
+                                         overload, or the cluster's fault: a worker or a KV transfer lost;
+                                         503 with Retry-After)
     nothing from the engine for          504 before the stream started, else an SSE error event
       `stall_timeout_s`
     any other engine failure             500 (`engine_error`) or an SSE error event

@@ -215,27 +215,55 @@ def test_decode_worker_death_mid_stream_migrates_the_request():
         assert_still_serving(base)  # new requests succeed
 
 
-def test_prefill_worker_death_gives_an_error_not_a_hang():
-    """The prefill worker dies mid-prompt (its 19 chunks stretched to seconds): the client gets an error within
-    a minute, the decode worker frees what it reserved, and later requests are served by the decode worker."""
+def test_prefill_worker_death_before_the_first_token_reruns_the_prompt_on_the_decode_worker():
+    """The prefill worker dies mid-prompt (its 19 chunks stretched to seconds): the router has the decode worker,
+    which was waiting for the KV, prefill the prompt itself, so the client gets the whole answer, the same greedy
+    text as on the healthy cluster, with a longer TTFT instead of an error; nothing leaks and later requests are
+    served."""
     with running_cluster(1, 1, loaded=fast_model(), engine="prefill_chunk_size = 64", routing=ALL_REMOTE) as (
             base, client, workers):
+        body = {"model": MODEL, "prompt": long_text(1200), "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+        healthy = httpx.post(base + "/v1/completions", json=body, timeout=120)
+        assert healthy.status_code == 200, healthy.text
+        assert httpx.post(base + "/reset_prefix_cache", timeout=30).status_code == 200  # compute it all again
+        before = workers["decode-0"].stats()["tokens_out"]
         slow_steps(workers["prefill-0"], 0.25)
-        body = {"model": MODEL, "prompt": long_text(1200), "max_tokens": 20}
         result = {}
         t = threading.Thread(target=lambda: result.setdefault("r", httpx.post(base + "/v1/completions", json=body,
                                                                                timeout=120)))
-        start = time.monotonic()
         t.start()
         assert wait_until(lambda: workers["prefill-0"].stats()["num_running"] > 0, 60)
         workers["prefill-0"].stop()
-        t.join(60)
+        t.join(120)
         r = result["r"]
-        assert r.status_code >= 500 or "error" in r.text
-        assert time.monotonic() - start < 60
-        assert wait_until(lambda: workers["decode-0"].stats()["kv_blocks_free"]
-                          == workers["decode-0"].stats()["kv_blocks_total"], 30)  # the decode side freed
-        assert_still_serving(base)  # decode prefills alone
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["text"] == healthy.json()["choices"][0]["text"] and choice["finish_reason"] == "length"
+        assert r.json()["usage"]["completion_tokens"] == 20
+        # every token of the second answer, its first included, came from the decode worker (stats lag a step)
+        assert wait_until(lambda: workers["decode-0"].stats()["tokens_out"] - before == 20, 30)
+        assert wait_until(lambda: at_baseline({"decode-0": workers["decode-0"]}), 30)
+        assert not client.streams and all(not w.inflight for w in client.workers)
+        assert_still_serving(base)
+
+
+def test_losing_the_only_decode_worker_is_a_503_with_retry_after():
+    """The only decode worker dies mid-answer with nowhere to migrate: the cluster's fault, not the request's,
+    so the client gets a 503 with Retry-After (a retry can succeed once a worker is back), not a 500."""
+    with running_cluster(0, 1, loaded=fast_model()) as (base, client, workers):
+        slow_steps(workers["decode-0"], 0.05)
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
+        result = {}
+        t = threading.Thread(target=lambda: result.setdefault("r", httpx.post(base + "/v1/completions", json=body,
+                                                                               timeout=120)))
+        t.start()
+        assert wait_until(lambda: workers["decode-0"].stats()["tokens_out"] > 2, 60)
+        workers["decode-0"].stop()
+        t.join(120)
+        r = result["r"]
+        assert r.status_code == 503, r.text
+        assert int(r.headers["retry-after"]) >= 1
+        assert "stopped responding" in r.json()["error"]["message"]
 
 
 def test_more_requests_than_the_decode_pool_holds_all_finish():

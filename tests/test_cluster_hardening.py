@@ -200,7 +200,7 @@ def test_prefilled_request_whose_kv_never_comes_fails_at_its_deadline():
         finally:
             ctx.destroy(linger=0)
         assert len(got) == 1 and isinstance(got[0], Output), got
-        assert got[0].output.finish_reason == FinishReason.ERROR and "never started" in got[0].output.error
+        assert got[0].output.finish_reason == FinishReason.ABORT and "never started" in got[0].output.error
         assert 3.5 < waited < 12, waited
         assert not decode.routes and wait_until(lambda: decode.stats()["awaiting_kv"] == 0)  # stats lag a step
 

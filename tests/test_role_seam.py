@@ -138,7 +138,8 @@ def test_a_request_whose_transfer_never_starts_fails_after_its_deadline_unless_o
     a.add(request("busy"))
     clock.now += 11
     failed = a.expire()
-    assert [o.request_id for o in failed] == ["r"] and failed[0].finish_reason is FinishReason.ERROR
+    # the cluster's fault, not the request's: `abort`, which the router answers with a 503 and Retry-After
+    assert [o.request_id for o in failed] == ["r"] and failed[0].finish_reason is FinishReason.ABORT
     assert "never started" in failed[0].error and ("abort", "r") in engine.calls
     assert "busy" in a.awaiting  # its transfer is under way: the receiver's own deadline governs it
 
@@ -148,7 +149,7 @@ def test_a_failed_transfer_fails_its_request_unless_the_sender_aborted_it():
     a.add(request("r"))
     a.add(request("s"))
     out = a.on_failed(TransferFailed("r", "timeout", "no message for 20 s"))
-    assert out.finish_reason is FinishReason.ERROR and "timeout" in out.error and ("abort", "r") in engine.calls
+    assert out.finish_reason is FinishReason.ABORT and "timeout" in out.error and ("abort", "r") in engine.calls
     assert a.on_failed(TransferFailed("s", "aborted", "the sender aborted")) is None and not a.awaiting
     assert a.on_failed(TransferFailed("unknown", "timeout", "")) is None
 
