@@ -1,9 +1,10 @@
 """The runs behind `mlx-pd bench --url ...` and `mlx-pd bench --compare` (benchmarks/cli.py parses; this runs).
 
 Outputs of every run: the terminal table; ``--out`` JSON (every request's record); ``--markdown`` the
-tables; ``--plots DIR`` PNGs (benchmarks/plots.py): ``NAME-latency-cdf.png`` (TTFT, TPOT, E2E CDFs, one
-line per level, or per target at the highest level when comparing) and ``NAME-throughput.png`` (output
-tokens/s vs concurrency, one line per target).
+tables; PNGs (benchmarks/plots.py): ``NAME-latency-cdf.png`` (TTFT, TPOT, E2E CDFs, one line per level, or per
+target at the highest level when comparing) and ``NAME-throughput.png`` (output tokens/s vs concurrency, one line
+per target), next to the ``--out`` JSON and named after it by default (``--plots DIR`` and ``--plot-name``
+choose, ``--no-plot`` draws none); the paths are printed.
 
 - One ``--url``: each level runs on its own (closed loop at a concurrency, or Poisson arrivals at ``--rate``).
 - Several ``--url`` (``--labels`` names them): the endpoints are compared in ABBA rounds, as ``--compare``.
@@ -43,8 +44,12 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="mixed: weights of chat, shared-prefix, long-prompt (default 0.6,0.3,0.1)")
     p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="SLOs for goodput, e.g. --goodput ttft:2000 tpot:150 e2e:10000 (milliseconds)")
-    p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots into DIR")
-    p.add_argument("--plot-name", default="bench", help="file name prefix of the plots (default bench)")
+    p.add_argument("--plots", default=None, metavar="DIR",
+                   help="write the PNG plots into DIR (default: the folder of --out; none without --out)")
+    p.add_argument("--plot-name", default=None,
+                   help="file name prefix of the plots (default: bench with --plots, else the --out file's name "
+                        "without its suffix)")
+    p.add_argument("--no-plot", action="store_true", help="draw no plots")
     p.add_argument("--labels", default=None, help="names of several --url endpoints, comma-separated")
     p.add_argument("--targets", default=f"{OURS},{THEIRS}",
                    help=f"--compare: what to start and compare, comma-separated, from {', '.join(TARGETS)} "
@@ -73,7 +78,22 @@ def _levels(args) -> list[Optional[int]]:
     return [None] if args.rate else [1]
 
 
-def _plot_levels(result: dict, args) -> None:
+def plot_prefix(args) -> Optional[Path]:
+    """Where the plots go, as a path prefix (`DIR/NAME`; each plot adds `-latency-cdf.png` and so on), or None
+    for no plots: `--no-plot`, else `--plots DIR` (NAME `--plot-name`, default "bench"), else next to the `--out`
+    JSON (NAME `--plot-name`, default the JSON file's name without its suffix); none without either."""
+    if getattr(args, "no_plot", False) or not (args.plots or args.out):
+        return None
+    if args.plots:
+        return Path(args.plots) / (args.plot_name or "bench")
+    return Path(args.out).parent / (args.plot_name or Path(args.out).stem)
+
+
+def _done(paths: list[Path]) -> None:
+    print(f"mlx-pd bench: plots: {', '.join(str(p) for p in paths)}", file=sys.stderr, flush=True)
+
+
+def _plot_levels(result: dict, prefix: Path) -> None:
     """CDFs and throughput of a comparison-shaped result (levels x targets)."""
     from benchmarks.plots import plot_latency_cdfs, plot_throughput
 
@@ -81,11 +101,11 @@ def _plot_levels(result: dict, args) -> None:
     names = levels[0]["targets"]
     top = levels[-1]
     title = f"{result.get('workload', 'chat')}, {len(names)} targets at concurrency {top['concurrency']}"
-    plot_latency_cdfs({n: top["records"][n] for n in names}, Path(args.plots) / f"{args.plot_name}-latency-cdf.png",
-                      title)
+    paths = [plot_latency_cdfs({n: top["records"][n] for n in names}, f"{prefix}-latency-cdf.png", title)]
     if all(lv["concurrency"] for lv in levels):
-        plot_throughput({n: [(lv["concurrency"], lv["servers"][n]["output_throughput"]) for lv in levels]
-                         for n in names}, Path(args.plots) / f"{args.plot_name}-throughput.png")
+        paths.append(plot_throughput({n: [(lv["concurrency"], lv["servers"][n]["output_throughput"]) for lv in levels]
+                                      for n in names}, f"{prefix}-throughput.png"))
+    _done(paths)
 
 
 def _report_levels(result: dict, args) -> int:
@@ -97,8 +117,9 @@ def _report_levels(result: dict, args) -> int:
     write_json(result, args.out)
     if args.markdown:
         Path(args.markdown).write_text(markdown_compare(result), encoding="utf-8")
-    if args.plots:
-        _plot_levels(result, args)
+    prefix = plot_prefix(args)
+    if prefix is not None:
+        _plot_levels(result, prefix)
     return 1 if any(s["errors"] for lv in result["levels"] for s in lv["servers"].values()) else 0
 
 
@@ -141,16 +162,18 @@ def run_url(args) -> int:
     write_json(results[0] if len(results) == 1 else {"runs": results}, args.out)
     if args.markdown:
         Path(args.markdown).write_text(markdown_runs(results), encoding="utf-8")
-    if args.plots:
+    prefix = plot_prefix(args)
+    if prefix is not None:
         from benchmarks.plots import plot_latency_cdfs, plot_throughput
 
         label = lambda r: (f"c={r['config']['concurrency']}" if not r["config"]["rate"]  # noqa: E731
                            else f"rate {r['config']['rate']}/s")
-        plot_latency_cdfs({label(r): r["records"] for r in results},
-                          Path(args.plots) / f"{args.plot_name}-latency-cdf.png", f"{spec.name} on {cfg.endpoint}")
+        paths = [plot_latency_cdfs({label(r): r["records"] for r in results}, f"{prefix}-latency-cdf.png",
+                                   f"{spec.name} on {cfg.endpoint}")]
         if all(c for c in levels):
-            plot_throughput({spec.name: [(c, r["summary"]["output_throughput"]) for c, r in zip(levels, results)]},
-                            Path(args.plots) / f"{args.plot_name}-throughput.png")
+            paths.append(plot_throughput({spec.name: [(c, r["summary"]["output_throughput"])
+                                                      for c, r in zip(levels, results)]}, f"{prefix}-throughput.png"))
+        _done(paths)
     return 1 if any(r["summary"]["errors"] for r in results) else 0
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from typing import Sequence
+from pathlib import Path
+from typing import Optional, Sequence
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -50,7 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="out", default=None, help="write the profile (every sample, the fit) here")
     p.add_argument("--markdown", default=None, help="also write the tables as Markdown here")
-    p.add_argument("--plot", default=None, help="write the prefill curve with its fit (and decode) as a PNG here")
+    p.add_argument("--plot", default=None,
+                   help="write the prefill curve with its fit (and decode) as a PNG here (default: next to the --json "
+                        "file, with .png for its suffix; none without --json)")
+    p.add_argument("--no-plot", action="store_true", help="draw no plot")
     p.add_argument("--plot-with", nargs="+", default=(), metavar="LABEL=PROFILE.json",
                    help="also draw these saved profiles on the plot's axes (side by side with this run)")
     p.add_argument("--no-progress", action="store_true")
@@ -106,10 +110,18 @@ def run(args) -> dict:
     return profile.analyze(raw, peak)
 
 
+def plot_path(args) -> Optional[Path]:
+    """The plot's file: `--plot`, else the `--json` file with a .png suffix; None with `--no-plot` or neither."""
+    if args.no_plot or not (args.plot or args.out):
+        return None
+    if args.plot:
+        return Path(args.plot)
+    out = Path(args.out)
+    return out.with_suffix(".png") if out.suffix != ".png" else out.with_name(out.name + ".png")
+
+
 def main(argv: Sequence[str]) -> int:
     """Run `mlx-pd profile` with `argv`; returns the exit code (2 for bad arguments or a failed run)."""
-    from pathlib import Path
-
     from benchmarks.profile_report import markdown_profile, print_profile
     from benchmarks.report import write_json
 
@@ -130,7 +142,8 @@ def main(argv: Sequence[str]) -> int:
     write_json(result, args.out)
     if args.markdown:
         Path(args.markdown).write_text(markdown_profile(result), encoding="utf-8")
-    if args.plot:
+    plot = plot_path(args)
+    if plot:
         import json
 
         from benchmarks.plots import plot_profiles
@@ -139,7 +152,8 @@ def main(argv: Sequence[str]) -> int:
         for item in args.plot_with:
             label, _, path = item.rpartition("=")
             others[label or Path(path).stem] = json.loads(Path(path).read_text(encoding="utf-8"))
-        plot_profiles({("this run" if others else ""): result, **others}, args.plot)
+        plot_profiles({("this run" if others else ""): result, **others}, plot)
+        print(f"mlx-pd profile: plot: {plot}", file=sys.stderr, flush=True)
     return 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -69,7 +70,7 @@ def resolve_model_path(model: Optional[str], dtype: str = "float32") -> Path:
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file {path} does not exist")
         out = gguf_import.default_model_dir(dtype).parent / f"{path.stem}-{dtype}"
-        return gguf_import.import_gguf(path, out, dtype=dtype)
+        return gguf_import.import_gguf(path, out, dtype=dtype, progress=True)
     if path.exists():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not an mlx-lm model folder (no config.json)")
@@ -140,6 +141,11 @@ def load_model(path: Path, dtype: str = "float32"):
     from cluster.model_families import check_config
 
     check_config(json.loads((Path(path) / "config.json").read_text()))
+    files = sorted(Path(path).glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in files)
+    logger.info("loading model %s (%.0f MiB of weights in %d file(s), as %s) ...", path, size / 2**20, len(files),
+                dtype)
+    t0 = time.monotonic()
     model, tokenizer = load(str(path))
     target = getattr(mx, dtype)
     model.update(tree_map(lambda w: w.astype(target) if mx.issubdtype(w.dtype, mx.floating) else w,
@@ -148,6 +154,7 @@ def load_model(path: Path, dtype: str = "float32"):
     # otherwise stay lazy graphs that the first forward of each engine thread sharing the model evaluates
     # at the same time (cluster/ownership.py).
     mx.eval(model.state)
+    logger.info("loaded model %s in %.1f s", Path(path).name, time.monotonic() - t0)
     return model, tokenizer
 
 

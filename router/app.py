@@ -8,14 +8,15 @@
     GET  /health                200 while engine.is_healthy(), else 503
     GET  /metrics               Prometheus text (registry per app)
     POST /reset_prefix_cache    engine.clear_prefix_cache() (vLLM's name)
+    GET  /dashboard             the live cluster page, its JSON and login (router/dashboard_web.py)
 
 Each completion request: read the body (413 past `max_body_bytes`, router/body.py) -> parse JSON and check
 that all its text is Unicode (400 naming the field) -> validate (400 naming the field) -> check the model
 name (404) -> tokenize, refusing a prompt over the context after bounded work -> clamp max_tokens -> n
 GenerateRequests -> run them concurrently -> answer whole or stream. Every endpoint with a JSON body reads
 it through `router.body.read_request`. With `api_key` set, every endpoint but /health and /metrics needs
-`Authorization: Bearer <api_key>` or `x-api-key: <api_key>` (401 otherwise). Errors on /v1/messages take
-Anthropic's shape (router/errors.py).
+`Authorization: Bearer <api_key>` or `x-api-key: <api_key>` (401 otherwise); the dashboard's paths check it
+themselves, accepting its login cookie too. Errors on /v1/messages take Anthropic's shape (router/errors.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from fastapi.responses import JSONResponse, Response
 from cluster.engine_client import EngineClient, EngineError
 from router.anthropic_api import install_anthropic_api
 from router.body import default_max_body_bytes, read_request
+from router.dashboard_web import DASHBOARD_PATHS, install_dashboard
 from router.errors import APIError, engine_unavailable, install_error_handlers
 from router.metrics import MetricsMiddleware, RouterMetrics
 from router.openapi import install_openapi
@@ -46,6 +48,21 @@ from router.tokenizer import RouterTokenizer
 AUTH_EXEMPT = ("/health", "/metrics")
 
 
+def carries_key(scope: dict, expected: bytes) -> bool:
+    """The ASGI request `scope` carries `expected` as `x-api-key` or `Authorization: Bearer` (constant time)."""
+    header, api_key = b"", None
+    for name, value in scope.get("headers", ()):
+        name = name.lower()
+        if name == b"authorization" and not header:
+            header = value
+        elif name == b"x-api-key" and api_key is None:
+            api_key = value
+    if api_key is not None and hmac.compare_digest(api_key.strip(), expected):
+        return True
+    scheme, _, token = header.strip().partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), expected)
+
+
 class BearerAuthMiddleware:
     """Pure ASGI middleware: 401 unless `Authorization: Bearer <key>` or `x-api-key: <key>` (Anthropic's
     header) matches (constant-time compare); the 401 takes the shape of the API the path belongs to."""
@@ -55,21 +72,8 @@ class BearerAuthMiddleware:
         self._expected = api_key.encode("utf-8")
         self._exempt = exempt
 
-    def _authorized(self, scope: dict) -> bool:
-        header, api_key = b"", None
-        for name, value in scope.get("headers", ()):
-            name = name.lower()
-            if name == b"authorization" and not header:
-                header = value
-            elif name == b"x-api-key" and api_key is None:
-                api_key = value
-        if api_key is not None and hmac.compare_digest(api_key.strip(), self._expected):
-            return True
-        scheme, _, token = header.strip().partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._expected)
-
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope.get("path") in self._exempt or self._authorized(scope):
+        if scope["type"] != "http" or scope.get("path") in self._exempt or carries_key(scope, self._expected):
             await self.app(scope, receive, send)
             return
         err = APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>' "
@@ -111,7 +115,10 @@ def create_app(engine: EngineClient, tokenizer: RouterTokenizer, *, served_model
     install_error_handlers(app)
     install_openapi(app)
     if api_key:
-        app.add_middleware(BearerAuthMiddleware, api_key=api_key)
+        app.add_middleware(BearerAuthMiddleware, api_key=api_key, exempt=AUTH_EXEMPT + DASHBOARD_PATHS)
+    key = (api_key or "").encode("utf-8")
+    install_dashboard(app, engine, metrics, api_key=api_key,
+                      header_auth=lambda request: bool(key) and carries_key(request.scope, key))
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # added last = outermost: counts 401s too
 
     def resolve_model(requested: Optional[str]) -> str:

@@ -8,7 +8,9 @@ Latencies are per sequence (one choice of one request), in seconds, measured by 
     e2e   arrival -> the finishing delta
 
 Engine load (running/waiting sequences, KV blocks, prefix-cache and speculative-decoding counters) is read from
-`engine.stats()` at scrape time, never cached.
+`engine.stats()` at scrape time, never cached. `prefix_cache_hit_tokens` counts the engine's own figure of each
+sequence's prompt tokens served from the prefix cache (`RequestOutput.num_cached_tokens`) as its deltas arrive,
+whatever the client asked for (streamed or not, with usage or without, gone before the end).
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ class RouterMetrics:
                                          registry=r)
         self.prefix_cache_hit_tokens = Counter(
             PREFIX + "prefix_cache_hit_tokens", "Prompt tokens the engine reported served from its "
-            "prefix cache (usage.prompt_tokens_details.cached_tokens)", registry=r)
+            "prefix cache, for every sequence (what usage.prompt_tokens_details.cached_tokens reports)", registry=r)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY, registry=r)
         self.tpot = Histogram(PREFIX + "time_per_output_token_seconds",
@@ -116,6 +118,8 @@ class RouterMetrics:
                              buckets=_LATENCY, registry=r)
         self.active = Gauge(PREFIX + "active_sequences", "Sequences the router is waiting on",
                             registry=r)
+        # every sequence's observations also go here when set (router.dashboard_history.DashboardHistory)
+        self.history: Optional[Any] = None
         r.register(EngineStatsCollector(engine))
 
     def render(self) -> tuple[bytes, str]:
@@ -130,7 +134,7 @@ class RouterMetrics:
 class SequenceTimer:
     """Latency bookkeeping for one sequence; `observe` is called with every delta in order."""
 
-    __slots__ = ("_m", "_arrival", "_first", "_last", "tokens", "_done")
+    __slots__ = ("_m", "_arrival", "_first", "_last", "tokens", "_cached", "_done")
 
     def __init__(self, metrics: Optional[RouterMetrics], arrival: float):
         self._m = metrics
@@ -138,6 +142,7 @@ class SequenceTimer:
         self._first: Optional[float] = None
         self._last = 0.0
         self.tokens = 0
+        self._cached = 0  # the engine's cached-token figure counted so far
         self._done = False
 
     def observe(self, out: RequestOutput, now: Optional[float] = None) -> None:
@@ -146,23 +151,33 @@ class SequenceTimer:
         if m is None or self._done:
             return
         now = time.monotonic() if now is None else now
+        if out.num_cached_tokens > self._cached:  # the figure arrives with the first delta, or later in a cluster
+            m.prefix_cache_hit_tokens.inc(out.num_cached_tokens - self._cached)
+            self._cached = out.num_cached_tokens
         count = len(out.token_ids)
+        ttft = itl = tpot = e2e = None
         if count:
             m.generation_tokens.inc(count)
             if self._first is None:
                 self._first = now
-                m.ttft.observe(now - self._arrival)
+                ttft = now - self._arrival
+                m.ttft.observe(ttft)
             else:
-                per_token = (now - self._last) / count
+                itl = (now - self._last) / count
                 for _ in range(count):
-                    m.itl.observe(per_token)
+                    m.itl.observe(itl)
             self._last = now
             self.tokens += count
         if out.finished:
             self._done = True
-            m.e2e.observe(now - self._arrival)
+            e2e = now - self._arrival
+            m.e2e.observe(e2e)
             if self._first is not None and self.tokens > 1:
-                m.tpot.observe((self._last - self._first) / (self.tokens - 1))
+                tpot = (self._last - self._first) / (self.tokens - 1)
+                m.tpot.observe(tpot)
+        if m.history is not None:
+            m.history.record(out.request_id, now, count, ttft=ttft, itl=itl, tpot=tpot, e2e=e2e,
+                             finished=out.finished)
 
 
 class MetricsMiddleware:

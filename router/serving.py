@@ -121,9 +121,8 @@ async def serve_prepared(http_request: Request, prepared: PreparedRequest, forma
         raise to_api_error(exc) from exc
     if not prepared.stream:
         await streams.aclose()
-        _count_cached(metrics, acc)
         return Response(formatter.response(acc).model_dump_json(), media_type="application/json")
-    return SSEResponse(_events(first, streams, acc, formatter, metrics), on_close=streams.aclose)
+    return SSEResponse(_events(first, streams, acc, formatter), on_close=streams.aclose)
 
 
 async def _collect(first: tuple[int, RequestOutput], streams: ChoiceStreams, acc: Accumulator) -> None:
@@ -139,7 +138,7 @@ async def _collect(first: tuple[int, RequestOutput], streams: ChoiceStreams, acc
 
 
 async def _events(first: tuple[int, RequestOutput], streams: ChoiceStreams, acc: Accumulator,
-                  formatter: Formatter, metrics: Optional[RouterMetrics]) -> AsyncIterator[str]:
+                  formatter: Formatter) -> AsyncIterator[str]:
     """The SSE body: first chunks, the chunks of each delta, the usage chunk, then the end of stream."""
     try:
         for chunk in formatter.first_chunks():
@@ -157,7 +156,6 @@ async def _events(first: tuple[int, RequestOutput], streams: ChoiceStreams, acc:
             if streams.done:
                 if acc.prepared.include_usage:
                     yield formatter.frame(formatter.usage_chunk(acc.usage()))
-                _count_cached(metrics, acc)
                 break
             index, out = await streams.next()
     except ClientDisconnected:
@@ -169,8 +167,3 @@ async def _events(first: tuple[int, RequestOutput], streams: ChoiceStreams, acc:
     end = formatter.end_of_stream()
     if end:
         yield end
-
-
-def _count_cached(metrics: Optional[RouterMetrics], acc: Accumulator) -> None:
-    if metrics is not None:
-        metrics.prefix_cache_hit_tokens.inc(sum(c.num_cached_tokens for c in acc.choices))

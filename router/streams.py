@@ -69,6 +69,7 @@ class ChoiceStreams:
         self._finished = [False] * len(self._requests)
         start = time.monotonic() if arrival is None else arrival
         self._timers = [SequenceTimer(metrics, start) for _ in self._requests]
+        self._arrival = start
         self._synthetic = synthetic
         self._closed = False
         self._active = 0
@@ -86,7 +87,10 @@ class ChoiceStreams:
             for i, out in enumerate(self._synthetic):
                 self._queue.put_nowait((i, out))
             return
+        history = self._metrics.history if self._metrics is not None else None
         for i, req in enumerate(self._requests):
+            if history is not None:  # the dashboard's in-flight list (router/dashboard_history.py)
+                history.begin(req.request_id, self._arrival)
             self._tasks.append(asyncio.create_task(self._pump(i, req), name=f"pump-{req.request_id}"))
         self._active = len(self._tasks)
         if self._metrics is not None:
@@ -111,6 +115,8 @@ class ChoiceStreams:
                 with contextlib.suppress(BaseException):
                     await agen.aclose()
             self._dec_active()
+            if self._metrics is not None and self._metrics.history is not None:
+                self._metrics.history.end(req.request_id)
 
     def _dec_active(self) -> None:
         if self._active > 0:
@@ -161,6 +167,9 @@ class ChoiceStreams:
                         logger.warning("engine.abort(%s) failed", req.request_id, exc_info=True)
             for _ in range(self._active):
                 self._dec_active()
+            if self._metrics is not None and self._metrics.history is not None:  # a task cancelled unstarted
+                for req in self._requests:
+                    self._metrics.history.end(req.request_id)
 
 
 @contextlib.asynccontextmanager

@@ -9,7 +9,7 @@ import re
 import time
 from contextlib import contextmanager
 
-from cluster.topology import parse_topology
+from cluster.topology import TOPOLOGY_DIR, parse_topology
 from cluster.ports import free_ports
 from tests.live_server import serve_app
 
@@ -31,6 +31,23 @@ def topology_text(prefill: int = 1, decode: int = 1, engine: str = "", routing: 
         lines += ['[[workers]]', f'name = "decode-{i}"', 'role = "decode"', f'control_port = {next(ports)}',
                   f'kv_port = {next(ports)}', f'events_port = {next(ports)}', f'metrics_port = {next(ports)}']
     return "\n".join(lines) + "\n"
+
+
+def free_port_topology(src: str, dst, **replace: str):
+    """Write the shipped topology `src` to `dst` (a Path) with every port replaced by a free one and any
+    `key = "value"` line named in `replace` given that value (e.g. `source=` another model); returns `dst`.
+    The ports avoid Ray's worker range (cluster.launch.ray_head.free_ports), so a Ray test may use them."""
+    from cluster.launch import ray_head
+
+    text = (TOPOLOGY_DIR / f"{src}.toml").read_text()
+    port_line = r"^(\s*(?:control_port|kv_port|events_port|metrics_port|port)\s*=\s*)\d+"
+    spare = iter(ray_head.free_ports(len(re.findall(port_line, text, flags=re.M))))  # at once: distinct
+    text = re.sub(port_line, lambda m: f"{m.group(1)}{next(spare)}", text, flags=re.M)
+    for key, value in replace.items():
+        text = re.sub(rf'^({key}\s*=\s*)"[^"]*"', rf'\g<1>"{value}"', text, flags=re.M)
+    parse_topology(text, name=dst.stem)  # still valid
+    dst.write_text(text)
+    return dst
 
 
 @contextmanager

@@ -251,7 +251,14 @@ def test_cli_url_mode_writes_json(fake_server, tmp_path, capsys):
     assert rc == 0
     data = json.loads(out.read_text())
     assert data["summary"]["requests"] == 4 and data["config"]["concurrency"] == 2
-    assert "TTFT" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "TTFT" in captured.out
+    plots = [tmp_path / "r-latency-cdf.png", tmp_path / "r-throughput.png"]  # next to the JSON by default
+    assert all(p.stat().st_size > 0 for p in plots) and f"plots: {plots[0]}, {plots[1]}" in captured.err
+    quiet = tmp_path / "quiet.json"
+    assert cli.main(["--url", fake_server[0], "--concurrency", "1", "--num-requests", "2", "--max-tokens", "3",
+                     "--no-progress", "--out", str(quiet), "--no-plot"]) == 0
+    assert quiet.is_file() and not list(tmp_path.glob("quiet*.png"))
     assert cli.main(["--url", fake_server[0], "--max-tokens", "0"]) == 2
 
 

@@ -20,7 +20,8 @@ import pytest
 
 from cluster.launch import ray_head, ray_up
 from cluster.launch.actors import COUNTERS, GAUGES, metric_values
-from cluster.topology import TOPOLOGY_DIR, load_topology, parse_topology
+from cluster.topology import TOPOLOGY_DIR, load_topology
+from tests.cluster_helpers import free_port_topology
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -147,24 +148,11 @@ def test_cli_errors_are_clear(tmp_path):
 
 # -- on a local Ray cluster ----------------------------------------------------------------------------------
 
-def _free_port_copy(src: str, dst: Path, **replace: str) -> Path:
-    """`src` topology with every port replaced by a free one (and any `key = "value"` in `replace`)."""
-    text = (TOPOLOGY_DIR / f"{src}.toml").read_text()
-    port_line = r"^(\s*(?:control_port|kv_port|events_port|port)\s*=\s*)\d+"
-    spare = iter(ray_head.free_ports(len(re.findall(port_line, text, flags=re.M))))  # at once: distinct
-    text = re.sub(port_line, lambda m: f"{m.group(1)}{next(spare)}", text, flags=re.M)
-    for key, value in replace.items():
-        text = re.sub(rf'^({key}\s*=\s*)"[^"]*"', rf'\g<1>"{value}"', text, flags=re.M)
-    parse_topology(text, name=dst.stem)  # still valid
-    dst.write_text(text)
-    return dst
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """local-1p1d on a local Ray head, up once for the module; yields (topology path, state dir, up's info)."""
     root = tmp_path_factory.mktemp("cluster")
-    path, state = _free_port_copy("local-1p1d", root / "test-1p1d.toml"), root / "clusters"  # $MLX_PD_CACHE/clusters
+    path, state = free_port_topology("local-1p1d", root / "test-1p1d.toml"), root / "clusters"  # $MLX_PD_CACHE/clusters
     t0 = time.monotonic()
     info = ray_up.up(str(path), state_dir=state, timeout_s=600)
     info["up_s"] = time.monotonic() - t0
@@ -280,7 +268,7 @@ def test_ray_restarts_a_killed_worker_and_the_router_uses_it_again(cluster):
 @pytest.mark.ray
 def test_a_worker_that_cannot_start_shows_its_error(cluster, tmp_path):
     path, state, _ = cluster
-    bad = _free_port_copy("local-1p1d", tmp_path / "test-broken.toml", source=str(tmp_path / "no-such-model.gguf"))
+    bad = free_port_topology("local-1p1d", tmp_path / "test-broken.toml", source=str(tmp_path / "no-such-model.gguf"))
     with pytest.raises(ray_up.LaunchError, match=r"(?s)failed to start.*no-such-model"):
         ray_up.up(str(bad), state_dir=state, timeout_s=300, echo=lambda line: None)
     assert all(r["state"] in ("absent", "dead") for r in ray_up.status(str(bad), state_dir=state))

@@ -84,8 +84,16 @@ def test_analyze_synthetic_profile_known_answers(tmp_path):
 def test_profile_cli_help():
     from benchmarks.profile_cli import build_parser
 
+    from pathlib import Path
+
+    from benchmarks.profile_cli import plot_path
+
     args = build_parser().parse_args(["--max-len", "4096", "--batches", "1,2", "--json", "x.json"])
     assert args.max_len == 4096 and args.batches == (1, 2) and args.out == "x.json"
+    assert plot_path(args) == Path("x.png")  # the plot goes next to the JSON by default
+    for argv, plot in ((["--json", "x.json", "--no-plot"], None), (["--json", "x.json", "--plot", "y.png"], Path("y.png")),
+                       ([], None), (["--json", "x.png"], Path("x.png.png"))):
+        assert plot_path(build_parser().parse_args(argv)) == plot, argv
     r = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "profile", "--help"], capture_output=True,
                        text=True, timeout=120, env={"PYTHONPATH": ".", "MLX_PD_NO_OPENBLAS": "1", "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0 and "--max-len" in r.stdout and "--url" in r.stdout

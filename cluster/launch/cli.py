@@ -1,6 +1,7 @@
 """The `mlx-pd` command: serve (single-node, single_node.py), generate (one prompt from the shell), keys (CurveZMQ),
-up / status / down (cluster mode on Ray, ray_up.py), worker / router (one cluster process without Ray,
-processes.py); bench and profile run the benchmarks tool beside the product (benchmarks/, the `[bench]` extra).
+up / status / down (cluster mode on Ray, ray_up.py), monitor (Prometheus and a Grafana dashboard for a running
+cluster, monitor.py), worker / router (one cluster process without Ray, processes.py); bench and profile run
+the benchmarks tool beside the product (benchmarks/, the `[bench]` extra).
 
 Documented environment variables: MLX_PD_CACHE (model cache folder), MLX_PD_NO_OPENBLAS=1 (do not
 preload OpenBLAS on Linux), MLX_PD_API_KEY (default for --api-key).
@@ -106,18 +107,14 @@ def _engine_config(args: argparse.Namespace, topology) -> EngineConfig:
 
 
 def _start(args: argparse.Namespace):
-    """Load the model with a progress bar; returns (client, model folder)."""
-    from tqdm import tqdm
-
+    """Load the model (a GGUF import shows a progress bar, loading logs its size and time); returns (client,
+    model folder)."""
     from cluster.launch.single_node import start_single_node_engine
 
     topology = _topology(args)
     model = args.model or topology.model.source
     name = args.served_model_name or topology.model.served_name
-    with tqdm(total=1, desc="loading model", unit="model", file=sys.stderr, leave=False) as bar:
-        client, path = start_single_node_engine(model, _engine_config(args, topology), name)
-        bar.update(1)
-    return client, path
+    return start_single_node_engine(model, _engine_config(args, topology), name)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -263,6 +260,15 @@ def cmd_down(args: argparse.Namespace) -> int:
     return _cluster_command(run)
 
 
+def cmd_monitor(args: argparse.Namespace) -> int:
+    """Write a Prometheus config and a Grafana dashboard for a running topology and run Prometheus on it
+    (monitor.py); exit 1 with one line when Ray or Prometheus fails."""
+    from cluster.launch.monitor import monitor
+
+    return _cluster_command(lambda: monitor(args.topology, out_dir=args.out, port=args.port, start=not args.no_start,
+                                            scrape_interval_s=args.scrape_interval, api_key=args.api_key or None))
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     from cluster.launch.processes import run_worker
 
@@ -305,6 +311,18 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in (("status", "show the actors of a running topology (exit 1 unless all are alive)"),
                        ("down", "stop a topology's actors (and the local Ray head that `up` started)")):
         sub.add_parser(name, help=text).add_argument("topology", help="the topology file or name given to `up`")
+    mon = sub.add_parser("monitor", help="Prometheus (and a Grafana dashboard) for a running topology")
+    mon.add_argument("topology", help="the topology file or name given to `up`")
+    mon.add_argument("--out", default=None,
+                     help="folder for prometheus.yml, its data and the dashboard JSON "
+                          "(default: $MLX_PD_CACHE/monitor/TOPOLOGY, ~/.cache/mlx-pd/monitor/TOPOLOGY)")
+    mon.add_argument("--port", type=int, default=9090, help="Prometheus listens on 127.0.0.1:PORT (default 9090)")
+    mon.add_argument("--scrape-interval", type=float, default=5.0,
+                     help="seconds between scrapes (default 5)")
+    mon.add_argument("--no-start", action="store_true",
+                     help="only write the files and print the command that starts Prometheus")
+    mon.add_argument("--api-key", default=os.environ.get("MLX_PD_API_KEY"),
+                     help="the router's API key, sent when scraping it (default: $MLX_PD_API_KEY)")
     worker = sub.add_parser("worker", help="run one worker of a topology in this process (no Ray)")
     worker.add_argument("topology", help="a topology file or name")
     worker.add_argument("name", help="the worker's name in the topology, e.g. decode-0")
@@ -326,7 +344,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from cluster.launch.platform import reexec_with_openblas
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] != ["keys"]:  # `keys` never touches MLX, so it needs no OpenBLAS re-exec
+    if argv[:1] not in (["keys"], ["monitor"]):  # these never touch MLX, so they need no OpenBLAS re-exec
         reexec_with_openblas()
     if argv[:1] and argv[0] in TOOL_COMMANDS:
         return cmd_tool(argv[0], argv[1:])
@@ -334,7 +352,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return {"serve": cmd_serve, "generate": cmd_generate, "keys": cmd_keys, "up": cmd_up,
-                "status": cmd_status, "down": cmd_down, "worker": cmd_worker, "router": cmd_router}[args.command](args)
+                "status": cmd_status, "down": cmd_down, "monitor": cmd_monitor, "worker": cmd_worker,
+                "router": cmd_router}[args.command](args)
     except (ValueError, FileNotFoundError, FileExistsError, KeyError) as exc:
         print(f"mlx-pd: error: {exc}", file=sys.stderr)
         return 2

@@ -31,7 +31,9 @@ def create_cluster(topology: TopologySpec, conn: Connection, *, timeout_s: float
     if all(before.get(n, {}).get("state") == "ALIVE" for n in names):
         router = ray.get_actor(router_actor_name(topology))
         info = ray.get(router.info.remote(), timeout=30)
-        echo(f"mlx-pd: {topology.name} is already up: OpenAI API at {info['endpoint']}")
+        echo(f"mlx-pd: {topology.name} is already up")
+        for line in endpoint_lines(info["endpoint"], conn.dashboard, label or topology.name):
+            echo(line)
         return {"namespace": topology.namespace, "endpoint": info["endpoint"], "dashboard": conn.dashboard,
                 "address": conn.address, "workers": {}, "already_running": True}
     created = [n for n in names if before.get(n, {}).get("state") != "ALIVE"]
@@ -59,12 +61,23 @@ def create_cluster(topology: TopologySpec, conn: Connection, *, timeout_s: float
         kill_namespace(topology, 30.0, lambda line: None, only=created)
         raise
     echo(f"mlx-pd: {topology.name} is up in {time.monotonic() - t0:.1f} s")
-    echo(f"  OpenAI API:    {info['endpoint']}")
-    echo(f"  Ray dashboard: {conn.dashboard or '(not running)'}  (metrics: ray_mlx_pd_*)")
     label = label or topology.name
-    echo(f"  then: mlx-pd status {label}  |  mlx-pd down {label}")
+    for line in endpoint_lines(info["endpoint"], conn.dashboard, label):
+        echo(line)
     return {"namespace": topology.namespace, "endpoint": info["endpoint"], "dashboard": conn.dashboard,
             "address": conn.address, "workers": ready, "already_running": False}
+
+
+def endpoint_lines(endpoint: str, dashboard: str, label: str) -> list[str]:
+    """What `up` prints once the cluster serves: the OpenAI API, the router's live dashboard page, the Ray
+    dashboard and how to get the token its login asks for, then the next commands."""
+    from cluster.launch.ray_head import token_hint
+
+    return [f"  OpenAI API:     {endpoint}",
+            f"  Live dashboard: {endpoint.removesuffix('/v1')}/dashboard",
+            f"  Ray dashboard:  {dashboard or '(not running)'}  (metrics: ray_mlx_pd_*; its login asks for Ray's "
+            f"token: {token_hint()})",
+            f"  then: mlx-pd status {label}  |  mlx-pd monitor {label} (Prometheus, Grafana)  |  mlx-pd down {label}"]
 
 
 def _wait_workers(pending: dict, deadline: float, t0: float, echo: Echo) -> dict:

@@ -103,6 +103,14 @@ def ensure_token() -> None:
         raise RuntimeError(f"could not create a Ray auth token: {r.stderr.strip()[-500:]}")
 
 
+def token_hint() -> str:
+    """Where this machine's Ray token comes from, as a command or a variable to read it by (never the token):
+    the Ray dashboard's login asks for it."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "the value of $RAY_AUTH_TOKEN"
+    return f"`{ray_cli()} get-auth-token` prints it"
+
+
 def port_free(port: int) -> bool:
     """True if nothing listens on `port` (TCP, any address)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

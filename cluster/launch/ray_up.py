@@ -84,15 +84,18 @@ def missing_resources(needed: list[dict[str, float]], available: dict[str, float
 
 @dataclass(frozen=True)
 class Connection:
-    """A driver connection: GCS `address`, `dashboard` URL, and `head` if it is our local head."""
+    """A driver connection: GCS `address`, `dashboard` URL, `head` if it is our local head, and the Ray
+    session folder on this machine (where the head's dashboard writes Prometheus's service-discovery file)."""
 
     address: str
     dashboard: str
     head: Optional[ray_head.LocalHead] = None
     started_head: bool = False
+    session_dir: str = ""
 
 
-def _load(topology_path: str) -> TopologySpec:
+def load_cluster_topology(topology_path: str) -> TopologySpec:
+    """The topology at `topology_path` (a file or a shipped name); LaunchError for a single-node one."""
     topology = load_topology(topology_path)
     if not topology.workers:
         raise LaunchError(f"topology {topology.name!r} has no [[workers]]: it is a single-node topology, "
@@ -132,7 +135,8 @@ def _connect(topology: TopologySpec, state_dir: Path, start: bool, echo: Echo) -
                           "RAY_AUTH_TOKEN)?") from None
     url = getattr(ctx, "dashboard_url", "") or (head.dashboard if head else "")
     dashboard = url if not url or url.startswith("http") else f"http://{url}"
-    return Connection(address=address, dashboard=dashboard, head=head, started_head=started)
+    return Connection(address=address, dashboard=dashboard, head=head, started_head=started,
+                      session_dir=str(ctx.address_info.get("session_dir") or ""))
 
 
 def namespace_actors(namespace: str) -> dict[str, dict]:
@@ -168,7 +172,7 @@ def up(topology_path: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, api_key: Opt
     """
     from cluster.launch.ray_driver import create_cluster
 
-    topology = _load(topology_path)
+    topology = load_cluster_topology(topology_path)
     if not api_key and not is_loopback(topology.router.host):
         echo(f"mlx-pd: warning: the router listens on {topology.router.host} without an API key, so anyone on "
              "that network can use it: pass --api-key or set MLX_PD_API_KEY")
@@ -206,7 +210,7 @@ def status(topology_path: str, *, state_dir: Optional[Path] = None, timeout_s: f
     """
     from cluster.launch.ray_driver import collect_status
 
-    topology = _load(topology_path)
+    topology = load_cluster_topology(topology_path)
     state_dir = Path(state_dir or ray_head.default_state_dir())
     conn = _connect(topology, state_dir, start=False, echo=_stderr)
     if conn is None:
@@ -226,7 +230,7 @@ def down(topology_path: str, *, state_dir: Optional[Path] = None, echo: Echo = _
     local Ray head once no topology uses it. Returns {"stopped": [actor names], "head_stopped": bool}."""
     from cluster.launch.ray_driver import kill_namespace
 
-    topology = _load(topology_path)
+    topology = load_cluster_topology(topology_path)
     state_dir = Path(state_dir or ray_head.default_state_dir())
     conn = _connect(topology, state_dir, start=False, echo=echo)
     if conn is None:
@@ -247,6 +251,14 @@ def down(topology_path: str, *, state_dir: Optional[Path] = None, echo: Echo = _
             echo("mlx-pd: stopped the local Ray head" if head_stopped else
                  f"mlx-pd: the local Ray head (pid {conn.head.pid}) did not stop; see {conn.head.log}")
     return {"stopped": stopped, "head_stopped": head_stopped}
+
+
+def ray_session_dir(topology: TopologySpec, state_dir: Optional[Path] = None) -> Optional[str]:
+    """The Ray session folder of the topology's cluster on this machine; None when its local head (`address =
+    "local"`) is not running. Raises LaunchError when Ray cannot be reached."""
+    conn = _connect(topology, Path(state_dir or ray_head.default_state_dir()), start=False, echo=_stderr)
+    _shutdown()
+    return None if conn is None else conn.session_dir
 
 
 def format_status(rows: list[dict]) -> str:

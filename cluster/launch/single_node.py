@@ -74,6 +74,12 @@ class InProcessEngineClient:
     def is_healthy(self) -> bool:
         return self.worker.healthy
 
+    def worker_stats(self) -> list[dict]:
+        """The one worker's latest report (`cluster.worker.Worker.stats`) plus its liveness and requests in
+        flight, as `router.cluster_client.ClusterEngineClient.worker_stats` gives each worker's (the dashboard)."""
+        report = self.worker.stats()
+        return [dict(report, alive=self.worker.healthy, inflight=report.get("requests", 0))]
+
     async def clear_prefix_cache(self) -> int:
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
