@@ -52,6 +52,7 @@ class _Stream:
     decode: WorkerState
     prefill: Optional[WorkerState]
     first_seen: bool = False  # the prefill worker's first token arrived (decode outputs wait for it)
+    decode_seen: bool = False  # an output came from the decode worker: it has taken over from the prefill worker
     held: list = field(default_factory=list)  # decode outputs that arrived before it
     token_ids: list = field(default_factory=list)
     num_cached_tokens: int = 0
@@ -295,6 +296,8 @@ class ClusterEngineClient(ClusterLiveness):
             self._deliver(stream, msg)
             return
         out = msg.output
+        if w is stream.decode:
+            stream.decode_seen = True
         if w is stream.prefill:
             stream.first_seen = True
             self._deliver(stream, out)

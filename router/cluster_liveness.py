@@ -5,8 +5,8 @@ A worker is marked dead the moment its control connection drops (a ZeroMQ socket
 its machine left the network, or ZeroMQ's heartbeats found it silent) or when it has not answered a ping for
 `dead_after_s`; its next pong makes it alive again. Its KV events feed the prefix index; a gap or a new boot
 asks it for a snapshot. A dead decode worker's streams migrate (`_migrate`); a request whose prefill worker
-dies before its first token is prefilled by its decode worker instead (`_reprefill`), so the client sees a
-longer TTFT, not an error. A request with nowhere left to go ends with `FinishReason.ABORT` (the cluster's
+dies before its decode worker has taken over (no first token yet, or a first token whose KV may never arrive)
+is run by its decode worker instead (`_rerun_on_decode`), so the client sees a longer TTFT, not an error. A request with nowhere left to go ends with `FinishReason.ABORT` (the cluster's
 fault, not the request's: the client gets a 503 with `Retry-After`).
 """
 
@@ -88,41 +88,58 @@ class ClusterLiveness:
         for rid in list(w.inflight):
             stream = self.streams.get(rid)
             w.inflight.discard(rid)
-            if stream is None or stream.finished or (w is stream.prefill and stream.first_seen):
+            if stream is None or stream.finished or (w is stream.prefill and stream.decode_seen):
                 continue  # a prefill worker that already handed over: the decode worker carries on
             if w is stream.decode and self._migrate(stream):
                 continue
-            if w is stream.prefill and self._reprefill(stream):
+            if w is stream.prefill and self._rerun_on_decode(stream):
                 continue
             self._deliver(stream, RequestOutput(rid, finish_reason=FinishReason.ABORT,
                                                 error=f"the {w.spec.role} worker {w.spec.name} stopped "
                                                       "responding; retry the request"))
 
-    def _reprefill(self, stream: _Stream) -> bool:
-        """Its prefill worker died before the first token reached the router: the decode worker, which was
-        waiting for the KV, drops that run and runs the request from the start, prompt included (as `_migrate`
-        does with nothing streamed). The re-run gets a new request id on the workers: the KV and the first token
-        may have reached the decode worker just before the prefill worker went, and outputs of that abandoned
-        run, still on their way, must not pass for the re-run's (`_on_message` drops them by their old id). The
-        prefill worker is told to stop in case it was only silent. False when the decode worker is gone too."""
+    def _rerun_on_decode(self, stream: _Stream) -> bool:
+        """Its prefill worker died before the decode worker took over (nothing from the decode worker yet: the
+        first token may not have come, or it came but the KV may never arrive): the decode worker drops that
+        run and runs the request itself from its prompt plus the tokens already streamed (`_continuation`).
+        The re-run gets a new request id on the workers: the KV may have reached the decode worker just before
+        the prefill worker went, and outputs of that abandoned run, still on their way, must not pass for the
+        re-run's (`_on_message` drops them by their old id). The prefill worker is told to stop in case it was
+        only silent. False when the decode worker is gone too or nothing is left to generate."""
         decode, old = stream.decode, stream.request.request_id
-        if not decode.alive:
+        request = self._continuation(stream) if decode.alive else None
+        if request is None:
             return False
         stream.reruns += 1
         new = f"{stream.client_id[:240]}~rerun{stream.reruns}"
-        logger.warning("prefilling %s on its decode worker %s: the prefill worker %s is gone", stream.client_id,
-                       decode.spec.name, stream.prefill.spec.name)
+        logger.warning("running %s on its decode worker %s after %d tokens: the prefill worker %s is gone",
+                       stream.client_id, decode.spec.name, len(stream.token_ids), stream.prefill.spec.name)
         self._post(stream.prefill, AbortRequest(request_id=old))
         stream.request = dataclasses.replace(stream.request, request_id=new)
-        stream.prefill, stream.first_seen = None, True
+        stream.prefill, stream.first_seen, stream.migrated_from = None, True, len(stream.token_ids)
         stream.held.clear()
         decode.inflight.discard(old)
         decode.inflight.add(new)
         if self.streams.get(old) is stream and old != stream.client_id:
             del self.streams[old]
         self.streams[new] = stream
-        self._post_all(decode, [AbortRequest(request_id=old), Generate(request=stream.request, prefilled=False)])
+        self._post_all(decode, [AbortRequest(request_id=old),
+                                Generate(request=dataclasses.replace(request, request_id=new), prefilled=False)])
         return True
+
+    def _continuation(self, stream: _Stream):
+        """The request that goes on from the tokens `stream` has streamed so far: its prompt plus those tokens,
+        the rest of its max_tokens, and a grammar that replays them (`SamplingParams.grammar_prefix`); with
+        nothing streamed, the request itself, prompt logprobs included. None when nothing is left to generate."""
+        done = len(stream.token_ids)
+        sp = stream.request.sampling
+        if sp.max_tokens - done <= 0:
+            return None
+        if done:  # a grammar resumes from the tokens streamed so far, now part of the prompt
+            sp = dataclasses.replace(sp, max_tokens=sp.max_tokens - done, prompt_logprobs=None, grammar_prefix=(
+                sp.grammar_prefix + tuple(stream.token_ids)) if sp.grammar is not None else ())
+        return dataclasses.replace(stream.request, prompt_token_ids=tuple(stream.request.prompt_token_ids)
+                                   + tuple(stream.token_ids), sampling=sp)
 
     def _migrate(self, stream: _Stream) -> bool:
         """Re-run a request whose decode worker died on another live decode worker, from its prompt plus the
@@ -134,16 +151,10 @@ class ClusterLiveness:
         if not others:
             return False
         target = min(others, key=lambda w: len(w.inflight))
-        done = len(stream.token_ids)
-        sp = stream.request.sampling
-        left = sp.max_tokens - done
-        if left <= 0:
+        request = self._continuation(stream)
+        if request is None:
             return False
-        if done:  # a grammar resumes from the tokens streamed so far, now part of the prompt
-            sp = dataclasses.replace(sp, max_tokens=left, prompt_logprobs=None, grammar_prefix=(
-                sp.grammar_prefix + tuple(stream.token_ids)) if sp.grammar is not None else ())
-        request = dataclasses.replace(stream.request, prompt_token_ids=tuple(stream.request.prompt_token_ids)
-                                      + tuple(stream.token_ids), sampling=sp)
+        done = len(stream.token_ids)
         logger.warning("migrating %s to %s after %d tokens", request.request_id, target.spec.name, done)
         stream.decode.inflight.discard(request.request_id)
         self._post(stream.decode, AbortRequest(request_id=request.request_id))  # it may only have been silent

@@ -247,6 +247,35 @@ def test_prefill_worker_death_before_the_first_token_reruns_the_prompt_on_the_de
         assert_still_serving(base)
 
 
+def test_prefill_worker_death_after_the_first_token_but_before_its_kv_arrived_reruns_on_the_decode_worker():
+    """The prefill worker streams the first token but never finishes the KV transfer (its last message is held
+    back), then dies: the decode worker, which would otherwise wait out the transfer's deadline, runs the
+    request from its prompt plus that first token, and the client's stream is whole and equal to the healthy
+    cluster's greedy answer."""
+    with running_cluster(1, 1, loaded=fast_model(), routing=ALL_REMOTE) as (base, client, workers):
+        body = {"model": MODEL, "prompt": long_text(300), "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+        healthy = httpx.post(base + "/v1/completions", json=body, timeout=120)
+        assert healthy.status_code == 200, healthy.text
+        assert httpx.post(base + "/reset_prefix_cache", timeout=30).status_code == 200
+        prefill = workers["prefill-0"]
+        prefill.sender.finish = lambda *args, **kwargs: None  # the transfer's last message never leaves
+        texts, finish = [], None
+        with httpx.stream("POST", base + "/v1/completions", timeout=180, json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                for choice in event.get("choices", []):
+                    texts.append(choice["text"])
+                    finish = choice.get("finish_reason") or finish
+                if len(texts) == 1:
+                    prefill.stop()
+        assert "".join(texts) == healthy.json()["choices"][0]["text"] and finish == "length"
+        assert not client.streams and all(not w.inflight for w in client.workers)
+
+
 def test_losing_the_only_decode_worker_is_a_503_with_retry_after():
     """The only decode worker dies mid-answer with nowhere to migrate: the cluster's fault, not the request's,
     so the client gets a 503 with Retry-After (a retry can succeed once a worker is back), not a 500."""
