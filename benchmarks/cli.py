@@ -143,11 +143,13 @@ SUBCOMMANDS = {
                      "TTFT (benchmarks/mixed_prefill_bench.py)",
     "aiperf": "mlx-pd vs mlx_lm.server measured by NVIDIA's aiperf (installed apart), ABBA rounds "
               "(benchmarks/aiperf_compare.py)",
+    "link-transfer": "KV transfer between two lab hosts (network namespaces) over a shaped link, per format, as a "
+                     "ratio to the link's rate; root (benchmarks/link_transfer.py)",
 }
 MODULES = {"cluster": "cluster_bench", "routing": "routing_bench", "routing-sim": "routing_sim",
            "speculative": "speculative_bench", "hybrid-turns": "hybrid_bench",
            "structured": "structured_bench", "interference": "interference_bench",
-           "mixed-prefill": "mixed_prefill_bench", "aiperf": "aiperf_compare"}  # own add/run/tables
+           "mixed-prefill": "mixed_prefill_bench", "aiperf": "aiperf_compare", "link-transfer": "link_transfer"}  # own add/run/tables
 
 
 def build_subcommand_parser(name: str) -> argparse.ArgumentParser:

@@ -173,3 +173,44 @@ def test_block_copies_survive_4k_aliased_frames(dtype, bits, group):
     assert all(np.array_equal(x, y) for x, y in zip(dst.read_blocks(targets, range(3)), arrays))
     with pytest.raises(IndexError):
         src.read_blocks([12], range(3))  # outside the pool: read_blocks indexes with mode="clip"
+
+
+# --- over a link between two hosts (benchmarks/link_transfer.py) ----------------------------------------
+
+
+def test_link_rounds_carry_at_least_the_asked_payload_in_whole_blocks():
+    from benchmarks.link_transfer import tokens_for
+
+    for dtype, bits in (("float32", None), ("bfloat16", 8), ("bfloat16", 4)):
+        n = tokens_for(TINY, dtype, bits, 64, tokens=100, min_mb=1.0)
+        per_block = kv_bytes_per_block(TINY, 32, dtype, bits, 64)
+        assert n % 32 == 0 and n // 32 * per_block >= 1e6 > (n // 32 - 1) * per_block
+    assert tokens_for(TINY, "float32", None, 64, tokens=100_001, min_mb=0.001) == 100_032  # whole blocks
+
+
+def test_link_sides_ship_between_two_processes_over_loopback():
+    """The receiving and sending sides of the link benchmark, each its own process as in two namespaces, here
+    both on loopback: every round arrives and the sender reports the payload of the default model's geometry."""
+    import subprocess
+    import sys
+
+    from benchmarks.link_transfer import _spec
+
+    tokens, rounds = 256, 2
+    side = [sys.executable, "-m", "benchmarks.link_transfer"]
+    common = ["--dtype", "bfloat16", "--kv-bits", "8", "--group-size", "64", "--tokens", str(tokens)]
+    rx = subprocess.Popen(side + ["receive", *common, "--count", str(rounds + 1), "--deadline-s", "120"],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        endpoint = json.loads(rx.stdout.readline())["endpoint"]
+        out = subprocess.run(side + ["send", *common, "--endpoint", endpoint, "--rounds", str(rounds)],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        res = json.loads(out.stdout.strip().splitlines()[-1])
+        received = [json.loads(line)["received"] for line in rx.stdout.read().splitlines()]
+    finally:
+        rx.stdin.close()
+        rx.wait(30)
+    assert len(res["seconds"]) == rounds and all(s > 0 for s in res["seconds"])
+    assert res["payload_bytes"] == kv_bytes_per_block(_spec(), 32, "bfloat16", 8, 64) * tokens // 32
+    assert received == [f"link-{r:04d}" for r in range(rounds + 1)] and rx.returncode == 0
