@@ -146,6 +146,37 @@ def test_cli_errors_are_clear(tmp_path):
     assert r.returncode == 2 and "topology" in r.stderr
 
 
+def test_a_head_that_cannot_be_reached_is_one_line_naming_its_address(tmp_path):
+    from cluster.ports import free_port
+
+    gone = f"127.0.0.1:{free_port()}"  # nothing listens there
+    path = free_port_topology("local-1p1d", tmp_path / "gone.toml", address=gone)
+    for command in ("up", "status", "down"):
+        r = _cli(command, str(path), env={"MLX_PD_CACHE": str(tmp_path)}, timeout=60)
+        assert r.returncode == 1 and r.stdout == "", (command, r.stdout)
+        assert r.stderr.startswith(f"mlx-pd: error: cannot reach the Ray head at {gone} (") and \
+            len(r.stderr.strip().splitlines()) == 1, (command, r.stderr)
+
+
+def test_auto_never_follows_a_stale_record_of_the_last_ray_start(monkeypatch):
+    from ray._private import services, utils
+
+    from cluster.launch import ray_address
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(utils, "read_ray_address", lambda temp_dir=None: "10.0.0.9:6379")  # a head long gone
+    for live, chosen in (({"10.0.0.5:6379"}, "10.0.0.5:6379"), ({"10.0.0.5:6379", "10.0.0.9:6379"}, "10.0.0.9:6379")):
+        monkeypatch.setattr(services, "find_gcs_addresses", lambda: frozenset(live))
+        assert ray_address.resolve("auto") == chosen
+    monkeypatch.setattr(services, "find_gcs_addresses", lambda: frozenset())
+    with pytest.raises(ConnectionError, match='"auto" finds no Ray running on this machine'):
+        ray_address.resolve("auto")
+    monkeypatch.setattr(services, "find_gcs_addresses", lambda: frozenset({"10.0.0.5:6379", "10.0.0.6:6379"}))
+    with pytest.raises(ConnectionError, match="10.0.0.5:6379, 10.0.0.6:6379"):
+        ray_address.resolve("auto")
+    assert ray_address.resolve("10.0.0.7:6379") == "10.0.0.7:6379"  # an explicit address is never looked up
+
+
 # -- on a local Ray cluster ----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -284,4 +315,7 @@ def test_down_leaves_no_actors_and_no_ray_processes(cluster):
                                                                   "decode-0@127.0.0.1"}
     assert ray_head.read_head(state) is None and not ray_head.pid_alive(head.pid)
     assert ray_head.group_members(head.pid) == []  # nothing of the head's session (gcs, raylet, workers)
+    from ray._private.utils import read_ray_address
+
+    assert read_ray_address() != head.address  # Ray's record of the last `ray start` went with the head
     assert all(r["state"] == "stopped" for r in ray_up.status(str(path), state_dir=state))

@@ -199,20 +199,27 @@ def start_head(state_dir: Path, env: dict[str, str], timeout_s: float = 120.0,
     with open(log, "w") as out:
         proc = subprocess.Popen(head_command(ports), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env={**os.environ, **env, AUTH_MODE_ENV: "token"}, start_new_session=True)
+    text = wait_blocking(proc, log, timeout_s, "`ray start --head`")
+    head = LocalHead(pid=proc.pid, address=_address_from_log(text, ports["gcs"]), log=str(log),
+                     dashboard=f"http://127.0.0.1:{ports['dashboard']}")
+    write_head(state_dir, head)
+    return head
+
+
+def wait_blocking(proc: subprocess.Popen, log: Path, timeout_s: float, what: str) -> str:
+    """Wait until `ray start --block` (`proc`, its output in `log`) says that its node runs; returns the log's
+    text. RuntimeError with the log's tail if it exits first, or if it does not come up within `timeout_s`
+    (its process group is stopped then); `what` names it in the message."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         text = log.read_text(errors="replace")
         if "block forever" in text:
-            address = _address_from_log(text, ports["gcs"])
-            head = LocalHead(pid=proc.pid, address=address, log=str(log),
-                             dashboard=f"http://127.0.0.1:{ports['dashboard']}")
-            write_head(state_dir, head)
-            return head
+            return text
         if proc.poll() is not None:
-            raise RuntimeError(f"`ray start --head` exited with {proc.returncode}:\n{_tail(text)}")
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{_tail(text)}")
         time.sleep(0.2)
     stop_process_group(proc.pid)
-    raise RuntimeError(f"`ray start --head` did not come up within {timeout_s:.0f} s:\n{_tail(log.read_text())}")
+    raise RuntimeError(f"{what} did not come up within {timeout_s:.0f} s:\n{_tail(log.read_text())}")
 
 
 def _address_from_log(text: str, port: int) -> str:
@@ -286,8 +293,25 @@ def _reaped(pid: int) -> bool:
 
 
 def stop_head(state_dir: Path, head: LocalHead) -> bool:
-    """Stop our local head and forget it. Returns True if it is gone."""
+    """Stop our local head and forget it (our record, and Ray's `ray_current_cluster` when it names this
+    head). Returns True if it is gone."""
     gone = stop_process_group(head.pid)
     if gone:
         (state_dir / HEAD_RECORD).unlink(missing_ok=True)
+        forget_ray_address(head.address)
     return gone
+
+
+def forget_ray_address(address: str) -> None:
+    """Remove Ray's record of the last `ray start` on this machine (`ray_current_cluster` in Ray's temp folder,
+    /tmp/ray unless RAY_TMPDIR says otherwise) if it names `address`, a head that is gone: left behind, it
+    would send a later `ray.init()` or Ray CLI call that gives no address to nothing. A record naming another
+    head is kept."""
+    from ray._common.utils import get_ray_address_file
+
+    path = Path(get_ray_address_file(None))
+    try:
+        if path.read_text().strip() == address:
+            path.unlink()
+    except OSError:
+        pass

@@ -1,7 +1,8 @@
 """Cluster mode on Ray: `up`, `status` and `down` of a topology (`mlx-pd up|status|down TOPOLOGY`).
 
 `up` connects to Ray (for `[ray] address = "local"` it first starts a local head, see
-`ray_head.py`, token authentication on), places one detached actor per `[[workers]]` entry
+`ray_head.py`, token authentication on; every Ray call goes to that address, never to Ray's record of the last
+`ray start`, see `ray_address.py`), places one detached actor per `[[workers]]` entry
 (`actors.WorkerActor`, named `spec.actor_name`, in the namespace `topology.namespace`),
 waits until every worker has loaded its model and bound its sockets, then starts the router actor (the
 OpenAI API over ZeroMQ) and waits for its `/health`. It returns while everything keeps running.
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from cluster.launch import ray_head
+from cluster.launch import ray_address, ray_head
 from cluster.topology import TopologySpec, WorkerSpec, load_topology
 from cluster.transport import is_loopback
 
@@ -123,6 +124,11 @@ def _connect(topology: TopologySpec, state_dir: Path, start: bool, echo: Echo) -
             started = True
             echo(f"mlx-pd: Ray head at {head.address} up in {time.monotonic() - t0:.1f} s")
         address = head.address
+    try:  # never Ray's record of the last `ray start` (ray_address.py), and one line if nothing answers
+        address = ray_address.resolve(address)
+        ray_address.check_reachable(address)
+    except ConnectionError as exc:
+        raise LaunchError(str(exc)) from None
     ray_head.enable_token_auth()
     import ray
 
@@ -130,9 +136,9 @@ def _connect(topology: TopologySpec, state_dir: Path, start: bool, echo: Echo) -
         ctx = ray.init(address=address, namespace=topology.namespace, log_to_driver=False,
                        logging_level=logging.WARNING, configure_logging=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise LaunchError(f"cannot reach Ray at {address!r}: {exc}. Is `ray start` running there, with "
-                          "RAY_AUTH_MODE=token and the cluster's token in ~/.ray/auth_token (or "
-                          "RAY_AUTH_TOKEN)?") from None
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise LaunchError(f"cannot connect to Ray at {address}: {first} (is RAY_AUTH_MODE=token set there, "
+                          "with the cluster's token in ~/.ray/auth_token or RAY_AUTH_TOKEN?)") from None
     url = getattr(ctx, "dashboard_url", "") or (head.dashboard if head else "")
     dashboard = url if not url or url.startswith("http") else f"http://{url}"
     return Connection(address=address, dashboard=dashboard, head=head, started_head=started,
@@ -140,12 +146,16 @@ def _connect(topology: TopologySpec, state_dir: Path, start: bool, echo: Echo) -
 
 
 def namespace_actors(namespace: str) -> dict[str, dict]:
-    """The namespace's actors by name (the most alive record of each), from Ray's state API."""
+    """The namespace's actors by name (the most alive record of each), from Ray's state API on the cluster this
+    process is connected to."""
     from ray.util.state import list_actors
 
     rank = {"ALIVE": 0, "RESTARTING": 1, "PENDING_CREATION": 2, "DEPENDENCIES_UNREADY": 3, "DEAD": 9}
     best: dict[str, dict] = {}
-    for a in list_actors(filters=[("ray_namespace", "=", namespace)], limit=10_000, raise_on_missing_output=False):
+    with ray_address.connected_state_api() as address:
+        records = list_actors(address=address, filters=[("ray_namespace", "=", namespace)], limit=10_000,
+                              raise_on_missing_output=False)
+    for a in records:
         a = a if isinstance(a, dict) else a.__dict__
         name = a.get("name") or ""
         if name and (name not in best or rank.get(a["state"], 5) < rank.get(best[name]["state"], 5)):
