@@ -145,11 +145,14 @@ SUBCOMMANDS = {
               "(benchmarks/aiperf_compare.py)",
     "link-transfer": "KV transfer between two lab hosts (network namespaces) over a shaped link, per format, as a "
                      "ratio to the link's rate; root (benchmarks/link_transfer.py)",
+    "lab-ttft": "TTFT and the decode worker's first token of 2k-token prompts on a 1P2D lab over shaped links, per KV "
+                "format on the wire; root (benchmarks/lab_ttft.py)",
 }
 MODULES = {"cluster": "cluster_bench", "routing": "routing_bench", "routing-sim": "routing_sim",
            "speculative": "speculative_bench", "hybrid-turns": "hybrid_bench",
            "structured": "structured_bench", "interference": "interference_bench",
-           "mixed-prefill": "mixed_prefill_bench", "aiperf": "aiperf_compare", "link-transfer": "link_transfer"}  # own add/run/tables
+           "mixed-prefill": "mixed_prefill_bench", "aiperf": "aiperf_compare", "link-transfer": "link_transfer",
+           "lab-ttft": "lab_ttft"}  # own add/run/tables
 
 
 def build_subcommand_parser(name: str) -> argparse.ArgumentParser:

@@ -52,6 +52,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keys-dir", default=None,
                    help="CurveZMQ keys (`mlx-pd keys DIR`): both sides encrypt and authenticate, as a lab's "
                         "workers do (default: none)")
+    p.add_argument("--layers-per-message", type=int, default=None,
+                   help="the sender's [transfer] layers_per_message (default: the workers' default)")
     p.add_argument("--round-timeout-s", type=float, default=300.0, help="one format's sender at most (default 300)")
     p.add_argument("--out", default=None, help="write the results as JSON")
     p.add_argument("--markdown", default=None, help="also write the table as Markdown")
@@ -118,7 +120,7 @@ def receive(host: str, dtype: str, kv_bits: Optional[int], group_size: int, toke
 
 
 def send(endpoint: str, dtype: str, kv_bits: Optional[int], group_size: int, tokens: int, rounds: int,
-         keys_dir: Optional[str] = None) -> int:
+         keys_dir: Optional[str] = None, layers_per_message: Optional[int] = None) -> int:
     """The sending side (its own process): a warm-up round, then `rounds` measured ones; prints {"seconds":
     [...], "payload_bytes": n}. Exit 1 when a transfer fails."""
     from benchmarks.transfer_bench import _filled_store
@@ -128,7 +130,10 @@ def send(endpoint: str, dtype: str, kv_bits: Optional[int], group_size: int, tok
     spec, block_size = _spec(), 32
     num_blocks = -(-tokens // block_size)
     store = _filled_store(spec, num_blocks + 1, block_size, dtype, kv_bits, group_size)
-    sender = KVSender(_fmt(spec, dtype, kv_bits, group_size), store, keys=_keys(keys_dir))
+    from cluster.config import TransferConfig
+
+    config = TransferConfig(layers_per_message=layers_per_message) if layers_per_message else TransferConfig()
+    sender = KVSender(_fmt(spec, dtype, kv_bits, group_size), store, keys=_keys(keys_dir), config=config)
     token_ids = [int(t) for t in np.random.default_rng(0).integers(0, 2**15, tokens)]
     table = list(range(1, num_blocks + 1))
     seconds = []
@@ -169,6 +174,7 @@ def ship_over_link(args, dtype: str, kv_bits: Optional[int], group_size: int, lo
     common = ["--dtype", dtype, "--group-size", str(group_size), "--tokens", str(tokens)]
     common += ["--kv-bits", str(kv_bits)] if kv_bits else []
     common += ["--keys-dir", args.keys_dir] if args.keys_dir else []
+    sender_only = ["--layers-per-message", str(args.layers_per_message)] if args.layers_per_message else []
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     rx = subprocess.Popen(_in_ns(args.receiver_ns, _side("receive", common + [
         "--host", args.receiver_host, "--count", str(args.rounds + 1), "--deadline-s", str(args.round_timeout_s)])),
@@ -181,7 +187,7 @@ def ship_over_link(args, dtype: str, kv_bits: Optional[int], group_size: int, lo
         endpoint = json.loads(line)["endpoint"]
         log(f"  {tokens} tokens a round to {endpoint}")
         out = subprocess.run(_in_ns(args.sender_ns, _side("send", common + [
-            "--endpoint", endpoint, "--rounds", str(args.rounds)])), capture_output=True, text=True, env=env,
+            "--endpoint", endpoint, "--rounds", str(args.rounds), *sender_only])), capture_output=True, text=True, env=env,
             timeout=args.round_timeout_s)
         last = (out.stdout.strip().splitlines() or ["{}"])[-1]
         res = json.loads(last)
@@ -245,10 +251,11 @@ def _side_main(argv: list[str]) -> int:
     p.add_argument("--endpoint", default=None)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--keys-dir", default=None)
+    p.add_argument("--layers-per-message", type=int, default=None)
     a = p.parse_args(argv)
     if a.kind == "receive":
         return receive(a.host, a.dtype, a.kv_bits, a.group_size, a.tokens, a.count, a.deadline_s, a.keys_dir)
-    return send(a.endpoint, a.dtype, a.kv_bits, a.group_size, a.tokens, a.rounds, a.keys_dir)
+    return send(a.endpoint, a.dtype, a.kv_bits, a.group_size, a.tokens, a.rounds, a.keys_dir, a.layers_per_message)
 
 
 if __name__ == "__main__":

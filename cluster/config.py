@@ -185,6 +185,11 @@ class TransferConfig:
     - `watermark_blocks`: a receiver answers "busy" rather than reserve when fewer than this many blocks
       would stay free (room for the running sequences' next tokens).
     - `max_frame_bytes`: the largest frame a receiver accepts (ZeroMQ drops the peer beyond it).
+    - `max_message_bytes`: a `blocks` message's KV bytes at most (layers, then blocks, are split to fit). A
+      message is encrypted (CurveZMQ), written, received and decrypted whole, so one message of a whole chunk
+      (94 MB for 2048 float32 tokens of SmolLM2) serializes those steps; messages of a few MB overlap them:
+      measured over a 1 Gbit/s link with CurveZMQ, float32 KV moved at 0.71x the link in one message a chunk
+      and 0.93x in 12.5 MB messages (docs/BENCHMARKS.md, "KV over a shaped link").
     """
 
     timeout_s: float = 30.0
@@ -193,6 +198,7 @@ class TransferConfig:
     layers_per_message: Optional[int] = None
     watermark_blocks: int = 0
     max_frame_bytes: int = 2**31
+    max_message_bytes: int = 16 * 2**20
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> ValueError:
@@ -210,6 +216,8 @@ class TransferConfig:
             raise bad("watermark_blocks", "must be >= 0")
         if self.max_frame_bytes < 1024:
             raise bad("max_frame_bytes", "must be >= 1024")
+        if self.max_message_bytes < 1024:
+            raise bad("max_message_bytes", "must be >= 1024")
 
     @property
     def reserve_deadline_s(self) -> float:

@@ -112,12 +112,18 @@ class KVSender:
     def _message_geometry(self) -> tuple[int, int]:
         """Blocks and layers per `blocks` message: the configured ones, halved (layers first) until every array
         frame fits `max_frame_bytes`, the receiver's limit (ZeroMQ drops a connection that sends a larger
-        frame, stalling every transfer on it). Raises ValueError when one block of one layer does not fit."""
+        frame, stalling every transfer on it), then until the message's KV fits `max_message_bytes` (so that
+        encrypting, sending, receiving and decrypting messages overlap; never below one block of one layer).
+        Raises ValueError when one block of one layer does not fit `max_frame_bytes`."""
         blocks = self.config.max_blocks_per_message
         layers = self.config.layers_per_message or self.store.spec.num_layers
 
         def largest_frame(b: int, n: int) -> int:
             return max(ArraySpec(name=name, dtype=dtype, shape=list(shape)).nbytes
+                       for name, dtype, shape in self.store.block_array_specs(b, n))
+
+        def message(b: int, n: int) -> int:
+            return sum(ArraySpec(name=name, dtype=dtype, shape=list(shape)).nbytes
                        for name, dtype, shape in self.store.block_array_specs(b, n))
 
         while largest_frame(blocks, layers) > self.config.max_frame_bytes:
@@ -128,6 +134,11 @@ class KVSender:
             else:
                 raise ValueError(f"one KV block of one layer is {largest_frame(1, 1)} bytes, over max_frame_bytes="
                                  f"{self.config.max_frame_bytes}: raise [transfer] max_frame_bytes")
+        while message(blocks, layers) > self.config.max_message_bytes and (layers > 1 or blocks > 1):
+            if layers > 1:
+                layers = (layers + 1) // 2
+            else:
+                blocks = (blocks + 1) // 2
         return blocks, layers
 
     # -- the caller's interface ------------------------------------------------------------------------------

@@ -338,3 +338,21 @@ def test_messages_are_split_to_fit_the_receivers_frame_limit(links):
         assert same_bits(x, y)
     with pytest.raises(ValueError, match="max_frame_bytes"):
         KVSender(a.fmt, a.store, config=TransferConfig(max_frame_bytes=1024))
+
+
+def test_messages_are_split_to_bound_their_bytes_so_their_steps_overlap(links):
+    """A message is encrypted, sent, received and decrypted whole, so the sender keeps each message's KV
+    within `max_message_bytes`: layers first, then blocks, never below one block of one layer. Here one block
+    of one layer is 4,096 bytes (keys and values); 8 blocks of 3 layers would be 98,304."""
+    a, b = Side().randomize(3), Side()
+    link = links(a, b, TransferConfig(max_blocks_per_message=8, max_message_bytes=20_000))
+    assert (link.tx.blocks_per_message, link.tx.layers_per_message) == (4, 1)  # 16,384 bytes
+    tokens = list(range(1, 31))
+    table = a.pool.allocate(8)
+    sent, got = link.ship("bounded", tokens, table)
+    assert sent.ok and isinstance(got, ReceivedSequence)
+    for x, y in zip(a.store.read_blocks(table, range(3)), b.store.read_blocks(got.block_table, range(3))):
+        assert same_bits(x, y)
+    tiny = KVSender(a.fmt, a.store, config=TransferConfig(max_message_bytes=1024))
+    assert (tiny.blocks_per_message, tiny.layers_per_message) == (1, 1)  # one block of one layer still goes
+    tiny.close()

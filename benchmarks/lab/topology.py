@@ -43,12 +43,15 @@ def _toml(value) -> str:
 
 
 def topology_text(studio: Host, minis: list[Host], *, source: str, served_name: str, kv_cache_gb: float,
-                  keys_dir: Path, routing: dict | None = None, max_restarts: int = 1) -> str:
-    """The lab's topology as TOML text. `routing` adds `[routing]` keys (e.g. heartbeat_s, dead_after_s)."""
+                  keys_dir: Path, routing: dict | None = None, engine: dict | None = None,
+                  max_restarts: int = 1) -> str:
+    """The lab's topology as TOML text. `routing` adds `[routing]` keys (e.g. heartbeat_s, dead_after_s);
+    `engine` adds `[engine]` keys (e.g. kv_bits: the KV format in the pool and on the wire)."""
     lines = ["# Written by the lab harness (benchmarks/lab): the shape of topologies/lab-example.toml on the",
              "# lab's network namespaces.",
              "[model]", f"source = {_toml(source)}", f"served_name = {_toml(served_name)}", "",
-             "[engine]", 'dtype = "float32"', f"kv_cache_gb = {kv_cache_gb!r}", "",
+             "[engine]", 'dtype = "float32"', f"kv_cache_gb = {kv_cache_gb!r}",
+             *[f"{key} = {_toml(value)}" for key, value in (engine or {}).items()], "",
              "[transfer]", "timeout_s = 30", "",
              "[routing]", 'policy = "prefix_aware"']
     lines += [f"{key} = {_toml(value)}" for key, value in (routing or {}).items()]
