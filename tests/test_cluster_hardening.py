@@ -17,7 +17,7 @@ from cluster.protocol import AbortRequest, Generate, Ping, pack
 from cluster.transport import client_socket, generate_keys
 from tests.cluster_helpers import running_cluster, slow_steps
 from tests.engine_helpers import fast_model
-from tests.test_cluster import MODEL, QUESTIONS, assert_still_serving, at_baseline, chat, wait_until
+from tests.cluster_requests import MODEL, QUESTIONS, assert_still_serving, at_baseline, chat, wait_until
 
 
 def _generate(request: dict, **fields) -> bytes:
@@ -211,7 +211,7 @@ def test_a_transfer_that_cannot_start_fails_its_request_and_frees_its_blocks():
     step that opens the transfer) and a multi-chunk one. A decode endpoint that is not an endpoint is a 400
     before anything runs."""
     from cluster.protocol import Rejected
-    from tests.test_cluster import long_text
+    from tests.cluster_requests import long_text
 
     with running_cluster(1, 1, loaded=fast_model(), engine="prefill_chunk_size = 64",
                          routing="local_prefill_max_tokens = 0") as (base, client, workers):

@@ -199,7 +199,7 @@ def test_no_live_decode_worker_is_a_503():
 def test_router_index_follows_clears_and_restarts():
     from tests.cluster_helpers import running_cluster
     from tests.engine_helpers import fast_model
-    from tests.test_cluster import MODEL, wait_until
+    from tests.cluster_requests import MODEL, wait_until
 
     system = "You are a meticulous archivist. " * 40
     body = {"model": MODEL, "messages": [{"role": "system", "content": system},

@@ -14,7 +14,7 @@ import httpx
 
 from tests.cluster_helpers import running_cluster
 from tests.engine_helpers import fast_model, greedy, make_engine, run
-from tests.test_cluster import MODEL, at_baseline, long_text, wait_until
+from tests.cluster_requests import MODEL, at_baseline, long_text, wait_until
 
 TENANTS = ["You are a terse assistant for a shipping company. Answer in one short sentence. " * 6,
            "You are a friendly tutor who explains science to children, using simple words. " * 6]
