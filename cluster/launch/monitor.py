@@ -197,7 +197,9 @@ def _log_tail(path: Path, lines: int = 3) -> str:
 def run_prometheus(command: list[str], url: str, log: Path, echo: Echo) -> int:
     """Run `command` until Ctrl-C (or SIGTERM), its output in `log`; 0 once stopped, MonitorError (with the log's
     last lines) if it fails to start or exits by itself."""
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    # SIGINT too: a process started in the background of a non-interactive shell inherits SIGINT ignored, and
+    # Python then leaves it ignored, so Ctrl-C (or a supervisor's SIGINT) would never stop Prometheus
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     with open(log, "w") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
@@ -213,7 +215,8 @@ def run_prometheus(command: list[str], url: str, log: Path, echo: Echo) -> int:
         return 0
     finally:
         stop(proc)
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _raise_interrupt(signum, frame) -> None:
