@@ -3,7 +3,8 @@
 The first half needs no Ray: actor names, placement and options, the head's command line, metrics, the
 status table, the lab example, CLI errors. The `ray` half shares one local cluster (local-1p1d with free
 ports, a private state folder) for the whole module: up, a chat answer through the router, status, an
-idempotent second up, a worker that fails to start, and down (last: no actors, no Ray processes left).
+idempotent second up, a worker that fails to start, a router restarted while a worker is gone, and down (last:
+no actors, no Ray processes left).
 """
 
 from __future__ import annotations
@@ -304,6 +305,40 @@ def test_a_worker_that_cannot_start_shows_its_error(cluster, tmp_path):
         ray_up.up(str(bad), state_dir=state, timeout_s=300, echo=lambda line: None)
     assert all(r["state"] in ("absent", "dead") for r in ray_up.status(str(bad), state_dir=state))
     assert _rows(path, state)["decode-0"]["state"] == "alive"  # the other topology and the shared head are untouched
+
+
+@pytest.mark.ray
+def test_a_router_restarted_while_a_worker_is_gone_serves_and_uses_it_once_it_is_back(cluster):
+    import httpx
+    import ray
+
+    path, state, info = cluster
+    topology = ray_up.load_cluster_topology(str(path))
+    health = info["endpoint"].removesuffix("/v1") + "/health"
+    ray_head.enable_token_auth()
+    ray.init(address=ray_head.read_head(state).address, namespace=topology.namespace, log_to_driver=False,
+             configure_logging=False)
+    try:
+        router = ray.get_actor(ray_up.router_actor_name(topology))
+        old_pid = ray.get(router.info.remote(), timeout=30)["pid"]
+        ray.kill(ray.get_actor(topology.worker("decode-0").actor_name), no_restart=True)  # gone with its machine
+        os.kill(old_pid, signal.SIGKILL)  # Ray restarts the router (max_restarts)
+        deadline, pid, answer = time.monotonic() + 120, old_pid, None
+        while time.monotonic() < deadline and answer is None:
+            time.sleep(0.5)
+            try:
+                pid = ray.get(router.info.remote(), timeout=10)["pid"]
+                answer = httpx.get(health, timeout=5).status_code if pid != old_pid else None
+            except (ray.exceptions.RayError, httpx.HTTPError):
+                continue
+    finally:
+        ray.shutdown()
+    assert pid != old_pid and answer == 503, (pid, answer)  # it listens, and says no decode worker is alive
+    r = httpx.post(f"{info['endpoint']}/chat/completions", timeout=60, json={
+        "model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+    assert r.status_code == 503 and r.headers.get("retry-after"), r.text
+    ray_up.up(str(path), state_dir=state, timeout_s=300, echo=lambda line: None)  # decode-0 again, same ports
+    assert "Paris" in _chat(info["endpoint"], "What is the capital of France?")
 
 
 @pytest.mark.ray

@@ -5,6 +5,7 @@
     sudo ./scripts/lab link mini-1 down        # pull mini-1's cable; `up` plugs it back
     sudo ./scripts/lab status
     sudo ./scripts/lab down
+    sudo ./scripts/lab faults [--rows a,b] [--out F.json] [--markdown F.md]   # the fault table, on a lab of its own
 
 `up` stays in the foreground and tears the lab down on Ctrl-C (or SIGTERM); with --detach it returns and
 `down` tears it down later. Exit codes: 0 done, 1 the lab failed (one line says why), 2 bad arguments.
@@ -36,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--heartbeat", type=float, default=None, help="the router's ping interval, s (default 1)")
     up.add_argument("--dead-after", type=float, default=None,
                     help="a worker silent this long is dead and its streams migrate, s (default 60)")
+    up.add_argument("--kv-bits", type=int, choices=[4, 8], default=None,
+                    help="KV blocks stored and shipped 4- or 8-bit (default: the model's dtype, float32)")
     up.add_argument("--prefix", default=DEFAULT_PREFIX, help=f"namespace name prefix (default {DEFAULT_PREFIX})")
     up.add_argument("--timeout", type=float, default=600.0, help="seconds `mlx-pd up` may take (default 600)")
     up.add_argument("--detach", action="store_true", help="return once up; `lab down` tears it down")
@@ -47,12 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
     link.add_argument("host")
     link.add_argument("state", choices=["down", "up"])
     sub.add_parser("status", help="the hosts, their links and Ray, then `mlx-pd status` of the lab")
+    sub.add_parser("faults", add_help=False, help="run the fault table on a lab of its own (benchmarks/lab/faults.py; "
+                   "its options follow: `lab faults --help`)")
     return parser
 
 
 def cmd_up(args: argparse.Namespace) -> int:
     routing = {k: v for k, v in (("heartbeat_s", args.heartbeat), ("dead_after_s", args.dead_after)) if v is not None}
-    lab = Lab(args.dir, prefix=args.prefix, minis=args.minis, rate=args.rate, model=args.model, routing=routing)
+    engine = {"kv_bits": args.kv_bits} if args.kv_bits else {}
+    lab = Lab(args.dir, prefix=args.prefix, minis=args.minis, rate=args.rate, model=args.model, routing=routing,
+              engine=engine)
     signal.signal(signal.SIGTERM, _interrupt)  # a `kill` tears the lab down as Ctrl-C does
     lab.up(timeout_s=args.timeout)
     print(_summary(lab))
@@ -133,7 +140,14 @@ def _me() -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of `scripts/lab`."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "faults":
+        from benchmarks.lab.faults import main as faults_main
+
+        return faults_main(extra, prog=f"{_me()} faults")
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         check_platform()
         return {"up": cmd_up, "down": cmd_down, "exec": cmd_exec, "link": cmd_link,

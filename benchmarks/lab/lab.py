@@ -91,13 +91,14 @@ class LabState:
 class Lab:
     """A lab in folder `root`: `minis` minis beside the studio and the client, links of `rate` (tc's
     spelling), `model` ("fast", "default" or a source), `routing` / `engine` keys added to the topology's
-    [routing] / [engine]."""
+    [routing] / [engine], `max_restarts` its [ray] max_restarts (how often Ray restarts a dead actor)."""
 
     def __init__(self, root: Path = DEFAULT_ROOT, *, prefix: str = DEFAULT_PREFIX, minis: int = 2,
                  rate: str = "10gbit", model: str = "fast", routing: Optional[dict] = None,
-                 engine: Optional[dict] = None, echo: Echo = _stderr):
+                 engine: Optional[dict] = None, max_restarts: int = 1, echo: Echo = _stderr):
         self.root = Path(root).resolve()
         self.model, self.routing, self.engine, self.echo = model, dict(routing or {}), dict(engine or {}), echo
+        self.max_restarts = max_restarts
         self._owner = False  # True once this object made the folder (or loaded its record): `down` may act
         self.state = LabState(prefix=prefix, minis=minis, rate_bps=net.parse_rate(rate),
                               hosts=lab_hosts(prefix, minis))
@@ -179,7 +180,7 @@ class Lab:
         path = self.root / "lab.toml"
         path.write_text(topology.topology_text(self.studio, self.minis, source=source, served_name=served,
                                                kv_cache_gb=kv_gb, keys_dir=self.root / "keys", routing=self.routing,
-                                               engine=self.engine))
+                                               engine=self.engine, max_restarts=self.max_restarts))
         self.state.topology, self.state.served_name = str(path), served
         self._save()
         cmd = [ray_hosts.mlx_pd_cli(), "up", str(path), "--timeout", str(timeout_s)]

@@ -149,6 +149,17 @@ class WorkerActor:
         self.worker.stop()
 
 
+def _restarted_by_ray() -> bool:
+    """True in an actor that Ray restarted (its constructor runs again after its process died)."""
+    import warnings
+
+    import ray
+
+    with warnings.catch_warnings():  # Ray's property reads its own deprecated `actor_id` (a warning, every time)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return bool(ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed)
+
+
 class RouterActor:
     """The OpenAI HTTP API over `ClusterEngineClient`, served by uvicorn on a thread of this actor."""
 
@@ -160,6 +171,7 @@ class RouterActor:
         self._server = None
         self._client = None
         self._ready = False
+        self._restarted = _restarted_by_ray()
         self._served = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(topology, api_key, request_timeout_s),
                                         name="mlx-pd-router", daemon=True)
@@ -185,8 +197,11 @@ class RouterActor:
 
         self._client, path = cluster_router_client(topology)
         try:
-            wait_s = max(10.0, 3 * topology.routing.dead_after_s)
-            if not await self._client.wait_ready(wait_s):  # starts its sockets and heartbeats on this loop
+            # the first start waits for every worker (a silent one is a wrong host address, a firewall or a key:
+            # `up` fails saying which); a restart by Ray waits one heartbeat, then serves with the workers that
+            # answered and uses the others once they answer (a worker may be gone with its machine for good)
+            wait_s = topology.routing.heartbeat_s if self._restarted else max(10.0, 3 * topology.routing.dead_after_s)
+            if not await self._client.wait_ready(wait_s) and not self._restarted:  # starts sockets and heartbeats
                 silent = [w.spec.actor_name for w in self._client.workers if not w.alive]
                 raise RuntimeError(f"no answer within {wait_s:.0f} s from {', '.join(silent)} (check the "
                                    "workers' host addresses, firewalls and CurveZMQ keys)")
