@@ -294,7 +294,13 @@ def test_monitor_scrapes_the_cluster_and_every_panel_has_data(ray_cluster, tmp_p
         assert "authorization" not in (tmp_path / "mon" / "prometheus.yml").read_text()
     finally:
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # Ctrl-C did not stop it: fail, and leave no Prometheus behind
+            proc.kill()
+            out, _ = proc.communicate(timeout=30)
+            subprocess.run(["pkill", "-f", str(tmp_path / "mon" / "prometheus.yml")], check=False)
+            raise AssertionError(f"mlx-pd monitor did not stop on SIGINT within 60 s:\n{out}") from None
     assert proc.returncode == 0, out
     assert "RAY_PROMETHEUS_HOST" in out and "grafana_dashboard.json" in out, out
     with pytest.raises(httpx.HTTPError):  # Prometheus stopped with it
