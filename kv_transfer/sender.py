@@ -118,13 +118,15 @@ class KVSender:
         blocks = self.config.max_blocks_per_message
         layers = self.config.layers_per_message or self.store.spec.num_layers
 
+        def frame_bytes(b: int, n: int) -> list[int]:  # one array frame each, for b blocks of n layers
+            return [ArraySpec(name=name, dtype=dtype, shape=list(shape)).nbytes
+                    for name, dtype, shape in self.store.block_array_specs(b, n)]
+
         def largest_frame(b: int, n: int) -> int:
-            return max(ArraySpec(name=name, dtype=dtype, shape=list(shape)).nbytes
-                       for name, dtype, shape in self.store.block_array_specs(b, n))
+            return max(frame_bytes(b, n))
 
         def message(b: int, n: int) -> int:
-            return sum(ArraySpec(name=name, dtype=dtype, shape=list(shape)).nbytes
-                       for name, dtype, shape in self.store.block_array_specs(b, n))
+            return sum(frame_bytes(b, n))
 
         while largest_frame(blocks, layers) > self.config.max_frame_bytes:
             if layers > 1:

@@ -322,6 +322,15 @@ def test_lost_done_message_times_out_both_sides(links):
     assert a.pool.num_free_blocks == a.baseline and b.pool.num_free_blocks == b.baseline
 
 
+def ship_eight_blocks_intact(link, a, b, rid: str) -> None:
+    """Ship 8 of `a`'s blocks (30 tokens) over `link`; they arrive in `b` bit for bit, every layer."""
+    table = a.pool.allocate(8)
+    sent, got = link.ship(rid, list(range(1, 31)), table)
+    assert sent.ok and isinstance(got, ReceivedSequence)
+    for x, y in zip(a.store.read_blocks(table, range(3)), b.store.read_blocks(got.block_table, range(3))):
+        assert same_bits(x, y)
+
+
 def test_messages_are_split_to_fit_the_receivers_frame_limit(links):
     """The receiver's ZeroMQ socket drops a connection that sends a frame over `max_frame_bytes` (every
     transfer on it would stall): the sender splits messages by layers, then blocks, so each frame fits.
@@ -330,12 +339,7 @@ def test_messages_are_split_to_fit_the_receivers_frame_limit(links):
     a, b = Side().randomize(3), Side()
     link = links(a, b, config)
     assert (link.tx.blocks_per_message, link.tx.layers_per_message) == (2, 1)
-    tokens = list(range(1, 31))
-    table = a.pool.allocate(8)
-    sent, got = link.ship("split", tokens, table)
-    assert sent.ok and isinstance(got, ReceivedSequence)
-    for x, y in zip(a.store.read_blocks(table, range(3)), b.store.read_blocks(got.block_table, range(3))):
-        assert same_bits(x, y)
+    ship_eight_blocks_intact(link, a, b, "split")
     with pytest.raises(ValueError, match="max_frame_bytes"):
         KVSender(a.fmt, a.store, config=TransferConfig(max_frame_bytes=1024))
 
@@ -347,12 +351,7 @@ def test_messages_are_split_to_bound_their_bytes_so_their_steps_overlap(links):
     a, b = Side().randomize(3), Side()
     link = links(a, b, TransferConfig(max_blocks_per_message=8, max_message_bytes=20_000))
     assert (link.tx.blocks_per_message, link.tx.layers_per_message) == (4, 1)  # 16,384 bytes
-    tokens = list(range(1, 31))
-    table = a.pool.allocate(8)
-    sent, got = link.ship("bounded", tokens, table)
-    assert sent.ok and isinstance(got, ReceivedSequence)
-    for x, y in zip(a.store.read_blocks(table, range(3)), b.store.read_blocks(got.block_table, range(3))):
-        assert same_bits(x, y)
+    ship_eight_blocks_intact(link, a, b, "bounded")
     tiny = KVSender(a.fmt, a.store, config=TransferConfig(max_message_bytes=1024))
     assert (tiny.blocks_per_message, tiny.layers_per_message) == (1, 1)  # one block of one layer still goes
     tiny.close()
