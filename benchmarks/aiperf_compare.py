@@ -13,7 +13,10 @@ requests at the level's concurrency, synthetic prompts of `--isl` tokens (no spr
 (``max_completion_tokens``) with ``ignore_eos`` and ``logit_bias`` -100 on the model's EOS ids and temperature 0
 in the body (aiperf's ``--extra-inputs``), token counts from the servers' usage (``--use-server-token-count``),
 the model's own tokenizer. Both servers get the same prompts in a round (the same ``--random-seed``), and each
-round gets new ones (the seed changes), so no round hits a prefix cache that an earlier one filled.
+round gets new ones (the seed changes), so no round hits a prefix cache that an earlier one filled. aiperf's own
+server-metrics and GPU-telemetry collectors are off (``--no-server-metrics``, ``--no-gpu-telemetry``): by default
+aiperf scrapes the server's ``/metrics`` about three times a second and parses every scrape, work that only
+mlx-pd (which serves ``/metrics``; mlx_lm.server answers 404) would pay for, on the same 2 cores.
 
 From each run's JSON export (``profile_export_aiperf.json``, `parse_export`): output token throughput (tokens/s),
 ITL p50 and TTFT p50 (aiperf reports ms; stored here in seconds), requests and errors. Each row is the median
@@ -69,7 +72,7 @@ def aiperf_argv(aiperf: str, *, model: str, url: str, tokenizer: str, concurrenc
             "--isl-stddev", "0", "--osl", str(osl), "--extra-inputs", json.dumps(extra_inputs(suppress)),
             "--tokenizer", tokenizer, "--use-server-token-count", "--random-seed", str(seed),
             "--artifact-dir", artifact_dir, "--ui-type", "none", "--workers-max", str(workers),
-            "--record-processors", "1"]
+            "--record-processors", "1", "--no-server-metrics", "--no-gpu-telemetry"]
 
 
 def _stat(export: dict, key: str, field: str) -> Optional[float]:

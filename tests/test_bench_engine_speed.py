@@ -271,6 +271,8 @@ def test_aiperf_argv_blocks_eos_in_the_body_and_a_missing_aiperf_names_the_insta
     assert extra == {"temperature": 0, "ignore_eos": True, "logit_bias": {"2": -100}}
     assert argv[argv.index("--concurrency") + 1] == "4" and argv[argv.index("--osl") + 1] == "64"
     assert "--streaming" in argv and argv[argv.index("--endpoint-type") + 1] == "chat"
+    # aiperf would otherwise scrape only the server that serves /metrics, three times a second
+    assert "--no-server-metrics" in argv and "--no-gpu-telemetry" in argv
     with pytest.raises(FileNotFoundError, match="pip install aiperf"):
         aiperf_compare.find_aiperf(str(tmp_path / "missing" / "aiperf"))
     assert cli.main(["aiperf", "--aiperf", str(tmp_path / "missing")]) == 2
