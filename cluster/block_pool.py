@@ -9,6 +9,10 @@ the same first 8 tokens finds [1, 2] with `find_cached_prefix` and `touch`es the
 free queue). A later `allocate` takes blocks in free-queue order, least recently freed first (3 here:
 uncached, so nothing is evicted); taking a cached block forgets its hash (eviction). The design is vLLM v1's BlockPool (vllm/v1/core/block_pool.py).
 
+Each cached block given its parent (the hash its own was chained from) is also listed under that parent, so
+`find_partial` finds the cached block whose head agrees with a prompt's next tokens past its whole-block hit
+(cluster/prefix_match.py).
+
 Restore points (models with recurrent layers): a prefix hit also needs the recurrent state after its last
 block, which only a state snapshot holds (cluster/state_snapshots.py). A pool made with
 `needs_restore_points=True` keeps the set of cached hashes that have one (`mark_restorable`), and
@@ -36,6 +40,7 @@ class Block:
     ref_cnt: int = 0
     block_hash: Optional[int] = None
     token_ids: tuple[int, ...] = ()
+    parent: Optional[int] = None  # the hash its own was chained from (the extra key for block 0), when given
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,8 @@ class BlockPool:
         self._free = OrderedDict((i, None) for i in range(1, self.num_blocks))
         self._cached = {}
         self._restorable: set[int] = set()
+        # parent hash -> the cached blocks chained from it, oldest first (`find_partial`)
+        self._children: dict[int, OrderedDict[int, None]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -181,8 +188,11 @@ class BlockPool:
         """Every restore point (for a consumer that lost events); None in a pool without restore points."""
         return list(self._restorable) if self.needs_restore_points else None
 
-    def cache_block(self, block_id: int, block_hash: int, token_ids: Sequence[int]) -> None:
-        """Register a full, computed block under its chained hash (first holder of a hash wins)."""
+    def cache_block(self, block_id: int, block_hash: int, token_ids: Sequence[int],
+                    parent: Optional[int] = None) -> None:
+        """Register a full, computed block under its chained hash (first holder of a hash wins). `parent`: the
+        hash it was chained from (`hash_block`'s first argument: the previous block's hash, or the extra key
+        for block 0); given, the block is also found by `find_partial`."""
         if not self.enable_caching:
             return
         block = self.blocks[block_id]
@@ -191,15 +201,45 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self._cached[block_hash] = block_id
+        if parent is not None:
+            block.parent = parent
+            self._children.setdefault(parent, OrderedDict())[block_id] = None
         self._emit("stored", (block_hash,))
+
+    def find_partial(self, parent: int, token_ids: Sequence[int], max_candidates: int = 64
+                     ) -> Optional[tuple[int, int]]:
+        """A cached block chained from `parent` whose leading tokens equal the longest possible prefix of
+        `token_ids` (at most a block's worth), as (block id, length of that common prefix), or None when no
+        child of `parent` starts with `token_ids[0]`. Only the `max_candidates` most recently cached children
+        are compared (a popular parent, such as a shared system prompt, can have many), so a lookup costs at
+        most `max_candidates` token comparisons per position. Token-granular reuse of a block's head (the
+        prefix cache proper is whole blocks): SGLang's radix cache and mlx-lm's prompt cache reuse prefixes
+        at token granularity the same way."""
+        children = self._children.get(parent) if self.enable_caching else None
+        if not children or not token_ids:
+            return None
+        best: Optional[tuple[int, int]] = None
+        for n, block_id in enumerate(reversed(children)):
+            if n == max_candidates:
+                break
+            cached = self.blocks[block_id].token_ids
+            k = 0
+            for a, b in zip(cached, token_ids):
+                if a != b:
+                    break
+                k += 1
+            if k and (best is None or k > best[1]):
+                best = (block_id, k)
+        return best
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached hash (blocks in use stay allocated but are no longer findable)."""
         n = len(self._cached)
         for block_id in self._cached.values():
             block = self.blocks[block_id]
-            block.block_hash, block.token_ids = None, ()
+            block.block_hash, block.token_ids, block.parent = None, (), None
         self._cached.clear()
+        self._children.clear()
         lost, self._restorable = self._restorable, set()
         self._emit("cleared", ())
         for block_hash in lost:
@@ -228,7 +268,12 @@ class BlockPool:
                 self._restorable.discard(block.block_hash)
                 self._lose_restore_point(block.block_hash)
             self._emit("removed", (block.block_hash,))  # a removed block is no restore point either
-            block.block_hash, block.token_ids = None, ()
+            if block.parent is not None:
+                siblings = self._children[block.parent]
+                del siblings[block.block_id]
+                if not siblings:
+                    del self._children[block.parent]
+            block.block_hash, block.token_ids, block.parent = None, (), None
 
     def _lose_restore_point(self, block_hash: int) -> None:
         if self.on_restore_point_lost is not None:

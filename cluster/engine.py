@@ -109,7 +109,8 @@ class EngineCore:
             config.block_size, config.prefill_chunk_size // config.block_size * config.block_size)
         snapshots = (StateSnapshots(snapshot_bytes, self.pool, config.block_size, interval)
                      if verified.num_state_layers else None)
-        self.scheduler = Scheduler(config, self.kv, self._extra_key, eos_ids, None, connector, snapshots)
+        self.scheduler = Scheduler(config, self.kv, self._extra_key, eos_ids, None, connector, snapshots,
+                                   self.store.copy_block)
         # constrained decoding (cluster/grammar.py): its llguidance tokenizer is built on the first grammar
         self.grammars = Grammars(tokenizer, spec.vocab_size, eos_ids)
         # the overlapped loop: plain rows' tokens stay on the device for a step (`_defers`, `InFlight`)

@@ -99,11 +99,13 @@ class KVManager:
             self.window.pool.free([b for b in seq.window_table if b])
             seq.window_table = []
 
-    def cache_block(self, seq: Sequence, i: int, block_hash: int, token_ids: Seq[int]) -> None:
-        """Register `seq`'s full, computed block `i` under `block_hash` in every group's prefix cache."""
-        self.pool.cache_block(seq.block_table[i], block_hash, token_ids)
+    def cache_block(self, seq: Sequence, i: int, block_hash: int, token_ids: Seq[int],
+                    parent: Optional[int] = None) -> None:
+        """Register `seq`'s full, computed block `i` under `block_hash` (chained from `parent`,
+        `BlockPool.cache_block`) in every group's prefix cache."""
+        self.pool.cache_block(seq.block_table[i], block_hash, token_ids, parent)
         if self.window is not None and seq.window_table[i]:
-            self.window.pool.cache_block(seq.window_table[i], block_hash, token_ids)
+            self.window.pool.cache_block(seq.window_table[i], block_hash, token_ids, parent)
 
     def release_outside_window(self, seq: Sequence, block_size: int) -> None:
         """Free the window blocks of `seq` that no later query can see (`WindowGroup.first_block`). The

@@ -184,6 +184,13 @@ class KVStore:
             for view, arr in zip(self._block_views(layer), arrays):
                 view[ids] = placement.write_source(view, arr[j].reshape(len(ids), *view.shape[1:]))
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy block `src`'s K/V (every layer, every slot) into block `dst`, in place: a prefix-cache hit on
+        the head of a cached block (`PrefixMatcher`) starts its sequence's own block from a copy. The rules of
+        `write_blocks` apply: the owner thread, between steps, `dst` read by no running sequence."""
+        layers = range(self.spec.num_layers)
+        self.write_blocks([dst], layers, self.read_blocks([src], layers))
+
     def views(self, batch: BatchLayout) -> list[LayerCacheView]:
         """One mlx-lm cache object per layer for this step's batch."""
         self.owner.check("KVStore.views")

@@ -53,12 +53,14 @@ class Scheduler:
     verification accepted) and `connector` (the role seam) are the engine's, set through it. `snapshots`:
     for a model with recurrent layers, its state snapshots (cluster/state_snapshots.py), which say where
     prefill chunks end and take the snapshots after each step and as a sequence finishes; a prefix hit (cut
-    back by the pool to its last restore point) restores one.
+    back by the pool to its last restore point) restores one. `copy_block(src, dst)`: the KV store's, for
+    prefix hits on the head of a cached block (cluster/prefix_match.py).
     """
 
     def __init__(self, config: EngineConfig, kv: KVManager, extra_key: Callable[[Optional[str]], int],
                  eos_ids: Iterable[int] = (), speculator: Optional[Speculator] = None,
-                 connector: Optional[Connector] = None, snapshots: Optional[StateSnapshots] = None):
+                 connector: Optional[Connector] = None, snapshots: Optional[StateSnapshots] = None,
+                 copy_block: Optional[Callable[[int, int], None]] = None):
         self.config, self.kv, self.pool, self.extra_key = config, kv, kv.pool, extra_key
         self.eos_ids = frozenset(eos_ids)
         self.speculator: Speculator = speculator or NoSpeculator()
@@ -71,7 +73,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._preempted: list[Sequence] = []
         self.num_preemptions = 0
-        self.prefix = PrefixMatcher(kv, config.block_size, extra_key, snapshots)
+        self.prefix = PrefixMatcher(kv, config.block_size, extra_key, snapshots, copy_block)
         self.budget = StepBudget(config.max_num_batched_tokens or config.prefill_chunk_size,
                                  config.prefill_chunk_size, config.block_size,
                                  None if config.itl_target_ms is None else config.itl_target_ms / 1000,
@@ -342,6 +344,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self._reserve(seq, n, allow_preempt=False)
+            self.prefix.fill(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             items.append((seq, n))

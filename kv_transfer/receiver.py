@@ -269,8 +269,10 @@ class KVReceiver:
         if expected:
             self.metrics.moved_state(sum(a.nbytes for a in msg.arrays))
         bs, tokens = self.fmt.block_size, t.offer.token_ids
+        root = self.fmt.extra_key(t.offer.cache_salt)  # block 0's parent, for head hits (cluster/prefix_match.py)
         for i in range(t.num_cached_blocks, len(t.hashes)):
-            self.pool.cache_block(t.block_table[i], t.hashes[i], tokens[i * bs:(i + 1) * bs])
+            self.pool.cache_block(t.block_table[i], t.hashes[i], tokens[i * bs:(i + 1) * bs],
+                                  t.hashes[i - 1] if i else root)
         for i in range(t.first_sent(1), len(t.hashes) if self.kv.window is not None else 0):
             self.kv.window.pool.cache_block(t.window_table[i], t.hashes[i], tokens[i * bs:(i + 1) * bs])
         del self.live[t.offer.request_id]

@@ -69,6 +69,28 @@ def test_reset_prefix_cache_forgets_hashes_but_keeps_blocks_in_use():
     assert pool.drain_events()[-1].kind == "cleared"
 
 
+def test_the_head_of_a_cached_block_is_found_among_the_children_of_its_parent():
+    """`find_partial` returns the child of the given parent sharing the longest head with the tokens, never a
+    child of another parent, and forgets a child once it is evicted or the cache is reset."""
+    pool = BlockPool(6)
+    a, b, c = pool.allocate(3)
+    pool.cache_block(a, 11, [1, 2, 3, 4], parent=100)
+    pool.cache_block(b, 12, [1, 2, 9, 9], parent=100)
+    pool.cache_block(c, 13, [1, 2, 3, 8], parent=200)  # the same head under another parent
+    assert pool.find_partial(100, [1, 2, 3, 5]) == (a, 3)
+    assert pool.find_partial(100, [1, 2, 9]) == (b, 3)
+    assert pool.find_partial(200, [1, 2, 3, 4]) == (c, 3)
+    assert pool.find_partial(100, [7, 2, 3, 4]) is None and pool.find_partial(300, [1]) is None
+    pool.free([a, b, c])  # queue: 4, 5, c, b, a
+    pool.allocate(5)  # evicts every cached block
+    assert pool.find_partial(100, [1, 2, 3]) is None and pool.find_partial(200, [1, 2, 3]) is None
+    [d] = [i for i in range(1, 6) if pool.blocks[i].ref_cnt == 1][:1]
+    pool.cache_block(d, 14, [1, 2, 3, 4], parent=100)
+    assert pool.find_partial(100, [1, 2]) == (d, 2)
+    pool.reset_prefix_cache()
+    assert pool.find_partial(100, [1, 2]) is None
+
+
 def test_hashes_chain_and_depend_on_extra_keys():
     tokens = list(range(12))
     k1, k2 = block_extra_key("m", "r", "f"), block_extra_key("m", "r", "f", cache_salt="tenant-b")

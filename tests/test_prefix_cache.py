@@ -1,13 +1,22 @@
 """Prefix-cache cases on the real model, float32, greedy: the same prompt twice, a strict prefix of a longer
-prompt, shared prefixes, eviction, a stop string, random prompts, a cached prefix extended across chunks."""
+prompt, shared prefixes, eviction, a stop string, random prompts, a cached prefix extended across chunks, and
+chats that share only the head of a block."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.engine_helpers import fast_model, greedy, make_engine, real_model, run
+from cluster.prefix_match import MIN_PARTIAL_TOKENS
+from tests.engine_helpers import chat_prompt, fast_model, greedy, make_engine, real_model, run
 
 B = 32
+
+
+def hit_of(common: int) -> int:
+    """The tokens a prompt takes from the cache when its first `common` tokens (at most its length - 1) are
+    cached: whole blocks, then the head of the next one if it covers at least MIN_PARTIAL_TOKENS."""
+    whole = (common // B) * B
+    return common if common - whole >= MIN_PARTIAL_TOKENS else whole
 
 
 def tokens(n: int, seed_text: str = "The quick brown fox jumps over the lazy dog while ") -> list[int]:
@@ -20,15 +29,16 @@ def cold(prompt: list[int], n: int = 12) -> list[int]:
     return run(make_engine(enable_prefix_caching=False), [greedy("cold", prompt, n, ignore_eos=True)])["cold"].token_ids
 
 
-@pytest.mark.parametrize("length", [3 * B, 3 * B + 7])
-def test_same_prompt_twice(length):
+@pytest.mark.parametrize("length,cached", [(3 * B, 3 * B - 1), (3 * B + 7, 3 * B)])
+def test_same_prompt_twice(length, cached):
+    """All but the last token come from the cache where the blocks holding them are full (the last block's
+    head is copied); a prompt ending in a block never filled takes only its whole blocks."""
     prompt = tokens(length)
     engine = make_engine()
     first = run(engine, [greedy("1", prompt, 12, ignore_eos=True)])["1"]
     second = run(engine, [greedy("2", prompt, 12, ignore_eos=True)])["2"]
     assert second.token_ids == first.token_ids == cold(prompt)
-    cached = second.final.num_cached_tokens
-    assert cached == ((length - 1) // B) * B and cached <= length - 1
+    assert second.final.num_cached_tokens == cached
     assert first.final.num_cached_tokens == 0
 
 
@@ -40,7 +50,7 @@ def test_strict_prefix_of_longer_prompt_equals_cold(short):
     run(engine, [greedy("long", longer, 4, ignore_eos=True)])
     res = run(engine, [greedy("short", prompt, 12, ignore_eos=True)])["short"]
     assert res.token_ids == cold(prompt)
-    assert res.final.num_cached_tokens == ((short - 1) // B) * B
+    assert res.final.num_cached_tokens == hit_of(short - 1)
     assert res.token_ids[0] != longer[short] or cold(prompt)[0] == longer[short]
 
 
@@ -53,7 +63,7 @@ def test_shared_prefix_then_different_text(shared):
     run(engine, [greedy("a", a, 4, ignore_eos=True)])
     res = run(engine, [greedy("b", b, 12, ignore_eos=True)])["b"]
     assert res.token_ids == cold(b)
-    assert res.final.num_cached_tokens == (shared // B) * B
+    assert res.final.num_cached_tokens == hit_of(shared)
 
 
 def test_eviction_counts_only_the_run_from_position_zero():
@@ -66,7 +76,8 @@ def test_eviction_counts_only_the_run_from_position_zero():
     assert res.token_ids == cold(x)
     assert res.final.num_cached_tokens % B == 0 and res.final.num_cached_tokens <= 3 * B
     again = run(engine, [greedy("x3", x, 12, ignore_eos=True)])["x3"]
-    assert again.token_ids == res.token_ids and again.final.num_cached_tokens == 3 * B
+    # every block of x is cached again: 3 whole ones and the head of the 4th (all but the last token)
+    assert again.token_ids == res.token_ids and again.final.num_cached_tokens == 4 * B - 1
     assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
 
 
@@ -147,3 +158,47 @@ def test_constant_hash_collisions_fall_back_to_misses(monkeypatch):
     assert res.final.num_cached_tokens == 0 and res.token_ids == cold(b)
     again = run(engine, [greedy("a2", a, 12, ignore_eos=True)])["a2"]
     assert again.token_ids == cold(a) and again.final.num_cached_tokens <= B
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_chats_sharing_only_a_system_prompt_reuse_the_head_of_its_block(kv_bits):
+    """Two chats whose templates share a system prompt shorter than a block (no whole block in common): the
+    second takes the shared tokens from the head of the first's cached block (copied into a block of its own,
+    float or 8-bit KV) and answers as a cold run does; the first chat asked again still answers as before (its
+    cached block was read, never written), and every block is free at the end."""
+    a = chat_prompt("What is the capital of France? Answer in one word.")
+    b = chat_prompt("Name three rivers that flow through Europe.")
+    common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert common % B >= MIN_PARTIAL_TOKENS and common < len(b) - 1  # the case: a head, not whole blocks
+    engine = make_engine(kv_bits=kv_bits)
+    first = run(engine, [greedy("a", a, 12, ignore_eos=True)])["a"]
+    got = run(engine, [greedy("b", b, 12, ignore_eos=True)])["b"]
+    reference = run(make_engine(kv_bits=kv_bits, enable_prefix_caching=False),
+                    [greedy("ref", b, 12, ignore_eos=True)])["ref"]
+    assert got.token_ids == reference.token_ids
+    assert got.final.num_cached_tokens == hit_of(common) == common
+    again = run(engine, [greedy("a2", a, 12, ignore_eos=True)])["a2"]
+    assert again.token_ids == first.token_ids
+    assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
+
+
+def test_a_head_hit_waiting_for_blocks_gives_its_source_back():
+    """A prompt whose head hit was found while too few blocks were free is not admitted until they are; the
+    cached block held for the copy is let go each time (no block leaks), and the prompt, once admitted,
+    answers as a cold run does."""
+    engine = make_engine(num_blocks=8)  # 7 usable blocks
+    head = tokens(2 * B + 4)  # two full blocks cached
+    run(engine, [greedy("seed", head, 1)])
+    # 4 blocks in all: beside the 2 cached ones, too few are left for the follower's 4 new ones until it ends
+    long_running = greedy("long", tokens(3 * B, "Blocks are taken by a long prompt here. "), 20, ignore_eos=True)
+    follower = greedy("f", head[:B + 16] + tokens(3 * B, "A follower prompt needs three blocks more "), 8,
+                      ignore_eos=True, logprobs=0)
+    got = run(engine, [long_running, follower])
+    ref = run(make_engine(enable_prefix_caching=False),
+              [greedy("r", follower.prompt_token_ids, 8, ignore_eos=True, logprobs=0)])["r"]
+    # the logprobs too: this repetitive text's greedy tokens survive 16 wrong positions of KV, its logprobs not
+    assert got["f"].token_ids == ref.token_ids
+    assert all(abs(a.logprob - b.logprob) < 1e-3 for a, b in zip(got["f"].logprobs, ref.logprobs))
+    assert got["f"].final.num_cached_tokens == B + 16
+    assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
+    assert all(b.ref_cnt == 0 for b in engine.pool.blocks[1:])
