@@ -7,6 +7,10 @@ Every block a worker uses is held by one request, in exactly one of two places:
   holding when it accepts a transfer (the request may not have arrived yet); the prefill worker's engine
   turns a sequence into a holding when its first token is out, so the blocks stay while they are shipped.
 
+Besides, a cached block can be *pinned* for a moment: the source of a prefix hit on a block's head
+(cluster/prefix_match.py), held from the match until the copy so that no allocation evicts it (`pin`,
+`unpin`).
+
 Nothing else frees blocks: the scheduler frees a sequence (`free`), a role ends a holding by request id
 (`release`), and a holding becomes a sequence's table when the request is admitted (`adopt`). No caller hands
 this class a block table to free, so a block is freed exactly once, by the owner of the request that holds it
@@ -63,6 +67,7 @@ class KVManager:
     def __init__(self, pool: BlockPool, window: Optional[WindowGroup] = None):
         self.pool, self.window = pool, window
         self._held: dict[str, Holding] = {}
+        self._pinned: dict[int, int] = {}  # block id -> pins
 
     @property
     def num_free_blocks(self) -> int:
@@ -106,6 +111,19 @@ class KVManager:
         self.pool.cache_block(seq.block_table[i], block_hash, token_ids, parent)
         if self.window is not None and seq.window_table[i]:
             self.window.pool.cache_block(seq.window_table[i], block_hash, token_ids, parent)
+
+    def pin(self, block_id: int) -> None:
+        """Reference the cached block `block_id` (taking it off the free queue) until `unpin`: a head hit's
+        source, which the sequence's own block is copied from once it is admitted."""
+        self.pool.touch([block_id])
+        self._pinned[block_id] = self._pinned.get(block_id, 0) + 1
+
+    def unpin(self, block_id: int) -> None:
+        """Drop one `pin` of `block_id`. Raises KeyError when it is not pinned."""
+        left = self._pinned.pop(block_id) - 1
+        if left:
+            self._pinned[block_id] = left
+        self.pool.free([block_id])
 
     def release_outside_window(self, seq: Sequence, block_size: int) -> None:
         """Free the window blocks of `seq` that no later query can see (`WindowGroup.first_block`). The

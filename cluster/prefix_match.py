@@ -88,7 +88,7 @@ class PrefixMatcher:
 
     def _match_head(self, seq: Sequence, parent: int) -> None:
         """After the whole-block hit: take the head of a cached block chained from `parent` that agrees with
-        at least `min_partial` of the next tokens (held, ref-counted, until `fill` or `unmatch`)."""
+        at least `min_partial` of the next tokens (pinned, `KVManager.pin`, until `fill` or `unmatch`)."""
         self._partial = None
         start = seq.num_computed_tokens
         limit = min(self.block_size, len(seq.token_ids) - 1 - start)  # leave at least one token to compute
@@ -98,7 +98,7 @@ class PrefixMatcher:
         if found is None or found[1] < self.min_partial:
             return
         source, k = found[0], min(found[1], self.block_size - 1)  # a whole equal block would have hit by hash
-        self.pool.touch([source])  # no allocation may evict it before the copy
+        self.kv.pin(source)  # no allocation may evict it before the copy
         self._partial = (seq, source)
         seq.num_computed_tokens += k
 
@@ -110,13 +110,13 @@ class PrefixMatcher:
         _, source = self._partial
         self._partial = None
         self.copy_block(source, seq.block_table[seq.num_computed_tokens // self.block_size])
-        self.pool.free([source])
+        self.kv.unpin(source)
 
     def unmatch(self, seq: Sequence) -> None:
         """Undo `match`'s counts and the sequence's counters for a sequence that is not admitted after all (its
         blocks go back through the block owner, `KVManager.free`)."""
         if self._partial is not None and self._partial[0] is seq:
-            self.pool.free([self._partial[1]])
+            self.kv.unpin(self._partial[1])
             self._partial = None
         if seq.num_output_tokens == 0:
             self.queries -= seq.num_prompt_tokens

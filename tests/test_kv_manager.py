@@ -99,3 +99,22 @@ def test_reserving_more_than_is_free_raises_and_holds_nothing():
     with pytest.raises(ValueError, match="cannot hold"):
         kv.reserve("x", [], 4, 0)
     assert kv.held("x") is None and pool.num_free_blocks == 3
+
+
+def test_a_pinned_cached_block_outlives_an_allocation_that_would_evict_it():
+    """A head hit's source is pinned from the match until the copy: allocating every free block leaves it
+    cached, and unpinning returns it to the free queue, still cached; unpinning what is not pinned fails."""
+    pool = BlockPool(4)  # blocks 1..3
+    kv = KVManager(pool)
+    s = seq("a")
+    kv.allocate(s, 1)
+    [source] = s.block_table
+    kv.cache_block(s, 0, 99, (1, 2, 3, 4), parent=7)
+    kv.free(s)  # cached, on the free queue
+    kv.pin(source)
+    taken = pool.allocate(pool.num_free_blocks)
+    assert source not in taken and pool.find_partial(7, [1, 2]) == (source, 2)
+    kv.unpin(source)
+    assert pool.blocks[source].ref_cnt == 0 and pool.num_free_blocks == 1
+    with pytest.raises(KeyError):
+        kv.unpin(source)
