@@ -56,6 +56,10 @@ def test_strict_prefix_of_longer_prompt_equals_cold(short):
 
 @pytest.mark.parametrize("shared", [1, B - 1, B, B + 1])
 def test_shared_prefix_then_different_text(shared):
+    """A shared prefix of 1, B-1, B or B+1 tokens, then different text: the answer equals cold, and
+    `num_cached_tokens` is the KV actually reused: whole blocks, plus the shared head of the next block when it
+    covers at least MIN_PARTIAL_TOKENS (B-1 shared tokens: B-1, where a cache of whole blocks only reuses and
+    reports 0; B+1: B, its one extra token being recomputed)."""
     base = tokens(shared)
     a = base + tokens(40, "Alpha beta gamma delta epsilon ")
     b = base + tokens(40, "Zebras and giraffes walk across ")
