@@ -132,8 +132,8 @@ def send(endpoint: str, dtype: str, kv_bits: Optional[int], group_size: int, tok
     store = _filled_store(spec, num_blocks + 1, block_size, dtype, kv_bits, group_size)
     from cluster.config import TransferConfig
 
-    config = TransferConfig(layers_per_message=layers_per_message) if layers_per_message else TransferConfig()
-    sender = KVSender(_fmt(spec, dtype, kv_bits, group_size), store, keys=_keys(keys_dir), config=config)
+    sender = KVSender(_fmt(spec, dtype, kv_bits, group_size), store, keys=_keys(keys_dir),
+                      config=TransferConfig(layers_per_message=layers_per_message))
     token_ids = [int(t) for t in np.random.default_rng(0).integers(0, 2**15, tokens)]
     table = list(range(1, num_blocks + 1))
     seconds = []

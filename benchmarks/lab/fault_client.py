@@ -23,6 +23,8 @@ from typing import Callable, Optional
 
 import httpx
 
+from benchmarks.sse import DONE, SSEParser
+
 CLONE_NEWNET = 0x40000000  # <sched.h>
 STATE_PATH = "/dashboard/api/state?since=1e12"  # the state without its history samples (none is that new)
 
@@ -132,10 +134,11 @@ class Client:
                         rec["finish"] = answer["choices"][0]["finish_reason"]
                         rec["ttft_s"] = time.monotonic() - t0
                     return rec
-                for line in r.iter_lines():
-                    if not line.startswith("data: {"):
+                parser = SSEParser()
+                for data in (d for line in r.iter_lines() for d in parser.feed(line)):
+                    if data == DONE:
                         continue
-                    chunk = json.loads(line[len("data: "):])
+                    chunk = json.loads(data)
                     if "error" in chunk:
                         rec["errors"].append({k: chunk["error"].get(k) for k in ("code", "message")})
                     rec["tokens"] = (chunk.get("usage") or {}).get("completion_tokens", rec["tokens"])
@@ -168,8 +171,6 @@ class Watch:
         self.changes: list[tuple[float, str, bool]] = []  # (client time, worker, alive)
         self.peak_inflight: dict[str, int] = {}
         self.tokens_out: dict[str, int] = {}
-        self.requests: list[dict] = []
-        self.last_ok: Optional[float] = None
         self._stop = threading.Event()
         self._future: Optional[Future] = None
 
@@ -195,7 +196,6 @@ class Watch:
         if status != 200 or state is None:
             return
         t = self.client.now()
-        self.last_ok, self.requests = t, state.get("requests", [])
         for w in state.get("workers", []):
             name, alive = w["name"], bool(w["alive"])
             if self.alive.get(name) is not alive:
