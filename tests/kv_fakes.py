@@ -1,4 +1,4 @@
-"""Test doubles for KV transfer: a live KVReceiver driven by raw DEALER peers (tests/test_kv_wire_fuzz.py).
+"""Test doubles for KV transfer: a live KVReceiver driven by raw DEALER peers (tests/test_kv_receiver_fuzz.py).
 
 `Rig` is a receiver on loopback with an injected clock (`rig.now`) and two raw DEALER sockets (`peers` 0 and
 1) that send whatever a test builds. `rig.sync()` makes "everything sent so far has been handled" exact:
