@@ -164,7 +164,7 @@ def build_subcommand_parser(name: str) -> argparse.ArgumentParser:
 
         return reliability_parser()
 
-    from benchmarks import kv_bench, prefix_bench, transfer_bench
+    from benchmarks import chat_prefix_bench, kv_bench, prefix_bench, transfer_bench
 
     if name in MODULES:
         module = importlib.import_module(f"benchmarks.{MODULES[name]}")
@@ -172,9 +172,9 @@ def build_subcommand_parser(name: str) -> argparse.ArgumentParser:
                                     epilog=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_args(p)
         return p
-    add = {"prefix": prefix_bench.add_prefix_args, "chat": prefix_bench.add_chat_args, "kv": kv_bench.add_kv_args,
-           "transfer": transfer_bench.add_transfer_args}
-    module = {"kv": kv_bench, "transfer": transfer_bench}.get(name, prefix_bench)
+    add = {"prefix": prefix_bench.add_prefix_args, "chat": chat_prefix_bench.add_chat_args,
+           "kv": kv_bench.add_kv_args, "transfer": transfer_bench.add_transfer_args}
+    module = {"chat": chat_prefix_bench, "kv": kv_bench, "transfer": transfer_bench}.get(name, prefix_bench)
     p = argparse.ArgumentParser(prog=f"mlx-pd bench {name}", description=SUBCOMMANDS[name],
                                 epilog=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add[name](p)
@@ -184,7 +184,7 @@ def build_subcommand_parser(name: str) -> argparse.ArgumentParser:
 def _run_subcommand(name: str, argv: Sequence[str]) -> int:
     from pathlib import Path
 
-    from benchmarks import kv_bench, prefix_bench, prefix_report, transfer_bench
+    from benchmarks import chat_prefix_bench, kv_bench, prefix_bench, prefix_report, transfer_bench
     from benchmarks.report import write_json
 
     if name == "reliability":  # its own report (a generated section of docs/RELIABILITY.md) and exit codes
@@ -205,7 +205,7 @@ def _run_subcommand(name: str, argv: Sequence[str]) -> int:
     if getattr(args, "max_tokens", 1) < 1:
         print(f"mlx-pd bench {name}: error: --max-tokens must be >= 1", file=sys.stderr)
         return 2
-    run = {"prefix": prefix_bench.run_prefix, "chat": prefix_bench.run_chat, "kv": kv_bench.run_kv,
+    run = {"prefix": prefix_bench.run_prefix, "chat": chat_prefix_bench.run_chat, "kv": kv_bench.run_kv,
            "transfer": transfer_bench.run_transfer}[name]
     result = run(args)
     result["command"] = f"mlx-pd bench {name} " + shlex.join(argv)

@@ -12,7 +12,7 @@ Method. This machine's costs are turned into *efficiencies*, then applied to the
 - transfer: KV bytes per token from `cluster.kv_store.kv_bytes_per_block` (bfloat16, as on a Mac) over 10 GbE,
   chunks shipped as they are computed, so only what is left after the last chunk is exposed.
 
-FLOPs follow `benchmarks/transfer_bench.Projection`: 2 x matmul weights per token plus causal attention
+FLOPs follow `benchmarks/transfer_projection.Projection`: 2 x matmul weights per token plus causal attention
 2 x layers x hidden x (b^2 - a^2) for tokens [a, b); the lm_head runs on the last row only (left out).
 """
 

@@ -102,7 +102,8 @@ def _topologies(args, workers, model_dir: str, tmp: str, policies) -> dict[str, 
 
 async def _slots(args, urls: dict, workers, convs, policies, log) -> dict:
     from benchmarks.loadgen import warmup
-    from benchmarks.prefix_bench import ChatWorkloadConfig, _chat_round
+    from benchmarks.chat_prefix_bench import _chat_round
+    from benchmarks.prefix_bench import ChatWorkloadConfig
 
     cfgs = {p: ChatWorkloadConfig(url=u, max_tokens=args.max_tokens, messages={}) for p, u in urls.items()}
     for p, cfg in cfgs.items():
@@ -126,7 +127,7 @@ async def _slots(args, urls: dict, workers, convs, policies, log) -> dict:
 
 def policy_summary(slots: list, tokens, block_size: int) -> dict:
     """TTFT/TPOT over a policy's slots, and hit rates: worker counters and usage against the per-slot ideal."""
-    from benchmarks.prefix_bench import chat_hit_rates
+    from benchmarks.chat_prefix_bench import chat_hit_rates
 
     summary = merge_rounds([([x.rec for x in s["results"]], s["wall_s"]) for s in slots])
     sums = {k: 0 for k in ("prompt_tokens", "usage_cached", "ideal", "block_ideal", "queries", "hits")}

@@ -1,4 +1,5 @@
-"""Prefix-cache workloads and hit-rate arithmetic (no model, no network), for benchmarks/prefix_bench.py.
+"""Prefix-cache workloads and hit-rate arithmetic (no model, no network), for benchmarks/prefix_bench.py and
+benchmarks/chat_prefix_bench.py.
 
 The *ideal* hit is what a perfect cache could have served: for each request, the longest common token
 prefix with what some other request had computed by the time this one was sent, capped at prompt - 1

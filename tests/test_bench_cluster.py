@@ -168,7 +168,7 @@ def test_mixed_slot_streams_short_chats_until_the_long_prompts_finish(fake_serve
 
 
 def test_model_shapes_match_the_transfer_projection_and_the_kv_formula():
-    from benchmarks.transfer_bench import Projection
+    from benchmarks.transfer_projection import Projection
 
     p = Projection()
     assert LLAMA_8B.matmul_params == p.matmul_params

@@ -1,7 +1,7 @@
-"""Tests of the prefix-cache and KV benchmarks (benchmarks/prefix_bench.py, benchmarks/kv_bench.py) with no
-model: the workload builders (system prompts, 2-turn conversations, the TTFT plan), the hit-rate arithmetic
-against a perfect cache, the KV pool table over a tiny model spec, the CLI wiring, and one 2-turn round
-against the fake OpenAI server of tests/test_bench.py."""
+"""Tests of the prefix-cache and KV benchmarks (benchmarks/prefix_bench.py, benchmarks/chat_prefix_bench.py,
+benchmarks/kv_bench.py) with no model: the workload builders (system prompts, 2-turn conversations, the TTFT
+plan), the hit-rate arithmetic against a perfect cache, the KV pool table over a tiny model spec, the CLI
+wiring, and one 2-turn round against the fake OpenAI server of tests/test_bench.py."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import time
 
 import pytest
 
-from benchmarks import cli, kv_bench, prefix_bench
-from benchmarks.prefix_bench import ChatResult, ChatWorkloadConfig, chat_hit_rates, interleave, ttft_plan
+from benchmarks import chat_prefix_bench, cli, kv_bench, prefix_bench
+from benchmarks.chat_prefix_bench import ChatResult, chat_hit_rates
+from benchmarks.prefix_bench import ChatWorkloadConfig, interleave, ttft_plan
 from benchmarks.workloads import (ChatTokens, Conversation, Served, approx_tokens, build_conversations,
                                   common_prefix_len, computed_ids, hit_rates, ideal_cached_tokens, system_prompt)
 from benchmarks.stats import RequestRecord
@@ -197,7 +198,7 @@ def test_chat_round_sends_the_reply_back_in_turn_two(fake_server):  # noqa: F811
     received.clear()
     convs = build_conversations(4, ["SYS A", "SYS B"], turns=2)
     cfg = ChatWorkloadConfig(url=url, max_tokens=3, messages={})
-    results, wall = asyncio.run(prefix_bench._chat_round(cfg, convs, 2, time.perf_counter()))
+    results, wall = asyncio.run(chat_prefix_bench._chat_round(cfg, convs, 2, time.perf_counter()))
     assert len(results) == 8 and all(r.rec.ok for r in results) and wall > 0
     for conv in convs:
         first, second = [r for r in results if r.conv is conv]

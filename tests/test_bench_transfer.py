@@ -1,6 +1,6 @@
-"""Tests of `mlx-pd bench transfer` (benchmarks/transfer_bench.py) with no real model: the projection's
-arithmetic on known numbers, a tiny shipping round trip over loopback (byte counts, the raw baseline's
-frames), and the CLI wiring down to the JSON file."""
+"""Tests of `mlx-pd bench transfer` (benchmarks/transfer_bench.py, benchmarks/transfer_projection.py) with no
+real model: the projection's arithmetic on known numbers, a tiny shipping round trip over loopback (byte
+counts, the raw baseline's frames), and the CLI wiring down to the JSON file."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import json
 import pytest
 
 from benchmarks import cli, transfer_bench
-from benchmarks.transfer_bench import Projection, projection_rows, ship_format
+from benchmarks.transfer_bench import ship_format
+from benchmarks.transfer_projection import Projection, projection_rows
 from cluster.kv_store import kv_bytes_per_block
 from cluster.model import ModelSpec
 
