@@ -87,7 +87,7 @@ async def _check(c: ReliabilityCluster, client, refs: References, done: list[tup
 
 def speculative_available(c: ReliabilityCluster) -> str:
     """'yes', or why not (the request field is missing from the schema, or the cluster refuses it)."""
-    from router.openai_schema import ChatCompletionRequest
+    from router.openai.request import ChatCompletionRequest
 
     if "speculative" not in ChatCompletionRequest.model_fields:
         return "not available: the request schema has no `speculative` field"

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP API of mlx-pd (FastAPI), over any `EngineClient`.
 
     POST /v1/completions        POST /v1/chat/completions     (JSON or SSE with "stream": true)
-    POST /v1/responses          OpenAI's Responses API, stateless (router/responses_api.py)
-    POST /v1/messages           Anthropic's Messages API (router/anthropic_api.py), and
+    POST /v1/responses          OpenAI's Responses API, stateless (router/responses/endpoints.py)
+    POST /v1/messages           Anthropic's Messages API (router/anthropic/endpoints.py), and
     POST /v1/messages/count_tokens   its prompt's token count
     GET  /v1/models             GET  /v1/models/{model}
     GET  /health                200 while engine.is_healthy(), else 503
@@ -25,24 +25,22 @@ import contextlib
 import hmac
 import inspect
 import time
-import uuid
 from typing import Any, Optional
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from cluster.engine_client import EngineClient, EngineError
-from router.anthropic_api import install_anthropic_api
-from router.body import default_max_body_bytes, read_request
+from router.anthropic.endpoints import install_anthropic_api
+from router.body import default_max_body_bytes
 from router.dashboard_web import DASHBOARD_PATHS, install_dashboard
 from router.errors import APIError, engine_unavailable, install_error_handlers
 from router.metrics import MetricsMiddleware, RouterMetrics
 from router.openapi import install_openapi
-from router.openai_schema import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from router.params import prepare_chat, prepare_completion
-from router.responses import ChatFormatter, CompletionFormatter
-from router.responses_api import install_responses_api
-from router.serving import serve_prepared
+from router.openai.endpoints import install_openai_api
+from router.openai.request import ModelCard, ModelList
+from router.responses.endpoints import install_responses_api
+from router.serving import ServingContext
 from router.tokenizer import RouterTokenizer
 
 AUTH_EXEMPT = ("/health", "/metrics")
@@ -132,40 +130,11 @@ def create_app(engine: EngineClient, tokenizer: RouterTokenizer, *, served_model
     def body_limit() -> int:
         return max_body_bytes or default_max_body_bytes(engine.max_model_len)
 
-    install_responses_api(app, resolve_model=resolve_model, body_limit=body_limit,
-                          request_timeout_s=request_timeout_s)
-    install_anthropic_api(app, resolve_model=resolve_model, body_limit=body_limit,
-                          request_timeout_s=request_timeout_s)
-
-    async def run(request: Request, kind: str) -> Response:
-        arrival, arrival_wall = time.monotonic(), time.time()
-        context = {"max_model_len": engine.max_model_len}
-        if kind == "chat":
-            req: Any = await read_request(request, ChatCompletionRequest, body_limit(), context)
-            prepare, formatter_cls, prefix = prepare_chat, ChatFormatter, "chatcmpl-"
-        else:
-            req = await read_request(request, CompletionRequest, body_limit(), context)
-            prepare, formatter_cls, prefix = prepare_completion, CompletionFormatter, "cmpl-"
-        model = resolve_model(req.model)
-        prepared = await prepare(req, tokenizer, request_id=prefix + uuid.uuid4().hex, model=model,
-                                 max_model_len=engine.max_model_len, arrival_time=arrival_wall)
-        capacity = getattr(engine, "max_sequences", None)
-        if capacity and prepared.n > capacity:
-            raise APIError(400, f"n={prepared.n} asks for more sequences than this server holds running and "
-                                f"queued at once ({capacity}); lower n", param="n")
-        formatter = formatter_cls(prepared, tokenizer, int(arrival_wall))
-        return await serve_prepared(request, prepared, formatter, engine=engine, metrics=metrics,
-                                    stall_timeout_s=request_timeout_s, arrival=arrival)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        """OpenAI's legacy completions (text or token-id prompt, echo, legacy logprobs)."""
-        return await run(request, "completion")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        """OpenAI's chat completions (the model's chat template renders the messages)."""
-        return await run(request, "chat")
+    ctx = ServingContext(engine=engine, tokenizer=tokenizer, metrics=metrics, resolve_model=resolve_model,
+                         body_limit=body_limit, request_timeout_s=request_timeout_s)
+    install_openai_api(app, ctx)
+    install_responses_api(app, ctx)
+    install_anthropic_api(app, ctx)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:

@@ -19,8 +19,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router.anthropic_output import AnthropicErrorInfo, AnthropicErrorResponse
-from router.openai_schema import CONTEXT_LENGTH_EXCEEDED, ErrorInfo, ErrorResponse
+from router.anthropic.output import AnthropicErrorInfo, AnthropicErrorResponse
+from router.openai.request import CONTEXT_LENGTH_EXCEEDED, ErrorInfo, ErrorResponse
 from router.request_model import UNKNOWN_FIELD
 
 logger = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ CountTokensRequest; required), the 200 answers (JSON, or an SSE stream when `str
 answers every endpoint can give, as the ErrorResponse shape (AnthropicErrorResponse on /v1/messages and
 below). Clients, and schemathesis in tests/test_api_fuzz.py, read it from /openapi.json. The chat request's tool and
 format fields (tools, tool_choice, parallel_tool_calls, response_format, a message's tool_calls and tool_call_id)
-and the answer's tool_calls come from the pydantic models; the fields router/field_audit.py refuses are read
+and the answer's tool_calls come from the pydantic models; the fields router/openai/fields.py refuses are read
 but left out of the schema (`SkipJsonSchema`), so a client generated from it never sends them.
 """
 
@@ -18,13 +18,13 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-from router.anthropic_output import AnthropicErrorResponse, CountTokensResponse, MessageResponse
-from router.anthropic_schema import CountTokensRequest, MessagesRequest
+from router.anthropic.output import AnthropicErrorResponse, CountTokensResponse, MessageResponse
+from router.anthropic.request import CountTokensRequest, MessagesRequest
 from router.errors import is_anthropic_path
-from router.openai_schema import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+from router.openai.request import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                   CompletionResponse, ErrorResponse)
-from router.responses_output import ResponseObject
-from router.responses_schema import ResponsesRequest
+from router.responses.output import ResponseObject
+from router.responses.request import ResponsesRequest
 
 _GENERATION = {"/v1/completions": (CompletionRequest, CompletionResponse),
                "/v1/chat/completions": (ChatCompletionRequest, ChatCompletionResponse),

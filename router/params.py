@@ -23,7 +23,7 @@ from typing import Optional, Union
 
 from cluster.request import GenerateRequest, SamplingParams
 from router.errors import APIError, bad_request
-from router.openai_schema import (CONTEXT_LENGTH_EXCEEDED, INT64_MAX, ChatCompletionRequest, CompletionRequest,
+from router.openai.request import (CONTEXT_LENGTH_EXCEEDED, INT64_MAX, ChatCompletionRequest, CompletionRequest,
                                   context_length_message)
 from router.structured import build_grammar
 from router.tokenizer import ChatTemplateError, PromptTooLong, RouterTokenizer

@@ -1,7 +1,7 @@
 """The base of every request model: unknown fields are ignored, a misspelled known field is refused.
 
-Every API's request models (router/openai_schema.py, tool_schema.py, responses_schema.py,
-anthropic_schema.py) derive from `RequestModel`. A key the model does not know is ignored, as OpenAI-compatible
+Every API's request models (router/openai/request.py and tools.py, router/responses/request.py,
+router/anthropic/request.py) derive from `RequestModel`. A key the model does not know is ignored, as OpenAI-compatible
 servers do, so clients that send another vendor's extensions keep working; but a key that is a near miss of
 a field the model knows is a 400 naming it and the field it resembles, because ignoring it would silently
 drop what the client asked for (`max_token`, `respone_format`, a json_schema's `schmea`):
@@ -15,11 +15,15 @@ drop what the client asked for (`max_token`, `respone_format`, a json_schema's `
 
 The error is pydantic's, of type `UNKNOWN_FIELD` with the key in its context, so `router.errors` names the
 key by its full JSON path (`response_format.json_schema.schmea`).
+
+A field that every API audits (each API's `fields.py`: honoured, metadata, or refused) is refused through a
+`Refusal`: `check_field` lets the values through that ask for nothing the server lacks.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Iterable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Iterable, Optional
 
 from pydantic import BaseModel, ConfigDict, model_validator
 from pydantic_core import PydanticCustomError
@@ -82,3 +86,32 @@ class RequestModel(BaseModel):
                     UNKNOWN_FIELD, "'{field}' is not a field of this request, and it is close to '{close}': "
                     "correct its name, or leave it out", {"field": key, "close": close})
         return data
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A refused field: `allowed(value)` is True for the values that ask for nothing the router lacks;
+    `advice` says what to do instead (the 400's message after the field name)."""
+
+    allowed: Callable[[Any], bool]
+    advice: str
+
+
+
+def check_field(table: dict[str, Refusal], field: str, value: Any) -> Any:
+    """`value` when `field` may have it; ValueError with the field's advice otherwise (pydantic puts the
+    field's name in front)."""
+    refusal = table.get(field)
+    if refusal is not None and not refusal.allowed(value):
+        raise ValueError(refusal.advice)
+    return value
+
+
+def absent(value: Any) -> bool:
+    """A `Refusal.allowed` for fields that may only be left out (or null)."""
+    return value is None
+
+
+def one_of(*values: Any) -> Callable[[Any], bool]:
+    """A `Refusal.allowed` for fields left out or equal to one of `values` (of the same JSON type)."""
+    return lambda value: value is None or any(value == v and type(value) is type(v) for v in values)

@@ -1,4 +1,17 @@
-"""Serving one prepared request: run its choices on the engine, answer whole or as an SSE stream.
+"""The one serving path of every API: a `FrontDoor` per API (router/openai, router/anthropic, router/responses,
+each in its `endpoints.py`) says how its request reads and what its answers look like; `serve` does the rest.
+
+    read the body (size, JSON, Unicode; router/body.py) into the door's request model (400 naming the field)
+    -> resolve the model name (404)
+    -> translate into the OpenAI chat or completion request that asks for the same (the door's `translate`)
+    -> prepare: tokenize, tools, grammar, sampling, n GenerateRequests (router/params.py)
+    -> run the choices on the engine and answer whole or as an SSE stream, with the door's formatter
+       (`serve_prepared`, below), counting tokens and latencies in the router's metrics
+
+A 400 raised while translating or preparing names the API's own field (the door's `rename`), so a Messages
+client reads `output_config.format`, not `response_format`.
+
+Serving one prepared request: run its choices on the engine, answer whole or as an SSE stream.
 
 Failure rules (what the client sees):
 
@@ -17,27 +30,31 @@ A stream always ends with the formatter's end of stream (OpenAI's `data: [DONE]`
 delta arrives, so an engine that refuses the request still gets a proper status code; until then a side task
 watches for a disconnect, as for non-streamed answers.
 
-The bodies come from a `Formatter`, one per API (router/responses.py: OpenAI's chat and completions;
-router/anthropic_responses.py: Anthropic's Messages); the rules above are the same for every API.
+The bodies come from a `Formatter`, one per API (its `format.py`); the rules above are the same for every API.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator, Optional, Protocol, Union
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Optional, Protocol, Union
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from cluster.engine_client import EngineClient, EngineError
 from cluster.request import FinishReason, RequestOutput
-from router.errors import CLIENT_CLOSED, APIError, engine_unavailable
+from router.body import read_request
+from router.errors import CLIENT_CLOSED, APIError, engine_unavailable, from_validation_error
 from router.metrics import RouterMetrics
-from router.params import PreparedRequest
-from router.openai_schema import Usage
-from router.responses import Accumulator, ChoiceState, finish_error
+from router.params import PreparedRequest, prepare_chat, prepare_completion
+from router.openai.request import ChatCompletionRequest, CompletionRequest, Usage
+from router.tokenizer import RouterTokenizer
+from router.choices import Accumulator, ChoiceState, finish_error
 from router.streams import (ChoiceStreams, ClientDisconnected, EngineStreamEnded, SSEResponse, StallTimeout,
                             watch_disconnect)
 
@@ -67,6 +84,74 @@ class Formatter(Protocol):
 
     def end_of_stream(self) -> str:
         """The SSE text after everything else ("" for none)."""
+
+
+def _same(error: APIError) -> APIError:
+    return error
+
+
+@dataclass(frozen=True)
+class FrontDoor:
+    """One API's way onto the serving path.
+
+    `request_model`: the pydantic model of its body. `id_prefix`: of the request ids it makes ("chatcmpl-",
+    "msg_", ...). `translate(req, model, context)`: the OpenAI `ChatCompletionRequest` or `CompletionRequest`
+    that asks for what `req` asks (may raise `APIError` or pydantic's `ValidationError`). `formatter(req,
+    prepared, tokenizer, created)`: the API's `Formatter` for one request (`created`: Unix seconds).
+    `rename(error)`: the error with the API's own field names (identity for OpenAI's chat and completions)."""
+
+    request_model: type[BaseModel]
+    id_prefix: str
+    translate: Callable[[Any, str, dict[str, Any]], Union[ChatCompletionRequest, CompletionRequest]]
+    formatter: Callable[[Any, PreparedRequest, RouterTokenizer, int], "Formatter"]
+    rename: Callable[[APIError], APIError] = _same
+
+
+@dataclass(frozen=True)
+class ServingContext:
+    """What every door's requests are served with: the engine client, the router's tokenizer and metrics,
+    `resolve_model(name)` (the served name, 404 otherwise), `body_limit()` (bytes) and the engine's stall
+    timeout in seconds."""
+
+    engine: EngineClient
+    tokenizer: RouterTokenizer
+    metrics: Optional[RouterMetrics]
+    resolve_model: Callable[[Optional[str]], str]
+    body_limit: Callable[[], int]
+    request_timeout_s: float
+
+    @property
+    def context(self) -> dict[str, Any]:
+        """The validation context of request models (the engine's context length)."""
+        return {"max_model_len": self.engine.max_model_len}
+
+    async def read(self, http_request: Request, model: type[BaseModel]) -> Any:
+        """The request body validated as `model` (router/body.py's rules)."""
+        return await read_request(http_request, model, self.body_limit(), self.context)
+
+
+async def serve(http_request: Request, door: FrontDoor, ctx: ServingContext) -> Response:
+    """Serve one request that came in through `door` (the steps in the module docstring)."""
+    arrival, arrival_wall = time.monotonic(), time.time()
+    req = await ctx.read(http_request, door.request_model)
+    model = ctx.resolve_model(req.model)
+    max_model_len = ctx.engine.max_model_len
+    try:
+        openai_req = door.translate(req, model, ctx.context)
+        prepare = prepare_chat if isinstance(openai_req, ChatCompletionRequest) else prepare_completion
+        prepared = await prepare(openai_req, ctx.tokenizer, request_id=door.id_prefix + uuid.uuid4().hex,
+                                 model=model, max_model_len=max_model_len, arrival_time=arrival_wall)
+    except ValidationError as exc:
+        raise door.rename(from_validation_error(exc)) from None
+    except APIError as exc:
+        raise door.rename(exc) from None
+    capacity = getattr(ctx.engine, "max_sequences", None)
+    if capacity and prepared.n > capacity:
+        raise APIError(400, f"n={prepared.n} asks for more sequences than this server holds running and "
+                            f"queued at once ({capacity}); lower n", param="n")
+    formatter = door.formatter(req, prepared, ctx.tokenizer, int(arrival_wall))
+    return await serve_prepared(http_request, prepared, formatter, engine=ctx.engine, metrics=ctx.metrics,
+                                stall_timeout_s=ctx.request_timeout_s, arrival=arrival)
 
 
 def to_api_error(exc: BaseException) -> APIError:

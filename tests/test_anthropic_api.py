@@ -16,7 +16,7 @@ from anthropic.types.beta import message_create_params as beta_message_create_pa
 from starlette.testclient import TestClient
 
 from cluster.engine_client import EngineError
-from router.anthropic_schema import MESSAGES_HONOURED, MESSAGES_METADATA, MESSAGES_REFUSED
+from router.anthropic.fields import MESSAGES_HONOURED, MESSAGES_METADATA, MESSAGES_REFUSED
 from router.app import create_app
 from tests.engine_helpers import chat_prompt
 from tests.live_server import live_server

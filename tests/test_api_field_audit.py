@@ -1,6 +1,6 @@
 """Nothing a client sends is silently ignored: every key of the openai SDK's request types for Chat Completions
 and Completions (and of its chat messages) is honoured, accepted as metadata, or refused with a 400 naming it
-(router/field_audit.py); the refused ones are sent to the app to check. Served by the FakeEngine: what is tested
+(router/openai/fields.py); the refused ones are sent to the app to check. Served by the FakeEngine: what is tested
 is the HTTP layer."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from openai.types.chat import completion_create_params as chat_params
 from starlette.testclient import TestClient
 
 from router.app import create_app
-from router.field_audit import (CHAT_HONOURED, CHAT_METADATA, CHAT_REFUSED, COMPLETION_HONOURED, COMPLETION_METADATA,
+from router.openai.fields import (CHAT_HONOURED, CHAT_METADATA, CHAT_REFUSED, COMPLETION_HONOURED, COMPLETION_METADATA,
                                 COMPLETION_REFUSED, MESSAGE_REFUSED)
-from router.openai_schema import ChatCompletionRequest, ChatMessage, CompletionRequest
+from router.openai.request import ChatCompletionRequest, ChatMessage, CompletionRequest
 from tests.router_fakes import MODEL, FakeEngine, load_tokenizer
 
 # A value of each refused field that asks for something this server does not do, and one it may have.
@@ -59,7 +59,7 @@ def test_every_sdk_request_key_is_honoured_metadata_or_refused(module, honoured,
     keys = sdk_keys(module)
     assert "stream" in keys and "model" in keys
     unaudited = keys - honoured - metadata - set(refused)
-    assert not unaudited, f"decide for {sorted(unaudited)} in router/field_audit.py"
+    assert not unaudited, f"decide for {sorted(unaudited)} in router/openai/fields.py"
     assert not (honoured & metadata) and not (honoured & set(refused)) and not (metadata & set(refused))
     assert honoured <= set(model.model_fields)  # an honoured field is read by the request model
     assert set(refused) <= set(model.model_fields)  # and a refused one is seen, to be refused
@@ -132,8 +132,8 @@ def test_published_schema_documents_the_responses_and_messages_endpoints_and_the
     """/openapi.json documents POST /v1/responses, /v1/messages and /v1/messages/count_tokens: their request
     bodies carry every honoured and metadata key of the audits and none of the refused ones, with the tool and
     format shapes; their answers and errors have each API's own shape."""
-    from router.anthropic_schema import MESSAGES_HONOURED, MESSAGES_METADATA, MESSAGES_REFUSED
-    from router.responses_audit import RESPONSES_HONOURED, RESPONSES_METADATA, RESPONSES_REFUSED
+    from router.anthropic.fields import MESSAGES_HONOURED, MESSAGES_METADATA, MESSAGES_REFUSED
+    from router.responses.fields import RESPONSES_HONOURED, RESPONSES_METADATA, RESPONSES_REFUSED
 
     published = client.get("/openapi.json").json()
     schemas = published["components"]["schemas"]

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from router.anthropic_schema import MessagesRequest
+from router.anthropic.request import MessagesRequest
 from router.body import parse_body
 from router.errors import APIError
-from router.openai_schema import ChatCompletionRequest, CompletionRequest
+from router.openai.request import ChatCompletionRequest, CompletionRequest
 from router.request_model import edit_distance, near_miss
-from router.responses_schema import ResponsesRequest
+from router.responses.request import ResponsesRequest
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
 ANTHROPIC = {"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}

@@ -13,7 +13,7 @@ import pytest
 from openai.types.responses import Response
 from openai.types.responses.response_create_params import ResponseCreateParamsBase
 
-from router.responses_audit import RESPONSES_HONOURED, RESPONSES_METADATA, RESPONSES_REFUSED
+from router.responses.fields import RESPONSES_HONOURED, RESPONSES_METADATA, RESPONSES_REFUSED
 from tests.live_server import live_server
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -209,9 +209,9 @@ def test_stream_and_whole_answer_agree_on_text_calls_and_text_again():
 
     from cluster.request import RequestOutput
     from router.params import PreparedRequest
-    from router.responses import Accumulator
-    from router.responses_schema import ResponsesRequest
-    from router.responses_stream import ResponsesFormatter
+    from router.choices import Accumulator
+    from router.responses.request import ResponsesRequest
+    from router.responses.format import ResponsesFormatter
     from router.tokenizer import RouterTokenizer
     from router.tool_calls import build_tool_parser
     from tests.engine_helpers import real_model

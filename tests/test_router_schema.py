@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from cluster.request import SamplingParams
 from router.app import create_app
 from router.errors import APIError
-from router.openai_schema import INT64_MAX, ChatCompletionRequest, CompletionRequest
+from router.openai.request import INT64_MAX, ChatCompletionRequest, CompletionRequest
 from router.params import build_sampling, clamp_max_tokens, make_requests, seeded
 from tests.router_fakes import MODEL, FakeEngine, load_tokenizer
 

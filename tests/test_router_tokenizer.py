@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from router.errors import APIError
-from router.openai_schema import ChatCompletionRequest
+from router.openai.request import ChatCompletionRequest
 from router.params import tokenize_chat
 from router.tokenizer import ChatTemplateError, RouterTokenizer
 from tests.router_fakes import CharTokenizer, load_tokenizer

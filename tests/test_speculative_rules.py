@@ -163,7 +163,7 @@ def test_speculative_params_are_validated_and_travel():
 
 
 def test_router_maps_the_speculative_field():
-    from router.openai_schema import ChatCompletionRequest
+    from router.openai.request import ChatCompletionRequest
 
     body = {"messages": [{"role": "user", "content": "hi"}],
             "speculative": {"method": "prompt_lookup", "num_draft_tokens": 4}}

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from router.errors import APIError
-from router.openai_schema import ChatCompletionRequest
+from router.openai.request import ChatCompletionRequest
 from router.params import plan_tools
 from router.structured import _marker, build_grammar, closed_schema, json_grammar, llg_tokenizer, tool_calls_lark
 from tests.router_fakes import load_tokenizer

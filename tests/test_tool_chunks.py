@@ -1,4 +1,4 @@
-"""The chat formatter's tool-call bodies (router/responses.py) from hand-made engine deltas: OpenAI's chunk
+"""The chat formatter's tool-call bodies (router/openai/format.py) from hand-made engine deltas: OpenAI's chunk
 sequence for text and calls split across deltas, logprobs held with held-back text and sent with the next
 chunk, the whole answer built from the same deltas, and finish reasons."""
 
@@ -8,7 +8,8 @@ import json
 
 from cluster.request import FinishReason, GenerateRequest, RequestOutput, TokenLogprob
 from router.params import PreparedRequest
-from router.responses import Accumulator, ChatFormatter
+from router.choices import Accumulator
+from router.openai.format import ChatFormatter
 from router.tool_calls import FALLBACK_PARSER, ToolParser
 from tests.router_fakes import load_tokenizer
 from tests.tool_helpers import WEATHER

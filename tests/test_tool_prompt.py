@@ -10,7 +10,7 @@ import json
 import pytest
 
 from router.errors import APIError
-from router.openai_schema import ChatCompletionRequest
+from router.openai.request import ChatCompletionRequest
 from router.params import prepare_chat
 from router.tool_calls import tool_parser_for
 from router.tool_prompt import template_renders_tools

@@ -1,9 +1,9 @@
 """POST /v1/responses: OpenAI's Responses API, stateless, served through the chat completions path.
 
-A request is validated (router/responses_schema.py: every key of OpenAI's ResponseCreateParams honoured,
+A request is validated (router/responses/request.py: every key of OpenAI's ResponseCreateParams honoured,
 echoed or refused by name), translated into the OpenAI chat request it means, and then takes the chat
 path unchanged (`prepare_chat`: template, tools, grammar, sampling; `serve_prepared`: engine, SSE, errors),
-with its own formatter (router/responses_stream.py). The translation:
+with its own formatter (router/responses/format.py). The translation:
 
     instructions                     a first system message
     input "text"                     one user message
@@ -28,21 +28,16 @@ of the chat path name the Responses field (`messages` -> `input`, `response_form
 from __future__ import annotations
 
 import re
-import time
-import uuid
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from pydantic import ValidationError
 
-from router.body import read_request
-from router.errors import APIError, bad_request, from_validation_error
-from router.openai_schema import ChatCompletionRequest
-from router.params import prepare_chat
-from router.responses_schema import ResponsesRequest, TextConfig, parts_text
-from router.responses_stream import ResponsesFormatter
-from router.serving import serve_prepared
+from router.errors import APIError, bad_request
+from router.openai.request import ChatCompletionRequest
+from router.responses.request import ResponsesRequest, TextConfig, parts_text
+from router.responses.format import ResponsesFormatter
+from router.serving import FrontDoor, ServingContext, serve
 
 _RENAMES = ((re.compile(r"^messages.*"), "input"),
             (re.compile(r"^response_format\.json_schema\.schema"), "text.format.schema"),
@@ -147,28 +142,19 @@ def chat_body(req: ResponsesRequest, model: str) -> dict[str, Any]:
     return {k: v for k, v in body.items() if v is not None}
 
 
-def install_responses_api(app: FastAPI, *, resolve_model: Callable[[Optional[str]], str],
-                          body_limit: Callable[[], int], request_timeout_s: float) -> None:
-    """Add POST /v1/responses to the router's app (its engine, tokenizer and metrics from `app.state`);
-    `resolve_model` maps the requested name to a served one (404 otherwise), `body_limit()` is the body size
-    limit, `request_timeout_s` the engine stall timeout, as for the chat endpoint."""
-    engine, tokenizer, metrics = app.state.engine, app.state.tokenizer, app.state.metrics
+def _translate(req: ResponsesRequest, model: str, context: dict[str, Any]) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate(chat_body(req, model), context=context)
+
+
+RESPONSES = FrontDoor(ResponsesRequest, "resp_", _translate,
+                      lambda req, prepared, tok, created: ResponsesFormatter(prepared, tok, req, created),
+                      rename=renamed)
+
+
+def install_responses_api(app: FastAPI, ctx: ServingContext) -> None:
+    """Add POST /v1/responses to the router's `app`, served with `ctx`."""
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         """OpenAI's Responses API, stateless: the whole conversation in `input`, nothing stored."""
-        arrival, arrival_wall = time.monotonic(), time.time()
-        context = {"max_model_len": engine.max_model_len}
-        req = await read_request(request, ResponsesRequest, body_limit(), context)
-        model = resolve_model(req.model)
-        try:
-            chat = ChatCompletionRequest.model_validate(chat_body(req, model), context=context)
-            prepared = await prepare_chat(chat, tokenizer, request_id="resp_" + uuid.uuid4().hex, model=model,
-                                          max_model_len=engine.max_model_len, arrival_time=arrival_wall)
-        except ValidationError as exc:
-            raise renamed(from_validation_error(exc)) from None
-        except APIError as exc:
-            raise renamed(exc) from None
-        formatter = ResponsesFormatter(prepared, tokenizer, req, int(arrival_wall))
-        return await serve_prepared(request, prepared, formatter, engine=engine, metrics=metrics,
-                                    stall_timeout_s=request_timeout_s, arrival=arrival)
+        return await serve(request, RESPONSES, ctx)

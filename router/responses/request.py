@@ -1,9 +1,9 @@
 """Pydantic models of the requests of OpenAI's Responses API (POST /v1/responses), the stateless subset
-mlx-pd serves (the answers are in router/responses_output.py).
+mlx-pd serves (the answers are in router/responses/output.py).
 
 The request mirrors `openai.types.responses.response_create_params.ResponseCreateParamsBase`; which of its
-keys are honoured, echoed or refused is router/responses_audit.py's table, applied here. Shapes are
-normalised so the translation (router/responses_api.py) sees one form:
+keys are honoured, echoed or refused is router/responses/fields.py's table, applied here. Shapes are
+normalised so the translation (router/responses/endpoints.py) sees one form:
 
     input                   "text" | [item, ...]                    ->  [item, ...] ("text" = one user message)
     item.content, .output   "text" | [{"type": "input_text", ...}]  ->  [part, ...]
@@ -23,11 +23,11 @@ from typing import Any, Optional, Union
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from router.field_audit import check_field
-from router.openai_schema import CONTEXT_LENGTH_EXCEEDED, Refused, _count, context_length_message
+from router.request_model import check_field
+from router.openai.request import CONTEXT_LENGTH_EXCEEDED, Refused, _count, context_length_message
 from router.request_model import RequestModel
-from router.responses_audit import INCLUDE_LOGPROBS, INCLUDE_SERVED, RESPONSES_REFUSED
-from router.tool_schema import NAME_PATTERN, check_json_schema
+from router.responses.fields import INCLUDE_LOGPROBS, INCLUDE_SERVED, RESPONSES_REFUSED
+from router.openai.tools import NAME_PATTERN, check_json_schema
 
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text")
@@ -261,7 +261,7 @@ def check_tool_choice(value: Any) -> Any:
 
 class ResponsesRequest(_Request):
     """POST /v1/responses. Every key of OpenAI's ResponseCreateParams is in RESPONSES_HONOURED, RESPONSES_METADATA
-    or RESPONSES_REFUSED (router/responses_audit.py); a refused one gets a 400 naming it unless its value asks
+    or RESPONSES_REFUSED (router/responses/fields.py); a refused one gets a 400 naming it unless its value asks
     for what the server does anyway, e.g. `store: false`."""
 
     MOVED = {"messages": "send the conversation as input (a string or items)",

@@ -1,6 +1,6 @@
 """Pydantic v2 models of the bodies the router answers with (OpenAI's chat.completion, chat.completion.chunk,
 text_completion, error and model list objects). Fields that are None where OpenAI leaves them out are left out
-(`exclude_if`); router/openai_schema.py re-exports every name here."""
+(`exclude_if`); router/openai/request.py re-exports every name here."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field
 
-from router.tool_schema import DeltaToolCall, ToolCallOut
+from router.openai.tools import DeltaToolCall, ToolCallOut
 
 
 def _omit_none(value: Any) -> bool:

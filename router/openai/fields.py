@@ -18,26 +18,7 @@ Unknown keys (not in the SDK) are ignored, as OpenAI does. Message fields are au
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """A refused field: `allowed(value)` is True for the values that ask for nothing the router lacks;
-    `advice` says what to do instead (the 400's message after the field name)."""
-
-    allowed: Callable[[Any], bool]
-    advice: str
-
-
-def _absent(value: Any) -> bool:
-    return value is None
-
-
-def _one_of(*values: Any) -> Callable[[Any], bool]:
-    return lambda value: value is None or any(value == v and type(value) is type(v) for v in values)
-
+from router.request_model import Refusal, absent, one_of
 
 CHAT_HONOURED = frozenset({
     "model", "messages", "stream", "stream_options", "n", "max_tokens", "max_completion_tokens", "temperature",
@@ -50,47 +31,38 @@ CHAT_METADATA = frozenset({"user", "metadata", "safety_identifier", "prompt_cach
 COMPLETION_METADATA = frozenset({"user"})
 
 CHAT_REFUSED: dict[str, Refusal] = {
-    "audio": Refusal(_absent, "audio output is not served (this server generates text): leave audio out"),
-    "modalities": Refusal(_one_of(["text"]), "only text output is served: leave modalities out or send [\"text\"]"),
-    "prediction": Refusal(_absent, "predicted outputs are not supported: leave prediction out"),
-    "web_search_options": Refusal(_absent, "web search is not available on this server: leave web_search_options "
+    "audio": Refusal(absent, "audio output is not served (this server generates text): leave audio out"),
+    "modalities": Refusal(one_of(["text"]), "only text output is served: leave modalities out or send [\"text\"]"),
+    "prediction": Refusal(absent, "predicted outputs are not supported: leave prediction out"),
+    "web_search_options": Refusal(absent, "web search is not available on this server: leave web_search_options "
                                            "out"),
-    "store": Refusal(_one_of(False), "completions are not stored on this server: leave store out or send false"),
-    "service_tier": Refusal(_one_of("auto", "default"),
+    "store": Refusal(one_of(False), "completions are not stored on this server: leave store out or send false"),
+    "service_tier": Refusal(one_of("auto", "default"),
                             "this server has one service tier: leave service_tier out or send \"auto\""),
-    "reasoning_effort": Refusal(_absent, "this server runs no reasoning-effort control: leave reasoning_effort "
+    "reasoning_effort": Refusal(absent, "this server runs no reasoning-effort control: leave reasoning_effort "
                                          "out"),
-    "verbosity": Refusal(_absent, "verbosity control is not supported: leave verbosity out and say how long "
+    "verbosity": Refusal(absent, "verbosity control is not supported: leave verbosity out and say how long "
                                   "an answer should be in the messages"),
-    "functions": Refusal(_absent, "the deprecated functions field is not supported: send each function as "
+    "functions": Refusal(absent, "the deprecated functions field is not supported: send each function as "
                                   "tools=[{\"type\": \"function\", \"function\": {...}}]"),
-    "function_call": Refusal(_absent, "the deprecated function_call field is not supported: send tool_choice "
+    "function_call": Refusal(absent, "the deprecated function_call field is not supported: send tool_choice "
                                       "(\"none\", \"auto\", \"required\" or {\"type\": \"function\", "
                                       "\"function\": {\"name\": ...}})"),
-    "moderation": Refusal(_absent, "moderation is not run on this server: leave moderation out"),
-    "prompt_cache_options": Refusal(_absent, "the prefix cache is automatic (content-addressed, in memory): "
+    "moderation": Refusal(absent, "moderation is not run on this server: leave moderation out"),
+    "prompt_cache_options": Refusal(absent, "the prefix cache is automatic (content-addressed, in memory): "
                                              "leave prompt_cache_options out"),
-    "prompt_cache_retention": Refusal(_one_of("in_memory"), "the prefix cache lives in memory only: leave "
+    "prompt_cache_retention": Refusal(one_of("in_memory"), "the prefix cache lives in memory only: leave "
                                                             "prompt_cache_retention out or send \"in_memory\""),
 }
 COMPLETION_REFUSED: dict[str, Refusal] = {
-    "best_of": Refusal(_one_of(1), "best_of > 1 is not supported: leave it out (or 1) and use n for several "
+    "best_of": Refusal(one_of(1), "best_of > 1 is not supported: leave it out (or 1) and use n for several "
                                    "completions"),
-    "suffix": Refusal(_one_of(""), "suffix (fill-in-the-middle) is not supported: leave suffix out"),
+    "suffix": Refusal(one_of(""), "suffix (fill-in-the-middle) is not supported: leave suffix out"),
 }
 MESSAGE_REFUSED: dict[str, Refusal] = {
-    "audio": Refusal(_absent, "earlier audio answers cannot be replayed: leave the message's audio out"),
-    "function_call": Refusal(_absent, "the deprecated function_call of a message is not supported: send the "
+    "audio": Refusal(absent, "earlier audio answers cannot be replayed: leave the message's audio out"),
+    "function_call": Refusal(absent, "the deprecated function_call of a message is not supported: send the "
                                       "call as tool_calls=[{\"id\", \"type\": \"function\", \"function\": {...}}]"),
-    "refusal": Refusal(_absent, "a refusal of an earlier answer cannot be replayed: send it as the message's "
+    "refusal": Refusal(absent, "a refusal of an earlier answer cannot be replayed: send it as the message's "
                                 "content"),
 }
-
-
-def check_field(table: dict[str, Refusal], field: str, value: Any) -> Any:
-    """`value` when `field` may have it; ValueError with the field's advice otherwise (pydantic puts the
-    field's name in front)."""
-    refusal = table.get(field)
-    if refusal is not None and not refusal.allowed(value):
-        raise ValueError(refusal.advice)
-    return value

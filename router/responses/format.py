@@ -36,11 +36,11 @@ from typing import Any, Optional, Sequence, Union
 from cluster.request import RequestOutput, TokenLogprob
 from router.errors import APIError
 from router.params import PreparedRequest
-from router.openai_schema import Usage
-from router.responses import Accumulator, ChoiceState, clamp_logprob
-from router.responses_output import (FunctionCallItem, IncompleteDetails, InputTokensDetails, OutputLogprob,
+from router.openai.request import Usage
+from router.choices import Accumulator, ChoiceState, clamp_logprob
+from router.responses.output import (FunctionCallItem, IncompleteDetails, InputTokensDetails, OutputLogprob,
                                      OutputMessage, OutputText, OutputTopLogprob, ResponseObject, ResponseUsage)
-from router.responses_schema import ResponsesRequest
+from router.responses.request import ResponsesRequest
 from router.tokenizer import RouterTokenizer
 from router.tool_calls import ContentDelta, ToolCallArguments, ToolCallStarted
 

@@ -23,15 +23,16 @@ from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
 from cluster.request import MAX_DRAFT_TOKENS
-from router.field_audit import CHAT_REFUSED, COMPLETION_REFUSED, MESSAGE_REFUSED, check_field
-from router.openai_output import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
+from router.openai.fields import CHAT_REFUSED, COMPLETION_REFUSED, MESSAGE_REFUSED
+from router.request_model import check_field
+from router.openai.output import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
                                   ChatLogprobs, ChatMessageOut, CompletionChoice, CompletionLogprobs,
                                   CompletionResponse, DeltaMessage, ErrorInfo, ErrorResponse, ModelCard, ModelList,
                                   PromptTokensDetails, TokenLogprobOut, TopLogprob, Usage)
 from router.request_model import RequestModel
-from router.tool_schema import MessageToolCall, ResponseFormat, ToolChoice, ToolDefinition, check_tool_choice
+from router.openai.tools import MessageToolCall, ResponseFormat, ToolChoice, ToolDefinition, check_tool_choice
 
-__all__ = [  # the response models live in router/openai_output.py; importing them from here keeps working
+__all__ = [  # the response models live in router/openai/output.py; importing them from here keeps working
     "ChatChoice", "ChatChunkChoice", "ChatCompletionChunk", "ChatCompletionResponse", "ChatLogprobs",
     "ChatMessageOut", "CompletionChoice", "CompletionLogprobs", "CompletionResponse", "DeltaMessage", "ErrorInfo",
     "ErrorResponse", "ModelCard", "ModelList", "PromptTokensDetails", "TokenLogprobOut", "TopLogprob", "Usage",
@@ -84,7 +85,7 @@ class _Request(RequestModel):
     """Unknown keys ignored, near misses of known fields refused (router/request_model.py)."""
 
 
-Refused = SkipJsonSchema[Any]  # a field of router/field_audit.py's refusal tables (left out of the OpenAPI schema)
+Refused = SkipJsonSchema[Any]  # a field of router/openai/fields.py's refusal tables (left out of the OpenAPI schema)
 
 
 class StreamOptions(_Request):
@@ -226,8 +227,8 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions. Without max_tokens/max_completion_tokens the context left is the limit.
-    Tools, tool_choice and response_format are router/tool_schema.py's models; the fields of
-    router/field_audit.py's CHAT_REFUSED are read only to refuse them by name.
+    Tools, tool_choice and response_format are router/openai/tools.py's models; the fields of
+    router/openai/fields.py's CHAT_REFUSED are read only to refuse them by name.
 
     Validated with `context={"max_model_len": N}`, more than N messages are refused by their number before
     any is validated or rendered: a chat template renders every message to at least one token (its role

@@ -1,5 +1,5 @@
 """Pydantic models of the Anthropic Messages requests the router serves (the shapes of the `anthropic` SDK's
-`MessageCreateParams` and `MessageCountTokensParams`; the answers are in router/anthropic_output.py).
+`MessageCreateParams` and `MessageCountTokensParams`; the answers are in router/anthropic/output.py).
 
 Requests ignore unknown keys (as the OpenAI models do) and refuse, with a 400 naming the field, every key of
 the SDK's request types that the router cannot honour (`MESSAGES_REFUSED`), so nothing a client asks for is dropped
@@ -28,57 +28,14 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidat
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
-from router.field_audit import Refusal, check_field
-from router.openai_schema import _count, check_turn_count
+from router.anthropic.fields import MESSAGES_REFUSED
+from router.request_model import check_field
+from router.openai.request import _count, check_turn_count
 from router.request_model import RequestModel
-from router.tool_schema import NAME_PATTERN, check_json_schema
+from router.openai.tools import NAME_PATTERN, check_json_schema
 
 MAX_STOP_SEQUENCES = 16  # cluster.request.SamplingParams' limit on stop strings
 Refused = SkipJsonSchema[Any]  # a field of MESSAGES_REFUSED (left out of the OpenAPI schema)
-
-
-def _absent(value: Any) -> bool:
-    return value is None
-
-
-def _one_of(*values: Any) -> Callable[[Any], bool]:
-    return lambda value: value is None or any(value == v and type(value) is type(v) for v in values)
-
-
-# Every key of the anthropic SDK's MessageCreateParams (and of the beta one) is in one of these sets
-# (tests/test_anthropic_api.py walks them), as router/field_audit.py does for OpenAI's fields.
-MESSAGES_HONOURED = frozenset({
-    "model", "messages", "max_tokens", "system", "stop_sequences", "temperature", "top_p", "top_k", "stream",
-    "tools", "tool_choice", "output_config", "cache_control"})
-MESSAGES_METADATA = frozenset({"metadata"})  # `user_id`, accepted with no effect on the output
-MESSAGES_REFUSED: dict[str, Refusal] = {
-    "thinking": Refusal(_one_of({"type": "disabled"}), "extended thinking is not supported by this server: leave "
-                                                       "thinking out or send {\"type\": \"disabled\"}"),
-    "service_tier": Refusal(_one_of("auto", "standard_only"), "this server has one (standard) service tier: leave "
-                                                              "service_tier out or send \"auto\""),
-    "speed": Refusal(_one_of("standard"), "this server has one speed: leave speed out or send \"standard\""),
-    "container": Refusal(_absent, "containers (code execution) are not supported by this server: leave container "
-                                  "out"),
-    "diagnostics": Refusal(_absent, "prompt-cache diagnostics are not supported by this server: leave diagnostics "
-                                    "out (usage.cache_read_input_tokens reports prefix-cache hits)"),
-    "inference_geo": Refusal(_absent, "this server has no inference regions: leave inference_geo out"),
-    "user_profile_id": Refusal(_absent, "user profiles are not supported by this server: leave user_profile_id "
-                                        "out"),
-    "workspace_id": Refusal(_absent, "workspaces are not supported by this server: leave workspace_id out"),
-    "mcp_servers": Refusal(_absent, "MCP servers are not supported by this server: leave mcp_servers out and "
-                                    "send their tools as custom tools"),
-    "context_management": Refusal(_absent, "context management is not supported by this server: leave "
-                                           "context_management out"),
-    "betas": Refusal(_absent, "beta features are not supported by this server: leave betas out"),
-    "compaction": Refusal(_absent, "compaction is not supported by this server: leave compaction out"),
-    "fallbacks": Refusal(_absent, "model fallbacks are not supported by this server: leave fallbacks out"),
-    "fallback_credit_token": Refusal(_absent, "model fallbacks are not supported by this server: leave "
-                                              "fallback_credit_token out"),
-    "billing_policy": Refusal(_absent, "billing policies are not supported by this server: leave billing_policy "
-                                       "out"),
-    "thread": Refusal(_absent, "server-side threads are not supported by this server: leave thread out and send "
-                               "the whole conversation in messages"),
-}
 
 
 class _Request(RequestModel):

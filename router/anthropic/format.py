@@ -33,11 +33,11 @@ import json
 from typing import Any, Optional, Union
 
 from cluster.request import RequestOutput
-from router.anthropic_output import MessageResponse, MessageUsage, StopReason, TextOut, ToolUseOut
+from router.anthropic.output import MessageResponse, MessageUsage, StopReason, TextOut, ToolUseOut
 from router.errors import APIError
-from router.openai_schema import Usage
+from router.openai.request import Usage
 from router.params import PreparedRequest
-from router.responses import Accumulator, ChoiceState
+from router.choices import Accumulator, ChoiceState
 from router.tool_calls import ContentDelta, ToolCallArguments, ToolCallStarted, ToolCallStream, ToolEvent
 
 

@@ -2,7 +2,7 @@
 
 A Messages request is translated into the OpenAI chat request that asks for the same thing (`chat_body`), which
 then takes the Chat Completions path (router/params.py: chat template, tools, grammar, GenerateRequests;
-router/serving.py: engine, failure rules), with Anthropic's formatter (router/anthropic_responses.py):
+router/serving.py: engine, failure rules), with Anthropic's formatter (router/anthropic/format.py):
 
     system (string or text blocks)     a system message first
     user turn: text blocks             a user message (blocks joined by newlines)
@@ -29,23 +29,20 @@ from __future__ import annotations
 
 import json
 import re
-import time
-import uuid
-from typing import Any, Callable, Union
+from typing import Any, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from router.anthropic_output import CountTokensResponse
-from router.anthropic_responses import AnthropicFormatter
-from router.anthropic_schema import (CountTokensRequest, MessageParam, MessagesRequest, TextBlockParam,
+from router.anthropic.output import CountTokensResponse
+from router.anthropic.format import AnthropicFormatter
+from router.anthropic.request import (CountTokensRequest, MessageParam, MessagesRequest, TextBlockParam,
                                      ToolResultBlockParam, ToolUseBlockParam)
-from router.body import read_request
 from router.errors import APIError, bad_request, from_validation_error
-from router.openai_schema import ChatCompletionRequest
-from router.params import clamp_max_tokens, prepare_chat, tokenize_chat
-from router.serving import serve_prepared
+from router.openai.request import ChatCompletionRequest
+from router.params import clamp_max_tokens, tokenize_chat
+from router.serving import FrontDoor, ServingContext, serve
 
 _CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 _RENAMES = [(re.compile(r"^response_format\.json_schema\.schema"), "output_config.format.schema"),
@@ -171,40 +168,34 @@ def to_chat_request(req: Union[CountTokensRequest, MessagesRequest], context: di
         raise _anthropic_names(from_validation_error(exc)) from None
 
 
-def install_anthropic_api(app: FastAPI, *, resolve_model: Callable[[Any], str], body_limit: Callable[[], int],
-                          request_timeout_s: float) -> None:
-    """Add the Messages endpoints to the router's `app` (engine, tokenizer and metrics from `app.state`);
-    `resolve_model` maps a requested model name to the served one (404 otherwise), `body_limit()` is the body
-    size limit in bytes, `request_timeout_s` the engine's stall timeout (as for Chat Completions)."""
-    engine, tokenizer, metrics = app.state.engine, app.state.tokenizer, app.state.metrics
+def _translate(req: MessagesRequest, _model: str, context: dict[str, Any]) -> ChatCompletionRequest:
+    return to_chat_request(req, context)
+
+
+MESSAGES = FrontDoor(MessagesRequest, "msg_", _translate,
+                     lambda req, prepared, _tok, _created: AnthropicFormatter(prepared, req.max_tokens),
+                     rename=_anthropic_names)
+
+
+def install_anthropic_api(app: FastAPI, ctx: ServingContext) -> None:
+    """Add the Messages endpoints to the router's `app`, served with `ctx`."""
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
         """Anthropic's Messages: one answer (JSON, or Anthropic's SSE events with "stream": true)."""
-        arrival, arrival_wall = time.monotonic(), time.time()
-        context = {"max_model_len": engine.max_model_len}
-        req = await read_request(request, MessagesRequest, body_limit(), context)
-        model = resolve_model(req.model)
-        chat = to_chat_request(req, context)
-        try:
-            prepared = await prepare_chat(chat, tokenizer, request_id="msg_" + uuid.uuid4().hex, model=model,
-                                          max_model_len=engine.max_model_len, arrival_time=arrival_wall)
-        except APIError as exc:
-            raise _anthropic_names(exc) from None
-        return await serve_prepared(request, prepared, AnthropicFormatter(prepared, req.max_tokens), engine=engine,
-                                    metrics=metrics, stall_timeout_s=request_timeout_s, arrival=arrival)
+        return await serve(request, MESSAGES, ctx)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> JSONResponse:
         """The number of tokens of the prompt a Messages request renders to (system, turns and tools); a prompt
         that leaves no room in the context is the 400 a Messages request gets, found after bounded work."""
-        context = {"max_model_len": engine.max_model_len}
-        req = await read_request(request, CountTokensRequest, body_limit(), context)
-        resolve_model(req.model)
-        chat = to_chat_request(req, context)
+        req = await ctx.read(request, CountTokensRequest)
+        ctx.resolve_model(req.model)
+        chat = to_chat_request(req, ctx.context)
+        max_model_len = ctx.engine.max_model_len
         try:
-            _, ids = await tokenize_chat(chat, tokenizer, engine.max_model_len)
-            clamp_max_tokens(None, len(ids), engine.max_model_len, "messages")
+            _, ids = await tokenize_chat(chat, ctx.tokenizer, max_model_len)
+            clamp_max_tokens(None, len(ids), max_model_len, "messages")
         except APIError as exc:
             raise _anthropic_names(exc) from None
         return JSONResponse(CountTokensResponse(input_tokens=len(ids)).model_dump())

@@ -1,6 +1,6 @@
 """Pydantic models of the bodies the router answers on Anthropic's Messages endpoints (the shapes of the
 `anthropic` SDK's `Message`, `Usage`, `MessageTokensCount` and `ErrorResponse`); the streamed events are built
-from them in router/anthropic_responses.py. The requests are in router/anthropic_schema.py."""
+from them in router/anthropic/format.py. The requests are in router/anthropic/request.py."""
 
 from __future__ import annotations
 

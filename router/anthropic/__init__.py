@@ -1,0 +1,1 @@
+"""Anthropic's Messages API: request models, field audit, answers, formatter, endpoints."""

@@ -1,0 +1,1 @@
+"""OpenAI's Responses API (stateless): request models, field audit, answers, formatter, endpoints."""
