@@ -5,6 +5,7 @@ Single-node form (what `mlx-pd serve --topology FILE` reads; `topologies/single-
     [model]
     source = "SmolLM2-135M-Instruct"   # a folder, a .gguf file or a repo id (cluster.model.resolve_model_path)
     served_name = "SmolLM2-135M-Instruct"
+    aliases = ["claude-*", "gpt-5*"]     # more names clients may use (globs allowed; see ModelSection)
 
     [engine]                             # any field of cluster.config.EngineConfig
     kv_cache_gb = 1.0
@@ -53,10 +54,21 @@ TOPOLOGY_DIR = Path(__file__).resolve().parent.parent / "topologies"
 
 @dataclass(frozen=True)
 class ModelSection:
-    """`[model]`: what to load and the name clients use."""
+    """`[model]`: what to load, the name clients use, and `aliases`: more names the model answers to (as vLLM's
+    `--served-model-name` takes several), each a name or a shell-style glob (`claude-*`), so agent clients that
+    send their own default model ids (Claude Code's `claude-...`, Codex's `gpt-5...`) work unconfigured."""
 
     source: Optional[str] = None
     served_name: Optional[str] = None
+    aliases: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        aliases = self.aliases
+        if isinstance(aliases, list):
+            aliases = tuple(aliases)
+            object.__setattr__(self, "aliases", aliases)
+        if not isinstance(aliases, tuple) or not all(isinstance(a, str) and a.strip() for a in aliases):
+            raise ValueError(f"aliases={self.aliases!r} must be a list of non-empty names or globs")
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,11 @@ themselves, accepting its login cookie too. Errors on /v1/messages take Anthropi
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import hmac
 import inspect
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
@@ -79,10 +80,21 @@ class BearerAuthMiddleware:
         await err.response(scope.get("path"))(scope, receive, send)
 
 
+def resolves(requested: str, names: list[str]) -> bool:
+    """`requested` is one of `names` or matches one of them that is a shell-style glob (`claude-*`)."""
+    return requested in names or any(fnmatch.fnmatchcase(requested, n) for n in names if _is_glob(n))
+
+
+def _is_glob(name: str) -> bool:
+    return any(c in name for c in "*?[")
+
+
 def create_app(engine: EngineClient, tokenizer: RouterTokenizer, *, served_model_names: list[str],
                api_key: Optional[str] = None, request_timeout_s: float = 600.0,
                metrics: Optional[RouterMetrics] = None, max_body_bytes: Optional[int] = None) -> FastAPI:
-    """The router's FastAPI app serving `engine` under the names `served_model_names` (first = default).
+    """The router's FastAPI app serving `engine` under the names `served_model_names` (first = default; the
+    others are aliases, each a name or a shell-style glob such as `claude-*`; a request's `model` is echoed in
+    its answer; `GET /v1/models` lists the names that are not globs).
 
     `api_key`: require this bearer key (None = open). `request_timeout_s`: a request whose engine
     produces nothing for this long ends with an error and is aborted. `metrics`: share a RouterMetrics
@@ -122,9 +134,11 @@ def create_app(engine: EngineClient, tokenizer: RouterTokenizer, *, served_model
     def resolve_model(requested: Optional[str]) -> str:
         if requested is None or requested == "":
             return names[0]
-        if requested not in names:
+        if not resolves(requested, names):
             raise APIError(404, f"the model {requested!r} does not exist: this server serves "
-                                f"{', '.join(repr(n) for n in names)}", param="model", code="model_not_found")
+                                f"{', '.join(repr(n) for n in names)} (add more names with "
+                                "--served-model-name NAME ALIAS..., or [model] aliases in the topology)",
+                           param="model", code="model_not_found")
         return requested
 
     def body_limit() -> int:
@@ -140,7 +154,7 @@ def create_app(engine: EngineClient, tokenizer: RouterTokenizer, *, served_model
     async def list_models() -> ModelList:
         """The served model names."""
         return ModelList(data=[ModelCard(id=n, created=created, max_model_len=engine.max_model_len)
-                               for n in names])
+                               for n in names if not _is_glob(n)])
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> ModelCard:
@@ -178,10 +192,13 @@ def create_app(engine: EngineClient, tokenizer: RouterTokenizer, *, served_model
 
 
 def create_app_for_model(engine: EngineClient, model_path, api_key: Optional[str] = None,
-                         request_timeout_s: float = 600.0, max_body_bytes: Optional[int] = None) -> FastAPI:
+                         request_timeout_s: float = 600.0, max_body_bytes: Optional[int] = None,
+                         aliases: Sequence[str] = ()) -> FastAPI:
     """`create_app` for a served model folder: its tokenizer and chat template from `model_path`, the engine's
-    `model_name` as the one served name (single-node `serve`, `mlx-pd router` and the cluster's router actor).
+    `model_name` as the served name and `aliases` as more names (single-node `serve`, `mlx-pd router` and the
+    cluster's router actor).
 
     `api_key` None or "" leaves it open; `max_body_bytes` None sizes the body limit to the context."""
-    return create_app(engine, RouterTokenizer.from_path(model_path), served_model_names=[engine.model_name],
+    names = [engine.model_name, *[a for a in aliases if a != engine.model_name]]
+    return create_app(engine, RouterTokenizer.from_path(model_path), served_model_names=names,
                       api_key=api_key or None, request_timeout_s=request_timeout_s, max_body_bytes=max_body_bytes)

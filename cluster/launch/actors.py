@@ -206,7 +206,8 @@ class RouterActor:
                 raise RuntimeError(f"no answer within {wait_s:.0f} s from {', '.join(silent)} (check the "
                                    "workers' host addresses, firewalls and CurveZMQ keys)")
             self._ready = True
-            app = create_app_for_model(self._client, path, api_key, request_timeout_s, topology.router.max_body_bytes)
+            app = create_app_for_model(self._client, path, api_key, request_timeout_s, topology.router.max_body_bytes,
+                                       aliases=topology.model.aliases)
             config = uvicorn.Config(app, host=self.host, port=self.port, log_level="warning",
                                     timeout_graceful_shutdown=5)
             self._server = uvicorn.Server(config)

@@ -37,7 +37,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "flags given on the command line override it")
     p.add_argument("--model", default=None,
                    help="mlx-lm model folder, .gguf file or Hugging Face repo id (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--served-model-name", default=None, help="name clients use in the `model` field")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="name clients use in the `model` field; more names are aliases the model also answers "
+                        "to, globs allowed (e.g. --served-model-name qwen3 'claude-*' 'gpt-5*' for agent CLIs "
+                        "that send their own model ids)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weights and KV dtype (default: float32 on Linux's CPU backend, bfloat16 on a Mac)")
     p.add_argument("--kv-cache-gb", type=float, default=None, help=f"KV pool budget in GiB (default {d.kv_cache_gb})")
@@ -113,8 +116,13 @@ def _start(args: argparse.Namespace):
 
     topology = _topology(args)
     model = args.model or topology.model.source
-    name = args.served_model_name or topology.model.served_name
+    name = args.served_model_name[0] if args.served_model_name else topology.model.served_name
     return start_single_node_engine(model, _engine_config(args, topology), name)
+
+
+def _aliases(args: argparse.Namespace, topology) -> tuple[str, ...]:
+    """More names the served model answers to: the flag's names after the first, else the topology's."""
+    return tuple(args.served_model_name[1:]) if args.served_model_name else topology.model.aliases
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -127,7 +135,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     port = args.port or topology.router.port
     client, path = _start(args)
     app = create_app_for_model(client, path, args.api_key,
-                               max_body_bytes=args.max_body_bytes or topology.router.max_body_bytes)
+                               max_body_bytes=args.max_body_bytes or topology.router.max_body_bytes,
+                               aliases=_aliases(args, topology))
     print(f"mlx-pd: serving {client.model_name} at http://{host}:{port}/v1 "
           f"(context {client.max_model_len} tokens)", file=sys.stderr, flush=True)
     try:

@@ -61,7 +61,8 @@ def run_router(topology_path: str, api_key: Optional[str] = None, log_level: str
 
     topology = load_topology(topology_path)
     client, path = cluster_router_client(topology)
-    app = create_app_for_model(client, path, api_key, max_body_bytes=topology.router.max_body_bytes)
+    app = create_app_for_model(client, path, api_key, max_body_bytes=topology.router.max_body_bytes,
+                               aliases=topology.model.aliases)
     host, port = topology.router.host, topology.router.port
     print(f"mlx-pd: router for {topology.name} at http://{host}:{port}/v1", file=sys.stderr, flush=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
