@@ -122,8 +122,9 @@ class ServingContext:
 
     @property
     def context(self) -> dict[str, Any]:
-        """The validation context of request models (the engine's context length)."""
-        return {"max_model_len": self.engine.max_model_len}
+        """The validation context of request models and doors: the engine's context length, the served model's
+        name (not an alias)."""
+        return {"max_model_len": self.engine.max_model_len, "served_model": getattr(self.engine, "model_name", "")}
 
     async def read(self, http_request: Request, model: type[BaseModel]) -> Any:
         """The request body validated as `model` (router/body.py's rules)."""

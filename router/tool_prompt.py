@@ -4,7 +4,9 @@ Native rendering (the template renders tools itself and mlx-lm knows its call fo
 the tools go to `apply_chat_template(messages, tools=...)`; an assistant turn keeps its `tool_calls` with
 the arguments parsed from JSON text to an object (as vLLM and mlx-lm hand them to templates, which write
 them with `tojson`); a tool turn keeps `tool_call_id` and gets the called function's `name`; a content of
-None becomes "" (templates concatenate it).
+None becomes "" (templates concatenate it); an assistant turn's reasoning (`reasoning_content` or `reasoning`)
+goes to the template as `reasoning_content`, which thinking models' templates read (most keep it only for the
+turns after the last user message). The fallback rendering drops reasoning.
 
 Fallback rendering (a template that ignores `tools`, such as SmolLM2's plain ChatML, or one whose call format
 mlx-lm cannot parse), in the Hermes style the json_tools parser reads:
@@ -92,6 +94,8 @@ def _native(messages: Sequence[Any], called: dict[str, str]) -> list[dict[str, A
         message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
         if m.name:
             message["name"] = m.name
+        if m.role == "assistant" and m.reasoning_text:
+            message["reasoning_content"] = m.reasoning_text  # templates that keep reasoning read this name
         if m.tool_calls:
             message["tool_calls"] = [{"id": c.id, "type": "function",
                                       "function": {"name": c.function.name, "arguments": c.function.arguments}}

@@ -16,7 +16,7 @@ from anthropic.types.beta import message_create_params as beta_message_create_pa
 from starlette.testclient import TestClient
 
 from cluster.engine_client import EngineError
-from router.anthropic.fields import MESSAGES_HONOURED, MESSAGES_METADATA, MESSAGES_REFUSED
+from router.anthropic.fields import MESSAGES_HONOURED, MESSAGES_ACCEPTED, MESSAGES_REFUSED
 from router.app import create_app
 from tests.engine_helpers import chat_prompt
 from tests.live_server import live_server
@@ -29,8 +29,7 @@ QUESTION = [{"role": "user", "content": "Tell me a story about a dragon."}]
 WEATHER = {"name": "get_weather", "description": "Get the current weather in a city.",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 # a value each refused field cannot take (the others refuse any value that is not null)
-REFUSED_VALUES = {"thinking": {"type": "enabled", "budget_tokens": 1024}, "service_tier": "priority",
-                  "speed": "fast"}
+REFUSED_VALUES: dict = {}
 
 
 @pytest.fixture(scope="module")
@@ -129,13 +128,14 @@ def test_output_config_format_makes_the_answer_json_following_the_schema(client)
 
 
 def test_an_unsupported_field_is_refused_in_anthropic_shape(client):
-    """thinking, an image block and an unknown model are refused in Anthropic's error shape, naming what."""
+    """An unknown thinking type, an image block and an unknown model are refused in Anthropic's error shape,
+    naming what."""
     with pytest.raises(anthropic.BadRequestError) as exc:
         client.messages.create(model=MODEL, max_tokens=4, messages=QUESTION,
-                               thinking={"type": "enabled", "budget_tokens": 1024})
+                               extra_body={"thinking": {"type": "sometimes"}})
     assert exc.value.status_code == 400 and exc.value.body["type"] == "error"
     assert exc.value.body["error"]["type"] == "invalid_request_error"
-    assert exc.value.body["error"]["message"].startswith("thinking:")
+    assert exc.value.body["error"]["message"].startswith("thinking.type:")
     with pytest.raises(anthropic.BadRequestError) as exc:
         client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}])
@@ -167,10 +167,10 @@ def test_every_request_key_of_the_sdk_is_honoured_or_refused_by_name(client, par
     """Each key of the SDK's request type is in one of the sets, and each refused one is answered with a 400
     whose message starts with its name."""
     keys = set(typing.get_type_hints(params))
-    assert not MESSAGES_HONOURED & MESSAGES_METADATA and not (MESSAGES_HONOURED | MESSAGES_METADATA) & set(
+    assert not MESSAGES_HONOURED & set(MESSAGES_ACCEPTED) and not (MESSAGES_HONOURED | set(MESSAGES_ACCEPTED)) & set(
         MESSAGES_REFUSED)
-    assert keys <= MESSAGES_HONOURED | MESSAGES_METADATA | set(MESSAGES_REFUSED), \
-        keys - MESSAGES_HONOURED - MESSAGES_METADATA - set(MESSAGES_REFUSED)
+    assert keys <= MESSAGES_HONOURED | set(MESSAGES_ACCEPTED) | set(MESSAGES_REFUSED), \
+        keys - MESSAGES_HONOURED - set(MESSAGES_ACCEPTED) - set(MESSAGES_REFUSED)
     for key in sorted(keys & set(MESSAGES_REFUSED)):
         with pytest.raises(anthropic.BadRequestError) as exc:
             client.messages.create(model=MODEL, max_tokens=4, messages=QUESTION,

@@ -15,20 +15,22 @@ from openai.types.chat import completion_create_params as chat_params
 from starlette.testclient import TestClient
 
 from router.app import create_app
-from router.openai.fields import (CHAT_HONOURED, CHAT_METADATA, CHAT_REFUSED, COMPLETION_HONOURED, COMPLETION_METADATA,
+from router.openai.fields import (CHAT_HONOURED, CHAT_ACCEPTED, CHAT_REFUSED, COMPLETION_HONOURED, COMPLETION_ACCEPTED,
                                 COMPLETION_REFUSED, MESSAGE_REFUSED)
 from router.openai.request import ChatCompletionRequest, ChatMessage, CompletionRequest
 from tests.router_fakes import MODEL, FakeEngine, load_tokenizer
 
 # A value of each refused field that asks for something this server does not do, and one it may have.
 REFUSED_VALUES = {
-    "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
-    "prediction": {"type": "content", "content": "x"}, "web_search_options": {}, "store": True,
-    "service_tier": "flex", "reasoning_effort": "low", "verbosity": "low", "functions": [{"name": "f"}],
-    "function_call": "auto", "moderation": {"model": "omni-moderation-latest"},
-    "prompt_cache_options": {"ttl": "1h"}, "prompt_cache_retention": "24h", "best_of": 2, "suffix": "end"}
-ALLOWED_VALUES = {"modalities": ["text"], "store": False, "service_tier": "auto", "prompt_cache_retention": "in_memory",
-                  "best_of": 1, "suffix": ""}
+    "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"], "web_search_options": {},
+    "functions": [{"name": "f"}], "function_call": "auto", "best_of": 2, "suffix": "end"}
+ALLOWED_VALUES = {"modalities": ["text"], "best_of": 1, "suffix": ""}
+# A value of each accepted field that a client sends by default or as a hint: the request is served.
+ACCEPTED_VALUES = {
+    "prediction": {"type": "content", "content": "x"}, "store": True, "service_tier": "flex", "verbosity": "low",
+    "moderation": {"model": "omni-moderation-latest"}, "prompt_cache_options": {"ttl": "1h"},
+    "prompt_cache_retention": "24h", "user": "u", "metadata": {"k": "v"}, "safety_identifier": "s",
+    "prompt_cache_key": "k"}
 MESSAGE_VALUES = {"audio": {"id": "audio_1"}, "function_call": {"name": "f", "arguments": "{}"},
                   "refusal": "I cannot."}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
@@ -51,13 +53,16 @@ def client():
         yield c
 
 
-@pytest.mark.parametrize("module, honoured, metadata, refused, model", [
-    (chat_params, CHAT_HONOURED, CHAT_METADATA, CHAT_REFUSED, ChatCompletionRequest),
-    (completion_params, COMPLETION_HONOURED, COMPLETION_METADATA, COMPLETION_REFUSED, CompletionRequest),
+@pytest.mark.parametrize("module, honoured, accepted, refused, model", [
+    (chat_params, CHAT_HONOURED, CHAT_ACCEPTED, CHAT_REFUSED, ChatCompletionRequest),
+    (completion_params, COMPLETION_HONOURED, COMPLETION_ACCEPTED, COMPLETION_REFUSED, CompletionRequest),
 ])
-def test_every_sdk_request_key_is_honoured_metadata_or_refused(module, honoured, metadata, refused, model):
+def test_every_sdk_request_key_is_honoured_accepted_with_a_stated_effect_or_refused(module, honoured, accepted,
+                                                                                    refused, model):
     keys = sdk_keys(module)
     assert "stream" in keys and "model" in keys
+    metadata = set(accepted)
+    assert all(isinstance(effect, str) and effect for effect in accepted.values())
     unaudited = keys - honoured - metadata - set(refused)
     assert not unaudited, f"decide for {sorted(unaudited)} in router/openai/fields.py"
     assert not (honoured & metadata) and not (honoured & set(refused)) and not (metadata & set(refused))
@@ -70,7 +75,7 @@ def test_every_sdk_message_key_is_honoured_or_refused():
     for member in typing.get_args(ChatCompletionMessageParam):
         keys.update(member.__annotations__)
     honoured = {"role", "content", "name", "tool_calls", "tool_call_id"}
-    assert keys == honoured | set(MESSAGE_REFUSED)
+    assert keys <= honoured | set(MESSAGE_REFUSED), keys - honoured - set(MESSAGE_REFUSED)
     assert honoured | set(MESSAGE_REFUSED) <= set(ChatMessage.model_fields)
 
 
@@ -82,6 +87,15 @@ def test_each_refused_chat_field_is_a_400_naming_it(client, field):
     assert error["param"] == field and error["message"].startswith(f"{field}: ")
     if field in ALLOWED_VALUES:
         assert client.post("/v1/chat/completions", json={**CHAT, field: ALLOWED_VALUES[field]}).status_code == 200
+
+
+def test_accepted_chat_fields_are_served_together_with_the_same_answer(client):
+    """Every accepted chat field, with a value agent clients send, at once: 200, and the same text as without."""
+    assert set(ACCEPTED_VALUES) == set(CHAT_ACCEPTED)
+    plain = client.post("/v1/chat/completions", json={**CHAT, "temperature": 0})
+    hinted = client.post("/v1/chat/completions", json={**CHAT, "temperature": 0, **ACCEPTED_VALUES})
+    assert plain.status_code == hinted.status_code == 200, hinted.text
+    assert hinted.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
 
 
 @pytest.mark.parametrize("field", sorted(COMPLETION_REFUSED))
@@ -132,8 +146,8 @@ def test_published_schema_documents_the_responses_and_messages_endpoints_and_the
     """/openapi.json documents POST /v1/responses, /v1/messages and /v1/messages/count_tokens: their request
     bodies carry every honoured and metadata key of the audits and none of the refused ones, with the tool and
     format shapes; their answers and errors have each API's own shape."""
-    from router.anthropic.fields import MESSAGES_HONOURED, MESSAGES_METADATA, MESSAGES_REFUSED
-    from router.responses.fields import RESPONSES_HONOURED, RESPONSES_METADATA, RESPONSES_REFUSED
+    from router.anthropic.fields import MESSAGES_HONOURED, MESSAGES_ACCEPTED, MESSAGES_REFUSED
+    from router.responses.fields import RESPONSES_HONOURED, RESPONSES_ACCEPTED, RESPONSES_REFUSED
 
     published = client.get("/openapi.json").json()
     schemas = published["components"]["schemas"]
@@ -147,9 +161,9 @@ def test_published_schema_documents_the_responses_and_messages_endpoints_and_the
         for status in ("400", "404", "413", "503"):
             assert op["responses"][status]["content"]["application/json"]["schema"]["$ref"].endswith("/" + error)
     responses = set(schemas["ResponsesRequest"]["properties"])
-    assert RESPONSES_HONOURED | RESPONSES_METADATA == responses and not set(RESPONSES_REFUSED) & responses
+    assert RESPONSES_HONOURED | set(RESPONSES_ACCEPTED) == responses and not set(RESPONSES_REFUSED) & responses
     messages = set(schemas["MessagesRequest"]["properties"])
-    assert MESSAGES_HONOURED | MESSAGES_METADATA == messages and not set(MESSAGES_REFUSED) & messages
+    assert MESSAGES_HONOURED | set(MESSAGES_ACCEPTED) == messages and not set(MESSAGES_REFUSED) & messages
     assert set(schemas["CountTokensRequest"]["properties"]) < messages
     assert {"name", "parameters", "strict"} <= set(schemas["FunctionTool"]["properties"])
     assert {"type", "name", "schema", "strict"} <= set(schemas["TextFormat"]["properties"])

@@ -9,13 +9,25 @@ router/serving.py: engine, failure rules), with Anthropic's formatter (router/an
                tool_result blocks      a "tool" message each, `tool_call_id` = tool_use_id, the content's text
                                        (prefixed "Error: " when `is_error`)
     assistant turn: text, tool_use     an assistant message: content and `tool_calls` (id, name, input as JSON)
+                    thinking           its `reasoning_content` (the chat template decides whether to render it),
+                                       when its signature is this server's (router/anthropic/signature.py); a
+                                       foreign signature and redacted_thinking blocks are left out
     system turn (the SDK allows them)  a system message
-    tools                              function tools (input_schema -> parameters)
+    tools                              function tools (input_schema -> parameters); a tool with defer_loading
+                                       only once a tool_result's tool_reference block names it (as Anthropic's
+                                       tool search loads it), the reference itself as "Tool loaded: NAME"
     tool_choice auto | any | tool | none   "auto" | "required" | {"type": "function", ...} | "none";
                                        disable_parallel_tool_use -> parallel_tool_calls false
     stop_sequences, temperature, top_p, top_k, max_tokens, stream   the same sampling fields
     metadata.user_id                   user
     output_config.format               response_format {"type": "json_schema", ...}
+    thinking disabled | enabled        reasoning_effort "none" | thinking_token_budget = budget_tokens (a budget
+                                       at or over max_tokens never binds: thinking counts toward max_tokens);
+             adaptive | between_tools  the template's default (the model decides)
+    output_config.effort               reasoning_effort (max as xhigh); the template's effort switch, if any
+    context_management.edits           clear_thinking_20251015: the reasoning of all but the last `keep`
+                                       assistant turns that have some is dropped (the answer's
+                                       `context_management.applied_edits` says how many turns)
 
 Consecutive turns of one role are merged first (as Anthropic does). A conversation that ends with an assistant
 turn (a prefill to continue) is refused with a 400, as Anthropic does for models without prefill. Errors on these
@@ -29,16 +41,17 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from router.anthropic import signature
 from router.anthropic.output import CountTokensResponse
 from router.anthropic.format import AnthropicFormatter
-from router.anthropic.request import (CountTokensRequest, MessageParam, MessagesRequest, TextBlockParam,
-                                     ToolResultBlockParam, ToolUseBlockParam)
+from router.anthropic.request import (CountTokensRequest, MessageParam, MessagesRequest, RedactedThinkingBlockParam,
+                                      TextBlockParam, ThinkingBlockParam, ToolResultBlockParam, ToolUseBlockParam)
 from router.errors import APIError, bad_request, from_validation_error
 from router.openai.request import ChatCompletionRequest
 from router.params import clamp_max_tokens, tokenize_chat
@@ -75,14 +88,23 @@ def _merged(turns: list[MessageParam]) -> list[tuple[str, list[Any]]]:
     return out
 
 
-def _check_blocks(turns: list[MessageParam]) -> None:
-    """400 naming the block for a tool_use outside an assistant turn, a tool_result outside a user turn, or a
-    tool_result whose tool_use_id names no earlier tool_use; and for a last turn from the assistant."""
+def _check_blocks(turns: list[MessageParam], model: str) -> None:
+    """400 naming the block for a tool_use or thinking block outside an assistant turn, a tool_result outside a
+    user turn, a tool_result whose tool_use_id names no earlier tool_use, or a thinking block whose signature is
+    this server's but does not verify; and for a last turn from the assistant."""
     called: set[str] = set()
     for i, turn in enumerate(turns):
         for j, block in enumerate(turn.content):
             where = f"messages[{i}].content[{j}]"
-            if isinstance(block, ToolUseBlockParam):
+            if isinstance(block, (ThinkingBlockParam, RedactedThinkingBlockParam)):
+                if turn.role != "assistant":
+                    raise bad_request(f"{where}: {block.type} blocks belong to assistant turns: send them back in "
+                                      "the assistant turn that produced them", where)
+                if (isinstance(block, ThinkingBlockParam) and signature.is_ours(block.signature)
+                        and signature.verified_text(block.thinking, block.signature, model) is None):
+                    raise bad_request(f"{where}.signature: the thinking block was changed after this server sent "
+                                      "it: send it back unchanged, or leave it out", f"{where}.signature")
+            elif isinstance(block, ToolUseBlockParam):
                 if turn.role != "assistant":
                     raise bad_request(f"{where}: tool_use blocks belong to assistant turns: move it to the "
                                       "assistant turn that made the call", where)
@@ -105,9 +127,33 @@ def _text(blocks: list[TextBlockParam]) -> str:
     return "\n".join(b.text for b in blocks)
 
 
-def _messages(req: CountTokensRequest) -> list[dict[str, Any]]:
-    """The OpenAI chat messages of the system prompt and the turns (see the module docstring)."""
-    _check_blocks(req.messages)
+def _reasoning(blocks: list[Any], model: str) -> Optional[str]:
+    """The reasoning of an assistant turn's thinking blocks this server vouches for (None when there is none)."""
+    texts = [signature.verified_text(b.thinking, b.signature, model) for b in blocks
+             if isinstance(b, ThinkingBlockParam) and signature.is_ours(b.signature)]
+    texts = [t for t in texts if t]
+    return "\n\n".join(texts) if texts else None
+
+
+def _clear_thinking(messages: list[dict[str, Any]], keep: Optional[int]) -> list[str]:
+    """Drop `reasoning_content` from all but the last `keep` assistant messages that have it (None keeps all);
+    returns the texts dropped."""
+    having = [m for m in messages if m.get("reasoning_content")]
+    cleared = having[:max(0, len(having) - keep)] if keep is not None else []
+    return [m.pop("reasoning_content") for m in cleared]
+
+
+def thinking_cleared(req: CountTokensRequest, model: str) -> list[list[str]]:
+    """For each context edit of `req`, in order, the reasoning texts it drops."""
+    messages = _messages(req, model, apply_edits=False)
+    return [_clear_thinking(messages, edit.keep_turns)
+            for edit in (req.context_management.edits if req.context_management else ())]
+
+
+def _messages(req: CountTokensRequest, model: str, apply_edits: bool = True) -> list[dict[str, Any]]:
+    """The OpenAI chat messages of the system prompt and the turns (see the module docstring), after the
+    request's context edits unless `apply_edits` is false."""
+    _check_blocks(req.messages, model)
     out: list[dict[str, Any]] = []
     if req.system:
         out.append({"role": "system", "content": _text(req.system)})
@@ -119,6 +165,9 @@ def _messages(req: CountTokensRequest) -> list[dict[str, Any]]:
             message: dict[str, Any] = {"role": "assistant", "content": _text(texts) if texts or not calls else None}
             if calls:
                 message["tool_calls"] = calls
+            reasoning = _reasoning(blocks, model)
+            if reasoning:
+                message["reasoning_content"] = reasoning
             out.append(message)
             continue
         pending: list[TextBlockParam] = []
@@ -133,13 +182,26 @@ def _messages(req: CountTokensRequest) -> list[dict[str, Any]]:
                 pending.append(block)
         if pending:
             out.append({"role": role, "content": _text(pending)})
+    if apply_edits and req.context_management is not None:
+        for edit in req.context_management.edits:
+            _clear_thinking(out, edit.keep_turns)
     return out
 
 
-def chat_body(req: Union[CountTokensRequest, MessagesRequest]) -> dict[str, Any]:
-    """The OpenAI chat request body (for ChatCompletionRequest) asking for what `req` asks; 400 naming the field
-    for turns that do not fit together (`_check_blocks`)."""
-    body: dict[str, Any] = {"model": req.model, "messages": _messages(req)}
+_EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "xhigh", "max": "xhigh"}
+
+
+def chat_body(req: Union[CountTokensRequest, MessagesRequest], model: str) -> dict[str, Any]:
+    """The OpenAI chat request body (for ChatCompletionRequest) asking for what `req` asks of served model
+    `model`; 400 naming the field for turns that do not fit together (`_check_blocks`)."""
+    body: dict[str, Any] = {"model": req.model, "messages": _messages(req, model)}
+    effort = req.output_config.effort if req.output_config is not None else None
+    if effort is not None:
+        body["reasoning_effort"] = _EFFORTS[effort]
+    if req.thinking is not None and req.thinking.type == "disabled":
+        body["reasoning_effort"] = "none"
+    elif req.thinking is not None and req.thinking.type == "enabled":
+        body["thinking_token_budget"] = req.thinking.budget_tokens
     if req.tools:
         body["tools"] = [{"type": "function", "function": {
             "name": t.name, "parameters": t.input_schema,
@@ -161,9 +223,10 @@ def chat_body(req: Union[CountTokensRequest, MessagesRequest]) -> dict[str, Any]
 
 
 def to_chat_request(req: Union[CountTokensRequest, MessagesRequest], context: dict[str, Any]) -> ChatCompletionRequest:
-    """The validated ChatCompletionRequest of `req` (a 400 naming the Anthropic field when it does not validate)."""
+    """The validated ChatCompletionRequest of `req` (a 400 naming the Anthropic field when it does not validate);
+    `context["served_model"]` keys the thinking signatures."""
     try:
-        return ChatCompletionRequest.model_validate(chat_body(req), context=context)
+        return ChatCompletionRequest.model_validate(chat_body(req, context.get("served_model", "")), context=context)
     except ValidationError as exc:
         raise _anthropic_names(from_validation_error(exc)) from None
 

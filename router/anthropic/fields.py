@@ -1,42 +1,36 @@
-"""Which keys of Anthropic's Messages request POST /v1/messages honours, accepts as metadata, or refuses.
+"""Which keys of Anthropic's Messages request POST /v1/messages honours, accepts with a stated effect, or refuses.
 
 Every key of the anthropic SDK's `MessageCreateParams` (and of the beta one) is in exactly one of these sets
-(tests/test_anthropic_api.py walks them), the scheme of router/openai/fields.py.
+(tests/test_anthropic_api.py walks them), by the rule of router/openai/fields.py: refused by name only what
+would change the answer if ignored.
 """
 
 from __future__ import annotations
 
-from router.request_model import Refusal, absent, one_of
+from router.request_model import Refusal, absent
 
 MESSAGES_HONOURED = frozenset({
     "model", "messages", "max_tokens", "system", "stop_sequences", "temperature", "top_p", "top_k", "stream",
-    "tools", "tool_choice", "output_config", "cache_control"})
-MESSAGES_METADATA = frozenset({"metadata"})  # `user_id`, accepted with no effect on the output
+    "tools", "tool_choice", "output_config", "cache_control", "thinking", "context_management"})
+MESSAGES_ACCEPTED: dict[str, str] = {
+    "metadata": "metadata.user_id, for the caller's own records: kept nowhere, no effect on the answer",
+    "service_tier": "one service tier: every request is served alike (usage reports \"standard\")",
+    "speed": "one speed: every request is served alike",
+    "diagnostics": "no prompt-cache diagnostics are reported (usage.cache_read_input_tokens counts the hits)",
+    "inference_geo": "the request runs where this server runs",
+    "user_profile_id": "an account field: no effect on the answer",
+    "workspace_id": "an account field: no effect on the answer",
+    "betas": "beta features are what their own fields ask for (each honoured, accepted or refused here)",
+    "fallbacks": "the served model answers; a fallback would only be used if it could not",
+    "fallback_credit_token": "the served model answers; a fallback would only be used if it could not",
+    "billing_policy": "an account field: no effect on the answer",
+}
 MESSAGES_REFUSED: dict[str, Refusal] = {
-    "thinking": Refusal(one_of({"type": "disabled"}), "extended thinking is not supported by this server: leave "
-                                                       "thinking out or send {\"type\": \"disabled\"}"),
-    "service_tier": Refusal(one_of("auto", "standard_only"), "this server has one (standard) service tier: leave "
-                                                              "service_tier out or send \"auto\""),
-    "speed": Refusal(one_of("standard"), "this server has one speed: leave speed out or send \"standard\""),
     "container": Refusal(absent, "containers (code execution) are not supported by this server: leave container "
                                   "out"),
-    "diagnostics": Refusal(absent, "prompt-cache diagnostics are not supported by this server: leave diagnostics "
-                                    "out (usage.cache_read_input_tokens reports prefix-cache hits)"),
-    "inference_geo": Refusal(absent, "this server has no inference regions: leave inference_geo out"),
-    "user_profile_id": Refusal(absent, "user profiles are not supported by this server: leave user_profile_id "
-                                        "out"),
-    "workspace_id": Refusal(absent, "workspaces are not supported by this server: leave workspace_id out"),
     "mcp_servers": Refusal(absent, "MCP servers are not supported by this server: leave mcp_servers out and "
                                     "send their tools as custom tools"),
-    "context_management": Refusal(absent, "context management is not supported by this server: leave "
-                                           "context_management out"),
-    "betas": Refusal(absent, "beta features are not supported by this server: leave betas out"),
     "compaction": Refusal(absent, "compaction is not supported by this server: leave compaction out"),
-    "fallbacks": Refusal(absent, "model fallbacks are not supported by this server: leave fallbacks out"),
-    "fallback_credit_token": Refusal(absent, "model fallbacks are not supported by this server: leave "
-                                              "fallback_credit_token out"),
-    "billing_policy": Refusal(absent, "billing policies are not supported by this server: leave billing_policy "
-                                       "out"),
     "thread": Refusal(absent, "server-side threads are not supported by this server: leave thread out and send "
                                "the whole conversation in messages"),
 }

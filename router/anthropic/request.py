@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Callable, Literal, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, ValidationInfo, field_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, ValidationInfo, field_validator,
+                      model_validator)
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
@@ -36,6 +37,7 @@ from router.openai.tools import NAME_PATTERN, check_json_schema
 
 MAX_STOP_SEQUENCES = 16  # cluster.request.SamplingParams' limit on stop strings
 Refused = SkipJsonSchema[Any]  # a field of MESSAGES_REFUSED (left out of the OpenAPI schema)
+Accepted = Any  # a field of MESSAGES_ACCEPTED: any value, with the effect stated there
 
 
 class _Request(RequestModel):
@@ -130,12 +132,20 @@ def _blocks(*models: type[BaseModel]) -> Any:
 TextContent = _blocks(TextBlockParam)
 
 
+class ToolReferenceBlockParam(_Request):
+    """A tool search's result: the named tool (one sent with `defer_loading`) is shown to the model from then on."""
+
+    type: Literal["tool_reference"]
+    tool_name: str = Field(min_length=1)
+
+
 class ToolResultBlockParam(_Request):
-    """A user turn's result of an earlier `tool_use` (by its id); `is_error` marks a failed call."""
+    """A user turn's result of an earlier `tool_use` (by its id); `is_error` marks a failed call; its content is
+    text, and tool references when it answers a tool search."""
 
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1)
-    content: TextContent = []
+    content: _blocks(TextBlockParam, ToolReferenceBlockParam) = []  # type: ignore[valid-type]
     is_error: bool = False
     cache_control: Optional[CacheControlEphemeralParam] = None
     toolset_name: Optional[str] = None
@@ -144,15 +154,39 @@ class ToolResultBlockParam(_Request):
 
     @property
     def text(self) -> str:
-        """The result as one text (text parts joined by newlines)."""
-        return "\n".join(p.text for p in self.content)
+        """The result as one text (text parts joined by newlines; a tool reference as "Tool loaded: NAME")."""
+        return "\n".join(p.text if isinstance(p, TextBlockParam) else f"Tool loaded: {p.tool_name}"
+                         for p in self.content)
+
+    @property
+    def referenced_tools(self) -> list[str]:
+        """The names of the tools this result's tool references load."""
+        return [p.tool_name for p in self.content if isinstance(p, ToolReferenceBlockParam)]
+
+
+class ThinkingBlockParam(_Request):
+    """An earlier assistant turn's reasoning, sent back: `signature` is the one this server gave it
+    (router/anthropic/signature.py checks it)."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str = ""
+    cache_control: Optional[CacheControlEphemeralParam] = None
+
+
+class RedactedThinkingBlockParam(_Request):
+    """Reasoning another server encrypted (`data` is opaque here): accepted and left out of the prompt."""
+
+    type: Literal["redacted_thinking"]
+    data: str
 
 
 class MessageParam(_Request):
     """One entry of `messages`; string content is one text block."""
 
     role: Literal["user", "assistant", "system"]
-    content: _blocks(TextBlockParam, ToolUseBlockParam, ToolResultBlockParam)  # type: ignore[valid-type]
+    content: _blocks(TextBlockParam, ToolUseBlockParam, ToolResultBlockParam, ThinkingBlockParam,  # type: ignore[valid-type]
+                     RedactedThinkingBlockParam)
 
     @field_validator("content")
     @classmethod
@@ -163,9 +197,6 @@ class MessageParam(_Request):
 
 
 _TOOL_OPTIONS = {
-    "defer_loading": "tool search is not supported by this server: leave defer_loading out (or false)",
-    "eager_input_streaming": "each call's input arrives whole, in one input_json_delta, once the model has "
-                             "written the call: leave eager_input_streaming out (or false)",
     "input_examples": "input examples are not supported by this server: leave input_examples out and describe "
                       "the input in the description",
 }
@@ -183,8 +214,8 @@ class ToolParam(_Request):
     cache_control: Optional[CacheControlEphemeralParam] = None
     strict: Optional[bool] = None
     allowed_callers: Optional[list[str]] = None
-    defer_loading: Optional[bool] = None
-    eager_input_streaming: Optional[bool] = None
+    defer_loading: Optional[bool] = None  # left out of the prompt until a tool_reference names it
+    eager_input_streaming: Optional[bool] = None  # satisfied: a call's input is streamed whole once it is written
     input_examples: Optional[list[Any]] = None
 
     @field_validator("name")
@@ -209,7 +240,7 @@ class ToolParam(_Request):
             raise ValueError("only [\"direct\"] is supported: this server runs no server-side code execution")
         return value
 
-    @field_validator("defer_loading", "eager_input_streaming", "input_examples")
+    @field_validator("input_examples")
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         if value not in (None, False, []):
@@ -250,19 +281,77 @@ class JSONOutputFormatParam(BaseModel):
 
 
 class OutputConfigParam(BaseModel):
-    """`output_config`: `format` is served; `effort` is refused unless null."""
+    """`output_config`: `format` (the answer follows a JSON schema) and `effort` (how hard the model works: the
+    chat template's reasoning-effort switch where it has one, router/reasoning.py)."""
 
     model_config = ConfigDict(extra="ignore")
 
     format: Optional[JSONOutputFormatParam] = None
-    effort: Optional[str] = None
+    effort: Optional[Literal["low", "medium", "high", "xhigh", "max"]] = None
 
-    @field_validator("effort")
+
+class ThinkingParam(BaseModel):
+    """`thinking`: "enabled" (with `budget_tokens`, the most reasoning tokens: the engine ends the reasoning
+    there), "adaptive" and "between_tools" (the model decides), "disabled" (the chat template's switch off,
+    where it has one). `display` "omitted" sends thinking blocks with empty text (and their signature)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
+    budget_tokens: Optional[int] = Field(None, ge=0)
+    display: Optional[Literal["summarized", "omitted"]] = None
+
+    @model_validator(mode="after")
+    def _budget(self) -> "ThinkingParam":
+        if self.type == "enabled" and self.budget_tokens is None:
+            raise ValueError("budget_tokens: thinking of type \"enabled\" needs budget_tokens, the most tokens "
+                             "to think (or send {\"type\": \"adaptive\"})")
+        return self
+
+
+class ClearThinkingEdit(BaseModel):
+    """`context_management.edits[]` of type clear_thinking_20251015: drop the reasoning of older assistant
+    turns, keeping the last `keep` turns' ("all", or {"type": "thinking_turns", "value": N})."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["clear_thinking_20251015"]
+    keep: Union[Literal["all"], dict[str, Any]] = Field(default_factory=lambda: {"type": "thinking_turns",
+                                                                                 "value": 1})
+
+    @field_validator("keep")
     @classmethod
-    def _effort(cls, value: Optional[str]) -> Optional[str]:
-        if value is not None:
-            raise ValueError("effort levels are not supported by this server: remove effort")
+    def _keep(cls, value: Any) -> Any:
+        if isinstance(value, dict) and not (value.get("type") == "all" or (
+                value.get("type") == "thinking_turns" and isinstance(value.get("value"), int)
+                and not isinstance(value.get("value"), bool) and value["value"] >= 0)):
+            raise ValueError("must be \"all\", {\"type\": \"all\"} or {\"type\": \"thinking_turns\", "
+                             "\"value\": N} with N >= 0")
         return value
+
+    @property
+    def keep_turns(self) -> Optional[int]:
+        """How many of the last assistant turns keep their reasoning (None: all)."""
+        if self.keep == "all" or self.keep.get("type") == "all":
+            return None
+        return int(self.keep["value"])
+
+
+def _edit(value: Any) -> Any:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind != "clear_thinking_20251015":
+        raise PydanticCustomError("unsupported_edit", "context edits of type '{kind}' are not run by this server "
+                                  "(it would change what the model sees): send only clear_thinking_20251015 edits, "
+                                  "or leave the edit out and shorten the conversation", {"kind": str(kind)})
+    return value
+
+
+class ContextManagementParam(BaseModel):
+    """`context_management`: the context edits to apply before the model reads the conversation."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    edits: list[Annotated[ClearThinkingEdit, BeforeValidator(_edit)]] = []
 
 
 class MetadataParam(BaseModel):
@@ -286,21 +375,21 @@ class CountTokensRequest(_Request):
     tool_choice: Optional[ToolChoiceParam] = None
     output_config: Optional[OutputConfigParam] = None
     cache_control: Optional[CacheControlEphemeralParam] = None
-    thinking: Refused = None
-    service_tier: Refused = None
-    speed: Refused = None
+    thinking: Optional[ThinkingParam] = None
+    service_tier: Accepted = None
+    speed: Accepted = None
     container: Refused = None
-    diagnostics: Refused = None
-    inference_geo: Refused = None
-    user_profile_id: Refused = None
-    workspace_id: Refused = None
+    diagnostics: Accepted = None
+    inference_geo: Accepted = None
+    user_profile_id: Accepted = None
+    workspace_id: Accepted = None
     mcp_servers: Refused = None
-    context_management: Refused = None
-    betas: Refused = None
+    context_management: Optional[ContextManagementParam] = None
+    betas: Accepted = None
     compaction: Refused = None
-    fallbacks: Refused = None
-    fallback_credit_token: Refused = None
-    billing_policy: Refused = None
+    fallbacks: Accepted = None
+    fallback_credit_token: Accepted = None
+    billing_policy: Accepted = None
     thread: Refused = None
 
     @field_validator(*MESSAGES_REFUSED, mode="before")

@@ -195,9 +195,16 @@ class ChatMessage(_Request):
     name: Optional[str] = None
     tool_calls: Optional[list[MessageToolCall]] = None
     tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None  # an earlier assistant turn's reasoning (vLLM's name)
+    reasoning: Optional[str] = None  # the same, by mlx-lm's and newer vLLM's name
     audio: Refused = None
     function_call: Refused = None
     refusal: Refused = None
+
+    @property
+    def reasoning_text(self) -> Optional[str]:
+        """The turn's reasoning, by either name (handed to the chat template as `reasoning_content`)."""
+        return self.reasoning_content if self.reasoning_content is not None else self.reasoning
 
     @field_validator(*MESSAGE_REFUSED, mode="before")
     @classmethod
@@ -246,19 +253,14 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Optional[ToolChoice] = None
     parallel_tool_calls: Optional[bool] = None
     response_format: Optional[ResponseFormat] = None
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]] = None
+    thinking_token_budget: Optional[int] = Field(None, ge=0)  # vLLM's extension: the most reasoning tokens
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM's extension: more variables for the template
     audio: Refused = None
     modalities: Refused = None
-    prediction: Refused = None
     web_search_options: Refused = None
-    store: Refused = None
-    service_tier: Refused = None
-    reasoning_effort: Refused = None
-    verbosity: Refused = None
     functions: Refused = None
     function_call: Refused = None
-    moderation: Refused = None
-    prompt_cache_options: Refused = None
-    prompt_cache_retention: Refused = None
 
     @field_validator(*CHAT_REFUSED, mode="before")
     @classmethod

@@ -1,4 +1,4 @@
-"""Which keys of OpenAI's Responses request POST /v1/responses honours, echoes, or refuses.
+"""Which keys of OpenAI's Responses request POST /v1/responses honours, accepts with a stated effect, or refuses.
 
 Every key of `openai.types.responses.response_create_params.ResponseCreateParamsBase` (and `stream`) is in
 exactly one of these sets, the scheme of router/openai/fields.py (tests/test_responses_api.py walks them):
@@ -6,8 +6,7 @@ exactly one of these sets, the scheme of router/openai/fields.py (tests/test_res
     RESPONSES_HONOURED   the server does what the key asks. `max_tool_calls` bounds calls to built-in tools,
                          of which this server runs none, so no response exceeds it; `include` takes the values
                          of INCLUDE_SERVED
-    RESPONSES_METADATA   accepted and echoed in the Response, with no effect on the output (`prompt_cache_key`:
-                         the prefix cache is automatic and content-addressed, so a key adds nothing)
+    RESPONSES_ACCEPTED   accepted, with the effect stated beside each key
     RESPONSES_REFUSED    a 400 naming the key and saying what to send instead, unless the value asks for what
                          the server does anyway (`store: false`, `truncation: "disabled"`, ...)
 
@@ -33,7 +32,11 @@ _STATELESS = "this server is stateless and stores nothing between requests: "
 RESPONSES_HONOURED = frozenset({
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "stream_options",
     "tools", "tool_choice", "parallel_tool_calls", "text", "include", "top_logprobs", "max_tool_calls"})
-RESPONSES_METADATA = frozenset({"metadata", "user", "safety_identifier", "prompt_cache_key"})  # echoed only
+_METADATA = "echoed in the Response; kept nowhere, no effect on the answer"
+RESPONSES_ACCEPTED: dict[str, str] = {
+    "metadata": _METADATA, "user": _METADATA, "safety_identifier": _METADATA,
+    "prompt_cache_key": "echoed; the prefix cache is automatic and content-addressed, so a key adds nothing",
+}
 RESPONSES_REFUSED: dict[str, Refusal] = {
     "previous_response_id": Refusal(absent, _STATELESS + "send the whole conversation in input (earlier messages, "
                                     "function_call and function_call_output items) and leave previous_response_id "

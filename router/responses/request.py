@@ -260,7 +260,7 @@ def check_tool_choice(value: Any) -> Any:
 
 
 class ResponsesRequest(_Request):
-    """POST /v1/responses. Every key of OpenAI's ResponseCreateParams is in RESPONSES_HONOURED, RESPONSES_METADATA
+    """POST /v1/responses. Every key of OpenAI's ResponseCreateParams is in RESPONSES_HONOURED, RESPONSES_ACCEPTED
     or RESPONSES_REFUSED (router/responses/fields.py); a refused one gets a 400 naming it unless its value asks
     for what the server does anyway, e.g. `store: false`."""
 
