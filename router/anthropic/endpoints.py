@@ -202,10 +202,13 @@ def chat_body(req: Union[CountTokensRequest, MessagesRequest], model: str) -> di
         body["reasoning_effort"] = "none"
     elif req.thinking is not None and req.thinking.type == "enabled":
         body["thinking_token_budget"] = req.thinking.budget_tokens
-    if req.tools:
+    loaded = {name for turn in req.messages for block in turn.content if isinstance(block, ToolResultBlockParam)
+              for name in block.referenced_tools}
+    tools = [t for t in req.tools or () if not t.defer_loading or t.name in loaded]
+    if tools:
         body["tools"] = [{"type": "function", "function": {
             "name": t.name, "parameters": t.input_schema,
-            **({"description": t.description} if t.description is not None else {})}} for t in req.tools]
+            **({"description": t.description} if t.description is not None else {})}} for t in tools]
     choice = req.tool_choice
     if choice is not None:
         body["tool_choice"] = (_CHOICES[choice.type] if choice.type in _CHOICES
