@@ -97,13 +97,14 @@ class FrontDoor:
     `request_model`: the pydantic model of its body. `id_prefix`: of the request ids it makes ("chatcmpl-",
     "msg_", ...). `translate(req, model, context)`: the OpenAI `ChatCompletionRequest` or `CompletionRequest`
     that asks for what `req` asks (may raise `APIError` or pydantic's `ValidationError`). `formatter(req,
-    prepared, tokenizer, created)`: the API's `Formatter` for one request (`created`: Unix seconds).
+    prepared, ctx, created)`: the API's `Formatter` for one request (`ctx` the `ServingContext`: tokenizer,
+    served model; `created`: Unix seconds).
     `rename(error)`: the error with the API's own field names (identity for OpenAI's chat and completions)."""
 
     request_model: type[BaseModel]
     id_prefix: str
     translate: Callable[[Any, str, dict[str, Any]], Union[ChatCompletionRequest, CompletionRequest]]
-    formatter: Callable[[Any, PreparedRequest, RouterTokenizer, int], "Formatter"]
+    formatter: Callable[[Any, PreparedRequest, "ServingContext", int], "Formatter"]
     rename: Callable[[APIError], APIError] = _same
 
 
@@ -121,10 +122,15 @@ class ServingContext:
     request_timeout_s: float
 
     @property
+    def served_model(self) -> str:
+        """The served model's own name (not an alias): what keys anything signed for it."""
+        return getattr(self.engine, "model_name", "")
+
+    @property
     def context(self) -> dict[str, Any]:
         """The validation context of request models and doors: the engine's context length, the served model's
         name (not an alias)."""
-        return {"max_model_len": self.engine.max_model_len, "served_model": getattr(self.engine, "model_name", "")}
+        return {"max_model_len": self.engine.max_model_len, "served_model": self.served_model}
 
     async def read(self, http_request: Request, model: type[BaseModel]) -> Any:
         """The request body validated as `model` (router/body.py's rules)."""
@@ -150,7 +156,7 @@ async def serve(http_request: Request, door: FrontDoor, ctx: ServingContext) -> 
     if capacity and prepared.n > capacity:
         raise APIError(400, f"n={prepared.n} asks for more sequences than this server holds running and "
                             f"queued at once ({capacity}); lower n", param="n")
-    formatter = door.formatter(req, prepared, ctx.tokenizer, int(arrival_wall))
+    formatter = door.formatter(req, prepared, ctx, int(arrival_wall))
     return await serve_prepared(http_request, prepared, formatter, engine=ctx.engine, metrics=ctx.metrics,
                                 stall_timeout_s=ctx.request_timeout_s, arrival=arrival)
 

@@ -239,7 +239,7 @@ def _translate(req: MessagesRequest, _model: str, context: dict[str, Any]) -> Ch
 
 
 MESSAGES = FrontDoor(MessagesRequest, "msg_", _translate,
-                     lambda req, prepared, _tok, _created: AnthropicFormatter(prepared, req.max_tokens),
+                     lambda req, prepared, _ctx, _created: AnthropicFormatter(prepared, req.max_tokens),
                      rename=_anthropic_names)
 
 

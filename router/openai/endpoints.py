@@ -21,9 +21,9 @@ def _as_is(req: Any, _model: str, _context: dict[str, Any]) -> Any:
 
 
 CHAT = FrontDoor(ChatCompletionRequest, "chatcmpl-", _as_is,
-                 lambda _req, prepared, tok, created: ChatFormatter(prepared, tok, created))
+                 lambda _req, prepared, ctx, created: ChatFormatter(prepared, ctx.tokenizer, created))
 COMPLETION = FrontDoor(CompletionRequest, "cmpl-", _as_is,
-                       lambda _req, prepared, tok, created: CompletionFormatter(prepared, tok, created))
+                       lambda _req, prepared, ctx, created: CompletionFormatter(prepared, ctx.tokenizer, created))
 
 
 def install_openai_api(app: FastAPI, ctx: ServingContext) -> None:

@@ -147,7 +147,7 @@ def _translate(req: ResponsesRequest, model: str, context: dict[str, Any]) -> Ch
 
 
 RESPONSES = FrontDoor(ResponsesRequest, "resp_", _translate,
-                      lambda req, prepared, tok, created: ResponsesFormatter(prepared, tok, req, created),
+                      lambda req, prepared, ctx, created: ResponsesFormatter(prepared, ctx.tokenizer, req, created),
                       rename=renamed)
 
 
