@@ -1,9 +1,12 @@
-"""Per-token output text: incremental detokenization and stop strings.
+"""Per-token output text: incremental detokenization, stop strings, and the split of a thinking model's reasoning
+from its answer.
 
 The engine calls `OutputText.add(token_id)` once per generated token per sequence and sends the
 returned delta in a `RequestOutput`; `OutputText.finish()` when the sequence ends for another reason.
 Together they keep `RequestOutput.text`'s invariants: a delta never ends inside a multi-byte character
-and never contains any part of a stop string; held text is released by a later delta.
+and never contains any part of a stop string; held text is released by a later delta. With reasoning
+(cluster/reasoning.py) each token's text goes to `RequestOutput.text` or `.reasoning_text` as the sequence's
+reasoning state says; stop strings apply to the answer's text only.
 
 Cost per token is O(window + longest stop string), never O(output): the detokenizer decodes only a few
 tokens (one or two `tokenizer.decode` calls) and the matcher looks only at the text it holds plus the delta.
@@ -11,7 +14,9 @@ tokens (one or two `tokenizer.decode` calls) and the matcher looks only at the t
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
+
+from cluster.reasoning_state import Channel
 
 REPLACEMENT = "\ufffd"  # what decode() shows for an incomplete (or invalid) UTF-8 byte sequence
 
@@ -155,35 +160,93 @@ class StopStringMatcher:
         return held
 
 
+class TextDelta(NamedTuple):
+    """What one `OutputText.add` or `finish` returns: the answer's new text, whether a stop string ended the
+    output, and the reasoning's new text ("" without reasoning)."""
+
+    text: str
+    stopped: bool
+    reasoning: str = ""
+
+
 class OutputText:
-    """One sequence's output text: detokenizer + stop strings behind one per-token call.
+    """One sequence's output text: detokenizer + stop strings (+ the reasoning's split) behind one per-token call.
 
         out = OutputText(tokenizer, prompt_ids, stop=("\\n\\n",))
-        delta, stopped = out.add(token_id)   # every token; on stopped, finish with "stop"
-        delta = out.finish()                 # EOS, stop token, length, abort: the held text
+        text, stopped, reasoning = out.add(token_id)   # every token; on stopped, finish with "stop"
+        text, _, reasoning = out.finish(last_token)     # EOS, stop token, length, abort: the held text
+
+    With `reasoning` (cluster/reasoning.py's `ReasoningState` of the sequence, fed here), each token's text goes
+    to the channel the state says: the answer's through the stop strings into `text`, the reasoning's into
+    `reasoning` as it is; markers and harmony headers are never detokenized. One detokenizer serves both: at a
+    switch of channel it is flushed into the channel it was in (a switch happens at marker tokens, where no
+    character is split).
     """
 
     def __init__(self, tokenizer, prompt_token_ids: Sequence[int] = (), stop: Sequence[str] = (),
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, reasoning=None):
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
         self.matcher = StopStringMatcher(stop)
+        self.reasoning = reasoning
         self._parts: list[str] = []
+        self._answer = True  # the channel the detokenizer's held text belongs to
 
-    def add(self, token_id: int) -> tuple[str, bool]:
-        """Append one token; return (text to send now, whether a stop string ended the output)."""
-        delta, stopped = self.matcher.feed(self.detokenizer.add(token_id))
+    def add(self, token_id: int) -> TextDelta:
+        """Append one token; return its text (answer, stopped, reasoning)."""
+        if self.reasoning is None:
+            delta, stopped = self.matcher.feed(self.detokenizer.add(token_id))
+            if delta:
+                self._parts.append(delta)
+            return TextDelta(delta, stopped)
+        return self._route(self.reasoning.feed(token_id))
+
+    def finish(self, last_token: Optional[int] = None) -> TextDelta:
+        """Release everything still held, stop strings still applied (the output ended otherwise). `last_token`:
+        the EOS or stop token that ended it, if one did (the reasoning state sees it: a harmony call's `<|call|>`
+        closes the call)."""
+        text, reasoning = "", ""
+        if self.reasoning is not None:
+            pieces = (self.reasoning.end(last_token) if last_token is not None else []) + self.reasoning.finish()
+            text, _, reasoning = self._route(pieces)
+        tail = self.detokenizer.flush()
+        if self._answer:
+            delta, stopped = self.matcher.feed(tail)
+            if not stopped:
+                delta += self.matcher.flush()
+            if delta:
+                self._parts.append(delta)
+            return TextDelta(text + delta, self.stopped, reasoning)
+        delta = self.matcher.flush() if not self.matcher.stopped else ""
         if delta:
             self._parts.append(delta)
-        return delta, stopped
+        return TextDelta(text + delta, self.stopped, reasoning + tail)
 
-    def finish(self) -> str:
-        """Release everything still held, stop strings still applied (the output ended otherwise)."""
-        delta, stopped = self.matcher.feed(self.detokenizer.flush())
-        if not stopped:
-            delta += self.matcher.flush()
-        if delta:
-            self._parts.append(delta)
-        return delta
+    def _route(self, pieces) -> TextDelta:
+        """The text of the reasoning state's `pieces` (cluster/reasoning.py's `Piece`), by channel."""
+        answer, reasoning = [], []
+
+        def emit(text: str) -> None:
+            if not text:
+                return
+            if self._answer:
+                delta, _ = self.matcher.feed(text)
+                if delta:
+                    self._parts.append(delta)
+                    answer.append(delta)
+            else:
+                reasoning.append(text)
+
+        for piece in pieces:
+            to_answer = piece.channel is Channel.ANSWER
+            if to_answer != self._answer:
+                emit(self.detokenizer.flush())
+                self._answer = to_answer
+            if piece.token is not None:
+                emit(self.detokenizer.add(piece.token))
+            if piece.text:
+                emit(self.detokenizer.flush())
+                emit(piece.text)
+        return TextDelta("".join(answer), self.matcher.stopped, "".join(reasoning))
 
     @property
     def stopped(self) -> bool:
@@ -197,7 +260,7 @@ class OutputText:
 
     @property
     def text(self) -> str:
-        """All text returned so far: what the client has received."""
+        """All answer text returned so far: what the client has received as `text`."""
         if len(self._parts) > 1:
             self._parts[:] = ["".join(self._parts)]
         return self._parts[0] if self._parts else ""

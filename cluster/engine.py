@@ -26,6 +26,7 @@ from cluster.block_pool import BlockPool
 from cluster.connector import Connector
 from cluster.config import EngineConfig
 from cluster.detokenizer import OutputText
+from cluster.reasoning import start_reasoning
 from cluster.grammar import GrammarError, Grammars
 from cluster.hashing import first_block_key
 from cluster.kv_store import KVStore, kv_bytes_per_block
@@ -196,6 +197,10 @@ class EngineCore:
                              "shorten the prompt or start the server with a larger --kv-cache-gb")
         if any(t < 0 or t >= self.spec.vocab_size for t in request.prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
+        reasoning = request.sampling.reasoning
+        if reasoning is not None and any(t >= self.spec.vocab_size for t in reasoning.start_ids + reasoning.end_ids):
+            raise ValueError(f"reasoning marker token ids must be in [0, {self.spec.vocab_size}): this model's "
+                             "vocabulary does not have them")
         method = request.sampling.speculative_method
         if (method is not None and request.sampling.num_draft_tokens != 0 and method not in self.speculator.methods
                 and not remote_decode):
@@ -224,12 +229,18 @@ class EngineCore:
         max_tokens = self.check_request(request, remote_decode)
         sp = request.sampling
         seq = Sequence(request, max_tokens=max_tokens, remote_decode=remote_decode)
-        seq.output_text = OutputText(self.tokenizer, request.prompt_token_ids, sp.stop, sp.skip_special_tokens)
+        grammar_prefix = sp.grammar_prefix
+        if sp.reasoning is not None:  # replayed through the output generated before (a continuation), if any
+            seq.reasoning = start_reasoning(sp.reasoning, sp.grammar is not None, self.tokenizer.decode)
+            generated = request.prompt_token_ids[len(request.prompt_token_ids) - sp.reasoning.num_generated:]
+            grammar_prefix = tuple(seq.reasoning.replay(generated))  # of those, the answer's
+        seq.output_text = OutputText(self.tokenizer, request.prompt_token_ids, sp.stop, sp.skip_special_tokens,
+                                     seq.reasoning)
         seq.rng_key = None if sp.greedy else make_key(sp.seed)
         seq.speculation = None if remote_decode else self.speculator.state_for(request)
         if sp.grammar is not None:
             try:
-                seq.grammar = self.grammars.start(sp.grammar, sp.grammar_prefix)
+                seq.grammar = self.grammars.start(sp.grammar, grammar_prefix)
             except GrammarError as exc:  # the request fails, the engine does not
                 return self.scheduler.final_output(seq, FinishReason.ERROR, str(exc))
         if max_tokens == 0 and sp.prompt_logprobs is None:
@@ -324,10 +335,12 @@ class EngineCore:
     def _defers(self, seq: Sequence) -> bool:
         """True when `seq`'s sampled tokens may stay on the device for a step (the overlapped loop): nothing on
         the host needs them before its next step (no grammar mask, no drafts, no penalties over its output, no
-        logprobs, not handed to another worker), and the model has no recurrent state (evaluated every step)."""
+        logprobs, not handed to another worker, no reasoning budget whose forced tokens depend on it), and the
+        model has no recurrent state (evaluated every step)."""
         sp = seq.request.sampling
         return (self._overlap and sp.grammar is None and seq.speculation is None and not sp.needs_penalties
-                and sp.logprobs is None and sp.prompt_logprobs is None and not seq.remote_decode)
+                and sp.logprobs is None and sp.prompt_logprobs is None and not seq.remote_decode
+                and (seq.reasoning is None or not seq.reasoning.may_constrain))
 
 
 @dataclass

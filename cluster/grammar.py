@@ -10,10 +10,12 @@ computes the set of allowed next tokens, the "mask", in tens to hundreds of micr
   that does not compile is a `GrammarError`, which the engine turns into an `error` finish) and advanced by
   every output token the scheduler appends (`GrammarMatcher.consume`: also each accepted draft token, and on
   a decode worker the first token, sampled on the prefill worker, replayed into a fresh matcher);
-- the masks of a step: `masks` fills an int32 bitmask [B, ceil(V/32)] for the constrained rows of the batch
+- the masks of a step: `rule_masks` fills an int32 bitmask [B, ceil(V/32)] for the constrained rows of the batch
   (bit t of word w allows token 32w + t, llguidance's layout; a free row's words stay all ones) and unpacks it
   on the host (NumPy) into bool [B, V], which `cluster.sampling.sample` applies to the batch's logits in one
   `where` (a free row's logits are left as they are);
+  a row's `TokenRule` (`token_rule`) joins its grammar and its reasoning (cluster/reasoning.py): no mask while
+  inside reasoning, the one forced token of an end marker at the budget, the grammar's mask for the answer;
   `draft_masks` gives a verifying row the masks at each of its k+1 positions by advancing the matcher through
   the drafts and rolling it back; `mask_after` serves a drafter the same way.
 
@@ -27,6 +29,7 @@ dominates).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence as Seq
 
 import llguidance
@@ -83,6 +86,42 @@ class GrammarMatcher:
         return self.matcher.validate_tokens(list(tokens)) if tokens else 0
 
 
+@dataclass(frozen=True)
+class TokenRule:
+    """What a row's next token may be: `forced` alone when set (a reasoning end marker at its budget), else what
+    `grammar`'s mask allows (None: anything) plus the tokens of `also` (the reasoning start marker's first token
+    where the answer may still begin with reasoning)."""
+
+    grammar: Optional[GrammarMatcher] = None
+    forced: Optional[int] = None
+    also: tuple[int, ...] = ()
+
+
+def token_rule(grammar: Optional[GrammarMatcher], reasoning=None) -> Optional[TokenRule]:
+    """The rule of a sequence's next token from its grammar (`Sequence.grammar`) and reasoning state
+    (`Sequence.reasoning`, cluster/reasoning.py): the forced token, or the grammar's mask where the reasoning
+    lets it apply (never inside reasoning); None when the next token is free."""
+    also: tuple[int, ...] = ()
+    if reasoning is not None:
+        forced = reasoning.forced_token()
+        if forced is not None:
+            return TokenRule(forced=forced)
+        if not reasoning.grammar_applies():
+            return None
+        also = reasoning.also_allowed()
+    return None if grammar is None else TokenRule(grammar, None, also)
+
+
+def consume_answer(grammar: Optional[GrammarMatcher], reasoning, token: int) -> tuple[bool, Optional[str]]:
+    """Advance a sequence's `grammar` by its next output `token` when the grammar sees it: always without
+    `reasoning` (its `Sequence.reasoning`), with it only the answer's tokens, never the reasoning's or a marker's
+    (`ReasoningState.grammar_consumes`, asked before the state is fed the token). (complete, error) as
+    `GrammarMatcher.consume` says; (False, None) when there is no grammar or it does not see the token."""
+    if grammar is None or (reasoning is not None and not reasoning.grammar_consumes(token)):
+        return False, None
+    return grammar.consume(token)
+
+
 class Grammars:
     """An engine's constrained decoding (see the module docstring): the llguidance tokenizer, matchers, masks.
 
@@ -124,16 +163,31 @@ class Grammars:
         """The next-token masks of a batch's rows (one `Sequence.grammar` or None each) as one bool [B, V]
         array (True = allowed): a constrained row's grammar mask, all True for a free row (so one `where` over
         the batch leaves free rows' logits as they are); None when no row is constrained."""
-        rows = [b for b, g in enumerate(grammars) if g is not None]
+        return self.rule_masks([None if g is None else TokenRule(g) for g in grammars])
+
+    def rule_masks(self, rules: Seq[Optional[TokenRule]]) -> Optional[mx.array]:
+        """`masks` over each row's `TokenRule` (None: free): a forced row allows its one token, a grammar row its
+        grammar's mask plus the rule's `also` tokens. bool [B, V]; None when every row is free."""
+        rows = [b for b, r in enumerate(rules) if r is not None]
         if not rows:
             return None
         start = time.perf_counter()
-        bitmask = llg_numpy.allocate_token_bitmask(len(grammars), self.vocab_size)  # all allowed
+        bitmask = llg_numpy.allocate_token_bitmask(len(rules), self.vocab_size)  # all allowed
+        words = bitmask.view(np.uint32)
         for b in rows:
-            matcher = grammars[b].matcher
+            rule = rules[b]
+            if rule.forced is not None:
+                bitmask[b] = 0
+                words[b, rule.forced >> 5] = np.uint32(1 << (rule.forced & 31))
+                continue
+            if rule.grammar is None:
+                continue
+            matcher = rule.grammar.matcher
             llg_numpy.fill_next_token_bitmask(matcher, bitmask, b)
             if matcher.is_error():  # allow all: the token sampled is then refused by `consume`, naming the error
                 bitmask[b] = -1
+            for token in rule.also:
+                words[b, token >> 5] |= np.uint32(1 << (token & 31))
         out = self.unpack(bitmask)
         self._count(start, len(rows), draft=False)
         return out
@@ -160,6 +214,21 @@ class Grammars:
         mask = self.unpack(bitmask)
         self._count(start, rows, draft=True)
         return mask
+
+    def verify_masks(self, grammar: Optional[GrammarMatcher], reasoning, draft: Seq[int]) -> Optional[mx.array]:
+        """The masks at the k+1 positions of a verify step of a sequence with `grammar` and `reasoning` (its
+        `Sequence.grammar` and `.reasoning`, either None), bool [k+1, V]; None when every position is free. With
+        a grammar, its `draft_masks` (the scheduler drafts such a sequence only once its grammar governs every
+        later token); else, with a reasoning budget, the end marker's forced token where a position is forced
+        (`ReasoningState.forced_along`)."""
+        if grammar is not None:
+            rule = token_rule(grammar, reasoning)
+            assert rule is not None and rule.forced is None and not rule.also, "drafts before the grammar governs"
+            return self.draft_masks(grammar, draft)
+        forced = reasoning.forced_along(draft) if reasoning is not None else None
+        if forced is None or all(f is None for f in forced):
+            return None
+        return self.rule_masks([None if f is None else TokenRule(forced=f) for f in forced])
 
     def mask_after(self, grammar: Optional[GrammarMatcher], tokens: Seq[int]) -> Optional[mx.array]:
         """The mask after `tokens` more (a drafter's own tokens), bool [V]; None for a free row, or when the

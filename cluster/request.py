@@ -7,15 +7,19 @@ dataclasses of built-in values so that they can be sent as msgpack maps between 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 
 SPECULATIVE_METHODS = ("prompt_lookup", "draft_model")  # the drafters of decode_node/drafters.py
 MAX_DRAFT_TOKENS = 16  # draft tokens per sequence per step at most
+REASONING_FORMATS = ("think", "harmony")  # ReasoningParams.format (cluster/reasoning.py)
+# the harmony specials whose ids a harmony ReasoningParams.start_ids lists, in this order
+HARMONY_SPECIALS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>")
 
 
 class FinishReason(str, enum.Enum):
@@ -25,6 +29,71 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"  # client disconnect or explicit abort
     ERROR = "error"  # the engine failed this request (the engine itself keeps running)
+
+
+def _token_ids(value) -> bool:
+    """True for a tuple of token ids (ints >= 0, not bools)."""
+    return isinstance(value, tuple) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+
+
+@dataclass(frozen=True)
+class ReasoningParams:
+    """How a thinking model's reasoning is told from its answer, token by token (cluster/reasoning.py has the rules).
+
+    - `format`: "think" (reasoning between a start and an end marker: Qwen3, DeepSeek-R1, GLM, gemma4) or
+      "harmony" (gpt-oss's channels: the analysis channel is the reasoning, the final channel the answer).
+    - `start_ids`: for "think", the start marker's token ids (e.g. the id of `<think>`; several ids for a
+      multi-token marker such as gemma4's `<|channel>thought`); for "harmony", the ids of the seven specials of
+      `HARMONY_SPECIALS` in that order: `<|start|>`, `<|channel|>`, `<|message|>`, `<|end|>`, `<|return|>`,
+      `<|call|>`, `<|constrain|>` (`cluster.reasoning.harmony_ids` reads them from a tokenizer).
+    - `end_ids`: the token ids the engine forces to end the reasoning when the budget is spent: for "think" the end
+      marker (e.g. the id of `</think>`), which also ends reasoning the model writes itself; for "harmony" the
+      sequence that closes the analysis message and opens the final one,
+      `<|end|><|start|>assistant<|channel|>final<|message|>` tokenized (it must begin with `<|end|>` and end with
+      `<|message|>`).
+    - `starts_inside`: the prompt ends inside an open reasoning section (a template that opens `<think>\n` in the
+      generation prompt; `cluster.reasoning.ends_inside`), or for "harmony" inside an analysis message's body.
+      False for harmony's usual generation prompt `<|start|>assistant`: the output begins with a header.
+    - `budget`: the most reasoning tokens (None: no limit). A sequence that has produced `budget` reasoning
+      tokens and is still inside reasoning gets `end_ids` forced, one token per step (the only token its mask
+      allows), then goes on freely; 0 with `starts_inside` forces the end marker as the first tokens.
+    - `num_generated`: the last `num_generated` prompt tokens are this request's own output, generated before it
+      came here (a continuation after a worker died: `continue_request`); the state is replayed through them from
+      `starts_inside`, so the count and the budget go on where they were. 0 for a new request.
+    """
+
+    format: str = "think"
+    start_ids: tuple[int, ...] = ()
+    end_ids: tuple[int, ...] = ()
+    starts_inside: bool = False
+    budget: Optional[int] = None
+    num_generated: int = 0
+
+    def __post_init__(self) -> None:
+        def bad(name: str, value: object, rule: str) -> ValueError:
+            return ValueError(f"reasoning.{name}={value!r} is invalid: {rule}")
+
+        if self.format not in REASONING_FORMATS:
+            raise bad("format", self.format, f"must be one of {', '.join(REASONING_FORMATS)}")
+        for name in ("start_ids", "end_ids"):
+            if not _token_ids(getattr(self, name)) or not getattr(self, name):
+                raise bad(name, getattr(self, name), "must be a non-empty tuple of token ids >= 0")
+        if self.format == "think" and self.start_ids == self.end_ids:
+            raise bad("end_ids", self.end_ids, "the end marker must differ from the start marker")
+        if self.format == "harmony":
+            if len(self.start_ids) != len(HARMONY_SPECIALS) or len(set(self.start_ids)) != len(self.start_ids):
+                raise bad("start_ids", self.start_ids, f"harmony needs the {len(HARMONY_SPECIALS)} distinct ids of "
+                          f"{', '.join(HARMONY_SPECIALS)}, in that order")
+            if self.end_ids[0] != self.start_ids[3] or self.end_ids[-1] != self.start_ids[2]:
+                raise bad("end_ids", self.end_ids, "harmony's forced closing must begin with <|end|> and end with "
+                          "<|message|> (<|end|><|start|>assistant<|channel|>final<|message|>)")
+        if not isinstance(self.starts_inside, bool):
+            raise bad("starts_inside", self.starts_inside, "must be true or false")
+        if self.budget is not None and (not isinstance(self.budget, int) or isinstance(self.budget, bool)
+                                        or self.budget < 0):
+            raise bad("budget", self.budget, "must be an integer >= 0 or null (no limit)")
+        if not isinstance(self.num_generated, int) or isinstance(self.num_generated, bool) or self.num_generated < 0:
+            raise bad("num_generated", self.num_generated, "must be an integer >= 0")
 
 
 @dataclass(frozen=True)
@@ -41,7 +110,9 @@ class SamplingParams:
       - `logit_bias`: (token_id, bias) pairs added to the logits, bias in [-100, 100].
       - `logprobs`: None = off; k >= 0 = return the sampled token's logprob and the top-k alternatives.
       - `prompt_logprobs`: None = off; k >= 0 = logprobs of every prompt token after the first (echo).
-      - `stop`: strings that end generation; they are never part of the returned text.
+      - `stop`: strings that end generation; they are never part of the returned text. With `reasoning` they
+        are looked for in the answer text only: the reasoning's text never ends the output (a stop meant for
+        the answer, such as "\n\n", would otherwise cut the thinking before any answer).
       - `stop_token_ids`: token ids that end generation (in addition to EOS unless `ignore_eos`).
       - `seed`: makes sampling reproducible for this sequence alone, independent of batching (with
         speculative decoding, for a given drafter and draft length: the draws differ from plain decoding's,
@@ -58,6 +129,10 @@ class SamplingParams:
         to another decode worker after streaming them, now part of its prompt): the matcher replays them first.
       - `skip_special_tokens`: leave special tokens out of the output text (True, as vLLM); the router turns it
         off when a tool-call parser reads markers that are special tokens (e.g. Qwen's `<tool_call>`).
+      - `reasoning`: None = the output is all answer; else how a thinking model's reasoning is told from its
+        answer (`ReasoningParams`): the reasoning goes to `RequestOutput.reasoning_text`, a budget ends it, and a
+        grammar constrains the answer after it only. With a grammar and `reasoning.num_generated`,
+        `grammar_prefix` must be those same tokens (the matcher replays the answer's among them).
     """
 
     max_tokens: int = 16
@@ -80,6 +155,7 @@ class SamplingParams:
     grammar: Optional[str] = None
     grammar_prefix: tuple[int, ...] = ()
     skip_special_tokens: bool = True
+    reasoning: Optional[ReasoningParams] = None
 
     def __post_init__(self) -> None:
         def bad(name: str, value: object, rule: str) -> ValueError:
@@ -138,6 +214,12 @@ class SamplingParams:
         if self.grammar_prefix and (self.grammar is None or any(
                 not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.grammar_prefix)):
             raise bad("grammar_prefix", self.grammar_prefix, "must be token ids >= 0, and only with a grammar")
+        if self.reasoning is not None and not isinstance(self.reasoning, ReasoningParams):
+            raise bad("reasoning", self.reasoning, "must be ReasoningParams or null")
+        if (self.reasoning is not None and self.grammar_prefix
+                and len(self.grammar_prefix) != self.reasoning.num_generated):
+            raise bad("grammar_prefix", self.grammar_prefix, "with reasoning it must be the request's own output "
+                      "generated before (reasoning.num_generated tokens, the end of the prompt)")
         if self.grammar is not None and self.ignore_eos:
             raise bad("ignore_eos", self.ignore_eos, "cannot be combined with a grammar (response_format or "
                       "tool_choice), which ends the output once complete: drop ignore_eos")
@@ -180,6 +262,36 @@ class GenerateRequest:
             raise ValueError("cache_salt must be a string or null")
         if not isinstance(self.arrival_time, (int, float)) or isinstance(self.arrival_time, bool):
             raise ValueError("arrival_time must be a number (seconds since the epoch)")
+        reasoning, sp = self.sampling.reasoning, self.sampling
+        if reasoning is not None and reasoning.num_generated:
+            n = reasoning.num_generated
+            if n >= len(self.prompt_token_ids):
+                raise ValueError(f"reasoning.num_generated={n} must be less than the prompt's "
+                                 f"{len(self.prompt_token_ids)} tokens (the output generated before is its end)")
+            if sp.grammar_prefix and tuple(self.prompt_token_ids[-n:]) != tuple(sp.grammar_prefix):
+                raise ValueError("grammar_prefix must be the last reasoning.num_generated prompt tokens: the output "
+                                 "generated before")
+
+
+def continue_request(request: GenerateRequest, streamed: Sequence[int]) -> Optional[GenerateRequest]:
+    """The request that goes on from the tokens `request` has streamed so far (its worker died): its prompt plus
+    those tokens, the rest of its max_tokens, no prompt logprobs, a grammar that replays them
+    (`SamplingParams.grammar_prefix`) and reasoning that replays them (`ReasoningParams.num_generated`, so the
+    reasoning count and budget go on). With nothing streamed, `request` itself; None when nothing is left to
+    generate."""
+    done = len(streamed)
+    sp = request.sampling
+    if sp.max_tokens - done <= 0:
+        return None
+    if not done:
+        return request
+    reasoning = sp.reasoning
+    if reasoning is not None:
+        reasoning = dataclasses.replace(reasoning, num_generated=reasoning.num_generated + done)
+    sp = dataclasses.replace(sp, max_tokens=sp.max_tokens - done, prompt_logprobs=None, reasoning=reasoning,
+                             grammar_prefix=sp.grammar_prefix + tuple(streamed) if sp.grammar is not None else ())
+    return dataclasses.replace(request, prompt_token_ids=tuple(request.prompt_token_ids) + tuple(streamed),
+                               sampling=sp)
 
 
 @dataclass(frozen=True)
@@ -207,6 +319,14 @@ class RequestOutput:
     `finish_reason` is set on the last delta only; `error` carries a message when it is `error`.
     `stop_string` (last delta only) is the stop string that ended the output with `stop`; None when EOS, a
     stop token id, a complete grammar or anything else ended it (vLLM's `stop_reason`, strings only).
+
+    With `SamplingParams.reasoning` (cluster/reasoning.py): `text` is the answer's text only and
+    `reasoning_text` this delta's reasoning text, both without the markers and harmony headers (a harmony tool
+    call is in `text` in its canonical form, `<tool_call>{"name": ..., "arguments": ...}</tool_call>`); the same
+    invariants hold for each. `num_reasoning_tokens` is cumulative: the output tokens so far that are the
+    reasoning's content ("think": between the markers, neither marker's tokens counted; harmony: the analysis
+    messages' bodies, headers and `<|end|>` not counted), including those generated before a continuation
+    (`ReasoningParams.num_generated`). Without reasoning, `reasoning_text` is "" and the count 0.
     """
 
     request_id: str
@@ -220,6 +340,8 @@ class RequestOutput:
     num_output_tokens: int = 0
     error: Optional[str] = None
     stop_string: Optional[str] = None
+    reasoning_text: str = ""
+    num_reasoning_tokens: int = 0
 
     @property
     def finished(self) -> bool:

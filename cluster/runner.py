@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Sequence as Seq
 
 import mlx.core as mx
 
-from cluster.grammar import Grammars
+from cluster.grammar import Grammars, token_rule
 from cluster.kv_groups import KVGroups
 from cluster.kv_layout import BatchLayout
 from cluster.kv_store import KVStore
@@ -180,13 +180,18 @@ class ModelRunner:
         sampling = [row for row in rows if row.samples and row.pending is None]
         verifying = [row for row in rows if row.draft is not None]
         masks, draft_masks = None, None
-        if grammars is not None and any(r.seq.grammar is not None for r in sampling + verifying):
+        rules = [token_rule(r.seq.grammar, r.seq.reasoning) for r in sampling]
+        checked = any(r.seq.grammar is not None or (r.seq.reasoning is not None and r.seq.reasoning.may_constrain)
+                      for r in verifying)
+        if grammars is not None and (checked or any(rule is not None for rule in rules)):
             # the device computes the step while the host computes its masks (they depend only on the tokens
             # so far), so a mask is ready when the logits it applies to are
             mx.async_eval(*[r.logits for r in sampling + verifying])
-            masks = grammars.masks([r.seq.grammar for r in sampling]) if sampling else None
-            if any(r.seq.grammar is not None for r in verifying):
-                draft_masks = [grammars.draft_masks(r.seq.grammar, r.draft.tokens) for r in verifying]
+            masks = grammars.rule_masks(rules) if sampling else None
+            if checked:
+                draft_masks = [grammars.verify_masks(r.seq.grammar, r.seq.reasoning, r.draft.tokens)
+                               for r in verifying]
+                draft_masks = None if all(m is None for m in draft_masks) else draft_masks
         self._sample(sampling, masks)
         for row in rows:
             if row.prompt_logits is not None:

@@ -17,11 +17,11 @@ free blocks only (k drops to 0 when there are none).
 
 After the step, `update_from_output` takes the runner's typed `RowResult`s (the shape of vLLM v1's
 `Scheduler.update_from_output` and nano-vllm's `Scheduler.postprocess`): it counts what was computed, caches the
-blocks that filled up, appends the sampled or accepted tokens (advancing a grammar), applies the stop rules (EOS,
-stop ids, stop strings, a complete grammar, max_tokens) and finishes sequences. Accepted drafts go one at a time
-through the same `_append_token` as plain decoding, so every stop rule ends a sequence where it would. `finish` is the
-one way a sequence leaves: the speculator forgets it, the connector says whether its blocks are kept for the
-role (`Connector.request_finished`, called exactly once), and the `KVManager` frees or holds them.
+blocks that filled up, appends the sampled or accepted tokens (advancing a grammar and a reasoning state), applies
+the stop rules (EOS, stop ids, stop strings, a complete grammar, max_tokens) and finishes sequences. Accepted drafts
+go one at a time through the same `_append_token` as plain decoding, so every stop rule ends a sequence where it
+would. `finish` is the one way a sequence leaves: the speculator forgets it, the connector says whether its blocks
+are kept for the role (`Connector.request_finished`, called exactly once), and the `KVManager` frees or holds them.
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ from collections import deque
 from typing import Callable, Iterable, Optional
 
 from cluster.config import EngineConfig
+from cluster.grammar import consume_answer
 from cluster.connector import Connector, NoConnector
 from cluster.kv_manager import KVManager
 from cluster.prefix_match import PrefixMatcher
-from cluster.request import FinishReason, RequestOutput
+from cluster.request import MAX_DRAFT_TOKENS, FinishReason, RequestOutput
 from cluster.runner import RowResult
 from cluster.sampling import advance_key
 from cluster.sequence import PENDING, Sequence, SequenceStatus
@@ -124,8 +125,9 @@ class Scheduler:
             seq.token_ids.append(prefix.first_token)
             seq.num_computed_tokens, seq.num_cached_tokens = seq.num_prompt_tokens, held.num_cached_tokens
             seq.recurrent_state = prefix.state
-            seq.output_text.add(prefix.first_token)  # its text went out with the first token, under its grammar:
-            error = seq.grammar.consume(prefix.first_token)[1] if seq.grammar is not None else None  # resume it
+            # its text went out with the first token, under its grammar and reasoning: resume them
+            error = consume_answer(seq.grammar, seq.reasoning, prefix.first_token)[1]
+            seq.output_text.add(prefix.first_token)
             if seq.rng_key is not None:
                 seq.rng_key = advance_key(seq.rng_key)  # as after one draw here
             del self.awaiting_kv[seq.request_id]
@@ -272,33 +274,36 @@ class Scheduler:
         logprobs = None if outs[0].logprobs is None else tuple(lp for o in outs for lp in o.logprobs)
         return dataclasses.replace(outs[-1], token_ids=tuple(t for o in outs for t in o.token_ids),
                                    text="".join(o.text for o in outs), logprobs=logprobs,
-                                   prompt_logprobs=outs[0].prompt_logprobs)
+                                   prompt_logprobs=outs[0].prompt_logprobs,
+                                   reasoning_text="".join(o.reasoning_text for o in outs))
 
     def _append_token(self, seq: Sequence, token: int, logprob) -> RequestOutput:
         """Append one output token, advance its grammar, apply the stop rules and finish the sequence if one
         holds (or if it leaves after its first token, with remote decode); returns its output delta. A
         grammar ends it with stop once complete, with error (the token left out) when the token breaks it."""
-        complete, error = seq.grammar.consume(token) if seq.grammar is not None else (False, None)
+        complete, error = consume_answer(seq.grammar, seq.reasoning, token)
         if error is not None:
             return self.finish_with_output(seq, FinishReason.ERROR, error)
         seq.token_ids.append(token)
         sp = seq.request.sampling
-        reason, text = None, ""
+        reason, text, reasoning, last = None, "", "", None
         if (token in self.eos_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
-            reason = FinishReason.STOP
+            reason, last = FinishReason.STOP, token  # no text of its own (a harmony `<|call|>` closes its call)
         else:
-            text, stopped = seq.output_text.add(token)
+            text, stopped, reasoning = seq.output_text.add(token)
             if stopped or complete:
                 reason = FinishReason.STOP
         if reason is None and seq.num_output_tokens >= seq.max_tokens:
             reason = FinishReason.LENGTH
         plp = tuple(seq.prompt_logprobs) if seq.num_output_tokens == 1 and sp.prompt_logprobs is not None else None
         if reason is not None:
-            text += seq.output_text.finish()
+            tail = seq.output_text.finish(last)
+            text, reasoning = text + tail.text, reasoning + tail.reasoning
         if reason is not None or seq.remote_decode:  # remote decode: another worker continues from here
             self.finish(seq, reason)
         return _output(seq, (token,), text, (logprob,) if logprob else None, reason, plp,
-                       stop_string=seq.output_text.stop_string if reason == FinishReason.STOP else None)
+                       stop_string=seq.output_text.stop_string if reason == FinishReason.STOP else None,
+                       reasoning=reasoning)
 
     def _chunk(self, seq: Sequence, allowance: int, whole_room: int) -> int:
         """Tokens of `seq` to compute in this step given `allowance` prompt tokens left (`StepBudget.chunk`);
@@ -363,7 +368,9 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING or seq.num_output_tokens >= seq.max_tokens:
                 continue  # preempted for an earlier one's block, or its pending token is its last
             if self._reserve(seq, 1, allow_preempt=True):
-                k = min(self.speculator.lookahead(seq), max(0, draft_room))
+                limit = seq.reasoning.draft_limit() if seq.reasoning is not None else None  # reasoning's rule
+                k = min(self.speculator.lookahead(seq), max(0, draft_room), MAX_DRAFT_TOKENS if limit is None
+                        else limit)
                 if k and not self._reserve(seq, 1 + k, allow_preempt=False):
                     k = 0
                 draft_room -= k
@@ -395,6 +402,7 @@ class Scheduler:
 
 
 def _output(seq: Sequence, token_ids: tuple, text: str, logprobs, reason: Optional[FinishReason], plp=None,
-            error: Optional[str] = None, stop_string: Optional[str] = None) -> RequestOutput:
+            error: Optional[str] = None, stop_string: Optional[str] = None, reasoning: str = "") -> RequestOutput:
     return RequestOutput(seq.request_id, token_ids, text, logprobs, plp, reason, seq.num_prompt_tokens,
-                         seq.num_cached_tokens, seq.num_output_tokens, error, stop_string)
+                         seq.num_cached_tokens, seq.num_output_tokens, error, stop_string, reasoning,
+                         seq.reasoning.count if seq.reasoning is not None else 0)

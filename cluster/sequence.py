@@ -52,6 +52,9 @@ class Sequence:
     grammar: for a request with `SamplingParams.grammar`, its matcher (cluster/grammar.py's GrammarMatcher),
         which has consumed every output token; kept across preemption (the output tokens are kept too). None
         for free output.
+    reasoning: for a request with `SamplingParams.reasoning`, its reasoning state (cluster/reasoning.py's
+        ReasoningState: inside or outside, the reasoning count, forced end-marker tokens), fed every output token
+        by its `output_text`; kept across preemption like the grammar. None otherwise.
     remote_decode: the sequence leaves this engine after its first token (a prefill worker's: another worker
     decodes the rest; `cluster.connector`).
     """
@@ -75,6 +78,7 @@ class Sequence:
     pending_snapshot: Any = None
     chunk_snapshots: list[tuple[int, int]] = field(default_factory=list)
     grammar: Any = None
+    reasoning: Any = None
     remote_decode: bool = False
     arrival: float = field(default_factory=time.monotonic)
 

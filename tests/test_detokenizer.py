@@ -273,11 +273,11 @@ def run_output(tokenizer, prompt, text, stop):
     out = OutputText(tokenizer, encode(tokenizer, prompt), stop=stop)
     deltas = []
     for token_id in encode(tokenizer, text):
-        delta, stopped = out.add(token_id)
+        delta, stopped, _ = out.add(token_id)
         deltas.append(delta)
         if stopped:
             return deltas, True, out
-    deltas.append(out.finish())
+    deltas.append(out.finish().text)
     return deltas, False, out
 
 
@@ -316,7 +316,7 @@ def test_finish_after_length(tiny_tokenizer):
     ids = encode(tiny_tokenizer, "alpha 世界 gamma")
     sent = "".join(out.add(t)[0] for t in ids)
     assert sent == "alpha 世界 "  # "gamma" may start "gamma!": held
-    assert out.finish() == "gamma" and out.text == "alpha 世界 gamma" and not out.stopped
+    assert out.finish().text == "gamma" and out.text == "alpha 世界 gamma" and not out.stopped
 
 
 def test_output_text_names_the_stop_string_that_ended_it(smollm_tokenizer):
