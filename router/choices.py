@@ -17,7 +17,7 @@ from typing import Optional
 
 from cluster.request import FinishReason, RequestOutput, TokenLogprob
 from router.errors import APIError, engine_unavailable
-from router.openai.request import PromptTokensDetails, Usage
+from router.openai.output import CompletionTokensDetails, PromptTokensDetails, Usage
 from router.params import PreparedRequest
 
 logger = logging.getLogger(__name__)
@@ -48,6 +48,8 @@ class ChoiceState:
 
     index: int
     texts: list[str] = field(default_factory=list)
+    reasoning_texts: list[str] = field(default_factory=list)  # a thinking model's reasoning, apart from the answer
+    num_reasoning_tokens: int = 0  # of num_tokens, those inside the reasoning (the engine's count)
     num_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: Optional[tuple[TokenLogprob, ...]] = None
@@ -70,6 +72,9 @@ class Accumulator:
         state = self.choices[index]
         if out.text:
             state.texts.append(out.text)
+        if out.reasoning_text:
+            state.reasoning_texts.append(out.reasoning_text)
+        state.num_reasoning_tokens = max(state.num_reasoning_tokens, out.num_reasoning_tokens)
         state.num_tokens += len(out.token_ids)
         if out.logprobs:
             state.logprobs.extend(out.logprobs)
@@ -86,9 +91,11 @@ class Accumulator:
         return state
 
     def usage(self) -> Usage:
-        """Usage of the whole request (prompt counted once; cached tokens of choice 0)."""
+        """Usage of the whole request (prompt counted once; cached tokens of choice 0; reasoning tokens summed)."""
         prompt = len(self.prepared.prompt_token_ids)
         completion = sum(c.num_tokens for c in self.choices)
         cached = self.choices[0].num_cached_tokens if self.choices else 0
+        reasoning = sum(c.num_reasoning_tokens for c in self.choices)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+                     completion_tokens_details=CompletionTokensDetails(reasoning_tokens=reasoning))

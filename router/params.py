@@ -21,12 +21,13 @@ import time
 from dataclasses import dataclass, replace
 from typing import Optional, Union
 
-from cluster.request import GenerateRequest, SamplingParams
+from cluster.request import GenerateRequest, ReasoningParams, SamplingParams
 from router.errors import APIError, bad_request
 from router.openai.request import (CONTEXT_LENGTH_EXCEEDED, INT64_MAX, ChatCompletionRequest, CompletionRequest,
                                   context_length_message)
 from router.structured import build_grammar
 from router.tokenizer import ChatTemplateError, PromptTooLong, RouterTokenizer
+from router.reasoning import ReasoningPlan, plan_reasoning, reasoning_support
 from router.tool_calls import ToolParser, forced_tool_parser_for, tool_parser_for
 from router.tool_prompt import chat_messages
 
@@ -128,15 +129,23 @@ def plan_tools(req: ChatCompletionRequest, tok: RouterTokenizer) -> ToolPlan:
     return ToolPlan(tools=tools, shown=tools, parser=parser, forced=forced, native=parser.native, parallel=parallel)
 
 
+def reasoning_plan(req: ChatCompletionRequest, tok: RouterTokenizer) -> ReasoningPlan:
+    """The request's reasoning plan (router/reasoning.py): the chat template's switches and the engine's budget."""
+    return plan_reasoning(reasoning_support(tok.wrapped), req.reasoning_effort, req.thinking_token_budget,
+                          req.chat_template_kwargs)
+
+
 async def tokenize_chat(req: ChatCompletionRequest, tok: RouterTokenizer, max_model_len: Optional[int] = None,
-                        plan: Optional[ToolPlan] = None) -> tuple[str, list[int]]:
+                        plan: Optional[ToolPlan] = None, reasoning: Optional[ReasoningPlan] = None
+                        ) -> tuple[str, list[int]]:
     """(prompt text, token ids) of the chat messages (with the plan's tools and tool turns,
-    router/tool_prompt.py); 400 when the template rejects them, or when the rendered prompt has at least
-    `max_model_len` tokens and is far longer (found after bounded work)."""
+    router/tool_prompt.py, and the reasoning plan's template variables); 400 when the template rejects them, or
+    when the rendered prompt has at least `max_model_len` tokens and is far longer (found after bounded work)."""
     plan = plan or plan_tools(req, tok)
+    reasoning = reasoning or reasoning_plan(req, tok)
     messages, template_tools = chat_messages(req.messages, plan.shown, plan.native)
     try:
-        return await tok.arender_chat(messages, max_model_len, template_tools)
+        return await tok.arender_chat(messages, max_model_len, template_tools, reasoning.template_kwargs)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from exc
     except PromptTooLong as exc:
@@ -175,7 +184,7 @@ def clamp_max_tokens(requested: Optional[int], num_prompt_tokens: int, max_model
 def build_sampling(req: Union[ChatCompletionRequest, CompletionRequest], *, max_tokens: int,
                    logprobs: Optional[int], prompt_logprobs: Optional[int],
                    tok: RouterTokenizer, grammar: Optional[str] = None,
-                   skip_special_tokens: bool = True) -> SamplingParams:
+                   skip_special_tokens: bool = True, reasoning: Optional[ReasoningParams] = None) -> SamplingParams:
     """SamplingParams for one choice (seed not yet offset); 400 naming the field on a bad value."""
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     stop_ids = list(req.stop_token_ids or ())
@@ -206,7 +215,7 @@ def build_sampling(req: Union[ChatCompletionRequest, CompletionRequest], *, max_
         stop_token_ids=tuple(stop_ids), ignore_eos=req.ignore_eos, seed=req.seed,
         speculative_method=req.speculative.method if req.speculative else None,
         num_draft_tokens=req.speculative.num_draft_tokens if req.speculative else None,
-        grammar=grammar, skip_special_tokens=skip_special_tokens)
+        grammar=grammar, skip_special_tokens=skip_special_tokens, reasoning=reasoning)
     try:
         return SamplingParams(**fields)
     except ValueError as exc:
@@ -247,11 +256,12 @@ async def prepare_chat(req: ChatCompletionRequest, tok: RouterTokenizer, *, requ
     if plan.forced or (req.response_format is not None and req.response_format.type != "text"):
         grammar = await asyncio.get_running_loop().run_in_executor(
             None, build_grammar, req, plan.shown, plan.forced, tok, plan.parallel)  # the first builds the llg tokenizer
-    text, ids = await tokenize_chat(req, tok, max_model_len, plan)
+    reasoning = reasoning_plan(req, tok)
+    text, ids = await tokenize_chat(req, tok, max_model_len, plan, reasoning)
     max_tokens = clamp_max_tokens(req.requested_max_tokens, len(ids), max_model_len, "messages")
     special = plan.parser is not None and plan.parser.markers_are_special
     sampling = build_sampling(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=None, tok=tok,
-                              grammar=grammar, skip_special_tokens=not special)
+                              grammar=grammar, skip_special_tokens=not special, reasoning=reasoning.params(ids))
     return PreparedRequest(
         request_id=request_id, model=model, prompt_token_ids=tuple(ids), prompt_text=text,
         requests=make_requests(request_id, ids, sampling, req.n or 1, req.cache_salt, arrival_time),

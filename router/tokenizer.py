@@ -135,9 +135,11 @@ class RouterTokenizer:
     # ------------------------------------------------------------------------------ encoding
 
     def render_chat(self, messages: Sequence[dict[str, Any]], limit: Optional[int] = None,
-                    tools: Optional[list[dict[str, Any]]] = None) -> tuple[str, list[int]]:
+                    tools: Optional[list[dict[str, Any]]] = None,
+                    template_kwargs: Optional[dict[str, Any]] = None) -> tuple[str, list[int]]:
         """(prompt text, token ids) of `messages` rendered with the chat template plus the generation prompt;
-        `tools` (OpenAI function tools) is passed to the template when given (router/tool_prompt.py).
+        `tools` (OpenAI function tools) is passed to the template when given (router/tool_prompt.py), and
+        `template_kwargs` as more template variables (router/reasoning.py: the thinking switch, the effort).
 
         Raises ChatTemplateError when there is no template or the template rejects the messages
         (e.g. roles that do not alternate), and PromptTooLong when the rendered text has at least `limit`
@@ -146,7 +148,7 @@ class RouterTokenizer:
         if not self.has_chat_template:
             raise ChatTemplateError("this model has no chat template: use /v1/completions")
         try:
-            extra = {"tools": tools} if tools else {}
+            extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
             text = self._tok.apply_chat_template(list(messages), add_generation_prompt=True,
                                                  tokenize=False, **extra)
         except Exception as exc:  # jinja2 TemplateError, or a template that raises on purpose
@@ -184,10 +186,11 @@ class RouterTokenizer:
         return self._tok.decode(list(token_ids))
 
     async def arender_chat(self, messages: Sequence[dict[str, Any]], limit: Optional[int] = None,
-                           tools: Optional[list[dict[str, Any]]] = None) -> tuple[str, list[int]]:
+                           tools: Optional[list[dict[str, Any]]] = None,
+                           template_kwargs: Optional[dict[str, Any]] = None) -> tuple[str, list[int]]:
         """`render_chat`, off the event loop when the messages are long."""
         size = sum(len(m.get("content") or "") for m in messages) + (len(str(tools)) if tools else 0)
-        return await self._maybe_offload(size, self.render_chat, messages, limit, tools)
+        return await self._maybe_offload(size, self.render_chat, messages, limit, tools, template_kwargs)
 
     async def aencode(self, text: str, limit: Optional[int] = None) -> list[int]:
         """`encode`, off the event loop when the text is long."""

@@ -5,8 +5,8 @@ the tools go to `apply_chat_template(messages, tools=...)`; an assistant turn ke
 the arguments parsed from JSON text to an object (as vLLM and mlx-lm hand them to templates, which write
 them with `tojson`); a tool turn keeps `tool_call_id` and gets the called function's `name`; a content of
 None becomes "" (templates concatenate it); an assistant turn's reasoning (`reasoning_content` or `reasoning`)
-goes to the template as `reasoning_content`, which thinking models' templates read (most keep it only for the
-turns after the last user message). The fallback rendering drops reasoning.
+goes to the template as `reasoning_content` and `thinking`, the names thinking models' templates read (most keep
+it only for the turns after the last user message). The fallback rendering drops reasoning.
 
 Fallback rendering (a template that ignores `tools`, such as SmolLM2's plain ChatML, or one whose call format
 mlx-lm cannot parse), in the Hermes style the json_tools parser reads:
@@ -94,8 +94,8 @@ def _native(messages: Sequence[Any], called: dict[str, str]) -> list[dict[str, A
         message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
         if m.name:
             message["name"] = m.name
-        if m.role == "assistant" and m.reasoning_text:
-            message["reasoning_content"] = m.reasoning_text  # templates that keep reasoning read this name
+        if m.role == "assistant" and m.reasoning_text:  # Qwen3's and GLM's templates read the first name,
+            message["reasoning_content"] = message["thinking"] = m.reasoning_text  # gpt-oss's the second
         if m.tool_calls:
             message["tool_calls"] = [{"id": c.id, "type": "function",
                                       "function": {"name": c.function.name, "arguments": c.function.arguments}}

@@ -63,7 +63,8 @@ def test_chat_answer_shape_and_usage(client, engine, tok):
     _, prompt_ids = tok.render_chat([{"role": "user", "content": "Say hi"}])
     assert list(req.prompt_token_ids) == prompt_ids
     assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 5,
-                             "total_tokens": len(prompt_ids) + 5, "prompt_tokens_details": {"cached_tokens": 0}}
+                             "total_tokens": len(prompt_ids) + 5, "prompt_tokens_details": {"cached_tokens": 0},
+                             "completion_tokens_details": {"reasoning_tokens": 0}}
     assert req.request_id == body["id"] + "-0"
 
 

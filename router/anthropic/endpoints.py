@@ -238,9 +238,20 @@ def _translate(req: MessagesRequest, _model: str, context: dict[str, Any]) -> Ch
     return to_chat_request(req, context)
 
 
-MESSAGES = FrontDoor(MessagesRequest, "msg_", _translate,
-                     lambda req, prepared, _ctx, _created: AnthropicFormatter(prepared, req.max_tokens),
-                     rename=_anthropic_names)
+def _formatter(req: MessagesRequest, prepared: Any, ctx: ServingContext, _created: int) -> AnthropicFormatter:
+    """Anthropic's formatter for `req`: thinking signed for the served model, shown or omitted as asked, and the
+    context edits that dropped reasoning reported (each with the tokens its dropped text makes)."""
+    edits = None
+    if req.context_management is not None:
+        edits = [{"type": edit.type, "cleared_thinking_turns": len(texts),
+                  "cleared_input_tokens": sum(len(ctx.tokenizer.encode(t)) for t in texts)}
+                 for edit, texts in zip(req.context_management.edits, thinking_cleared(req, ctx.served_model))
+                 if texts]
+    omit = req.thinking is not None and req.thinking.display == "omitted"
+    return AnthropicFormatter(prepared, req.max_tokens, ctx.served_model, omit, edits)
+
+
+MESSAGES = FrontDoor(MessagesRequest, "msg_", _translate, _formatter, rename=_anthropic_names)
 
 
 def install_anthropic_api(app: FastAPI, ctx: ServingContext) -> None:

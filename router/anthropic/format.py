@@ -1,8 +1,11 @@
 """Turning engine deltas into Anthropic Messages bodies: the whole `Message` and its streamed events.
 
-A choice's text (split into text and tool calls by the request's tool parser, router/tool_calls.py, when it
-has tools) becomes content blocks in order, the same way for both forms (`BlockBuilder`):
+A choice's reasoning and text (the text split into text and tool calls by the request's tool parser,
+router/tool_calls.py, when it has tools) become content blocks in order, the same way for both forms
+(`BlockBuilder`):
 
+    reasoning                 {"type": "thinking", "thinking", "signature"} (router/anthropic/signature.py; with
+                              `thinking.display: "omitted"` the text is "" and the signature carries it)
     text                      {"type": "text", "text"}
     a tool call               {"type": "tool_use", "id": "toolu_...", "name", "input": {...}}
 
@@ -10,8 +13,11 @@ Streamed, as Anthropic's Messages streaming events (SSE with `event: <type>` lin
 
     message_start             the message with `content: []`, stop_reason null and the input usage (sent
                               with the first delta, when the prefix cache's hit is known)
-    content_block_start       a block opens: text with "", tool_use with `input: {}`
-    content_block_delta       {"type": "text_delta", "text"} | {"type": "input_json_delta", "partial_json"}
+    content_block_start       a block opens: thinking with "" and signature "", text with "", tool_use with
+                              `input: {}`
+    content_block_delta       {"type": "thinking_delta", "thinking"} (none when the display is omitted), then
+                              {"type": "signature_delta", "signature"} just before the block closes |
+                              {"type": "text_delta", "text"} | {"type": "input_json_delta", "partial_json"}
                               (a call's input arrives whole, in one delta, once the model has written it)
     content_block_stop        a block closes (the next block opens, or the answer ends)
     message_delta             stop_reason, stop_sequence and the final usage (output_tokens)
@@ -24,7 +30,9 @@ for the model's own end; "max_tokens" when it reached the request's max_tokens, 
 "model_context_window_exceeded" when it reached the end of the context first.
 
 usage: `input_tokens` + `cache_read_input_tokens` is the prompt (the second the part the prefix cache served),
-`output_tokens` the tokens generated, as Anthropic counts them.
+`output_tokens` the tokens generated, as Anthropic counts them, of which `output_tokens_details.thinking_tokens`
+reasoned. A request with `context_management` gets the answer's `context_management.applied_edits`: one entry
+per clear_thinking edit that dropped reasoning (`cleared_thinking_turns`, `cleared_input_tokens`).
 """
 
 from __future__ import annotations
@@ -33,7 +41,9 @@ import json
 from typing import Any, Optional, Union
 
 from cluster.request import RequestOutput
-from router.anthropic.output import MessageResponse, MessageUsage, StopReason, TextOut, ToolUseOut
+from router.anthropic import signature
+from router.anthropic.output import (MessageResponse, MessageUsage, OutputTokensDetails, StopReason, TextOut,
+                                     ThinkingOut, ToolUseOut)
 from router.errors import APIError
 from router.openai.request import Usage
 from router.params import PreparedRequest
@@ -51,15 +61,21 @@ def tool_use_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
 
+Block = Union[ThinkingOut, TextOut, ToolUseOut]
+
+
 class BlockBuilder:
-    """Content blocks from a choice's tool events, in order; `events` are the streaming events each step made."""
+    """Content blocks from a choice's reasoning and tool events, in order; `events` are the streaming events each
+    step made. `model` keys the thinking blocks' signatures; `omit_thinking` sends them with empty text."""
 
-    def __init__(self) -> None:
-        self.blocks: list[Union[TextOut, ToolUseOut]] = []
+    def __init__(self, model: str = "", omit_thinking: bool = False) -> None:
+        self.blocks: list[Block] = []
         self._arguments: list[str] = []  # the open tool_use block's input JSON so far
+        self._thinking: list[str] = []  # the open thinking block's text so far
         self._open = False
+        self._model, self._omit = model, omit_thinking
 
-    def _start(self, block: Union[TextOut, ToolUseOut], out: list[dict[str, Any]]) -> None:
+    def _start(self, block: Block, out: list[dict[str, Any]]) -> None:
         self.close(out)
         self.blocks.append(block)
         self._open = True
@@ -67,6 +83,18 @@ class BlockBuilder:
         if isinstance(block, ToolUseOut):
             shown["input"] = {}
         out.append({"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": shown})
+
+    def think(self, text: str, out: list[dict[str, Any]]) -> None:
+        """Add reasoning text, appending the streaming events it makes to `out`."""
+        if not text:
+            return
+        if not (self._open and isinstance(self.blocks[-1], ThinkingOut)):
+            self._start(ThinkingOut(thinking=""), out)
+            self._thinking = []
+        self._thinking.append(text)
+        if not self._omit:
+            out.append({"type": "content_block_delta", "index": len(self.blocks) - 1,
+                        "delta": {"type": "thinking_delta", "thinking": text}})
 
     def add(self, event: ToolEvent, out: list[dict[str, Any]]) -> None:
         """Apply one parser event, appending the streaming events it makes to `out`."""
@@ -95,6 +123,12 @@ class BlockBuilder:
         block = self.blocks[-1]
         if isinstance(block, ToolUseOut):
             block.input = json.loads("".join(self._arguments) or "{}")  # the parser checked it is an object
+        elif isinstance(block, ThinkingOut):
+            text = "".join(self._thinking)
+            block.thinking = "" if self._omit else text
+            block.signature = signature.sign(text, self._model, carry=self._omit)
+            out.append({"type": "content_block_delta", "index": len(self.blocks) - 1,
+                        "delta": {"type": "signature_delta", "signature": block.signature}})
         out.append({"type": "content_block_stop", "index": len(self.blocks) - 1})
         self._open = False
 
@@ -119,12 +153,16 @@ def stop_reason(state: ChoiceState, num_calls: int, max_tokens: int) -> tuple[Op
 
 
 class AnthropicFormatter:
-    """The body and the events of one POST /v1/messages (one choice); `max_tokens` is the request's own."""
+    """The body and the events of one POST /v1/messages (one choice); `max_tokens` is the request's own, `model`
+    the served model's name (it keys thinking signatures), `omit_thinking` the request's `thinking.display` is
+    "omitted", `applied_edits` the answer's `context_management.applied_edits` (None: the request sent none)."""
 
-    def __init__(self, prepared: PreparedRequest, max_tokens: int):
+    def __init__(self, prepared: PreparedRequest, max_tokens: int, model: str = "", omit_thinking: bool = False,
+                 applied_edits: Optional[list[dict[str, Any]]] = None):
         self.p = prepared
         self.max_tokens = max_tokens
-        self._builder = BlockBuilder()
+        self._builder = BlockBuilder(model, omit_thinking)
+        self._edits = applied_edits
         self._stream: Optional[ToolCallStream] = None
         self._started = False
 
@@ -136,18 +174,20 @@ class AnthropicFormatter:
         events = self._stream.feed(text) if text else []
         return events + (self._stream.finish(state.finish_reason) if finished else [])
 
-    def _usage(self, state: ChoiceState, output_tokens: int) -> MessageUsage:
+    def _usage(self, state: ChoiceState, output_tokens: int, thinking_tokens: int) -> MessageUsage:
         prompt = len(self.p.prompt_token_ids)
         cached = min(state.num_cached_tokens, prompt)
         return MessageUsage(input_tokens=prompt - cached, output_tokens=output_tokens,
-                            cache_read_input_tokens=cached)
+                            cache_read_input_tokens=cached,
+                            output_tokens_details=OutputTokensDetails(thinking_tokens=thinking_tokens))
 
-    def _message(self, state: ChoiceState, content: list[Union[TextOut, ToolUseOut]], finished: bool
-                 ) -> MessageResponse:
+    def _message(self, state: ChoiceState, content: list[Block], finished: bool) -> MessageResponse:
         reason, sequence = stop_reason(state, self._builder.num_calls, self.max_tokens) if finished else (None, None)
+        usage = self._usage(state, state.num_tokens, state.num_reasoning_tokens) if finished else self._usage(
+            state, 0, 0)
+        edits = {"applied_edits": self._edits} if self._edits is not None else None
         return MessageResponse(id=self.p.request_id, model=self.p.model, content=content, stop_reason=reason,
-                               stop_sequence=sequence,
-                               usage=self._usage(state, state.num_tokens if finished else 0))
+                               stop_sequence=sequence, usage=usage, context_management=edits)
 
     def first_chunks(self) -> list[str]:
         """Nothing: `message_start` goes out with the first delta, which tells the prefix cache's hit."""
@@ -161,14 +201,18 @@ class AnthropicFormatter:
             self._started = True
             payloads.append({"type": "message_start",
                              "message": self._message(state, [], finished=False).model_dump()})
+        self._builder.think(out.reasoning_text, payloads)
         for event in self._parse(state, out.text, out.finished):
             self._builder.add(event, payloads)
         if out.finished:
             self._builder.close(payloads)
             final = self._message(state, [], finished=True)
-            payloads.append({"type": "message_delta",
-                             "delta": {"stop_reason": final.stop_reason, "stop_sequence": final.stop_sequence},
-                             "usage": final.usage.model_dump(exclude={"service_tier"})})
+            delta: dict[str, Any] = {"type": "message_delta",
+                                     "delta": {"stop_reason": final.stop_reason, "stop_sequence": final.stop_sequence},
+                                     "usage": final.usage.model_dump(exclude={"service_tier"})}
+            if final.context_management is not None:
+                delta["context_management"] = final.context_management
+            payloads.append(delta)
             payloads.append({"type": "message_stop"})
         return [named_event(p) for p in payloads]
 
@@ -179,6 +223,7 @@ class AnthropicFormatter:
     def response(self, acc: Accumulator) -> MessageResponse:
         """The non-streamed answer."""
         state = acc.choices[0]
+        self._builder.think("".join(state.reasoning_texts), [])
         for event in self._parse(state, "".join(state.texts), True):
             self._builder.add(event, [])
         self._builder.close([])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use", "model_context_window_exceeded"]
 
@@ -18,6 +18,15 @@ class TextOut(BaseModel):
     text: str
 
 
+class ThinkingOut(BaseModel):
+    """A thinking block of the answer: the model's reasoning (empty when the request's `thinking.display` is
+    "omitted": then the signature carries it) and this server's signature (router/anthropic/signature.py)."""
+
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""
+
+
 class ToolUseOut(BaseModel):
     """A tool call of the answer: `input` is the arguments object."""
 
@@ -27,14 +36,22 @@ class ToolUseOut(BaseModel):
     input: dict[str, Any]
 
 
+class OutputTokensDetails(BaseModel):
+    """`usage.output_tokens_details`: of the output tokens, those spent reasoning."""
+
+    thinking_tokens: int = 0
+
+
 class MessageUsage(BaseModel):
     """Token counts: `input_tokens` excludes the prompt tokens read from the prefix cache
-    (`cache_read_input_tokens`), as Anthropic counts them; the prompt is their sum."""
+    (`cache_read_input_tokens`), as Anthropic counts them; the prompt is their sum. `output_tokens` includes
+    the reasoning's, which `output_tokens_details.thinking_tokens` counts."""
 
     input_tokens: int
     output_tokens: int
     cache_creation_input_tokens: int = 0
     cache_read_input_tokens: int = 0
+    output_tokens_details: OutputTokensDetails = OutputTokensDetails()
     service_tier: Literal["standard"] = "standard"
 
 
@@ -45,10 +62,11 @@ class MessageResponse(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[Union[TextOut, ToolUseOut]]
+    content: list[Union[ThinkingOut, TextOut, ToolUseOut]]
     stop_reason: Optional[StopReason] = None
     stop_sequence: Optional[str] = None
     usage: MessageUsage
+    context_management: Optional[dict[str, Any]] = Field(None, exclude_if=lambda v: v is None)
 
 
 class CountTokensResponse(BaseModel):

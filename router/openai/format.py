@@ -6,6 +6,10 @@ Legacy (completions) format: `{tokens, token_logprobs, top_logprobs: [{token: lo
 where `top_logprobs` always includes the sampled token (so up to k+1 entries, as OpenAI documents) and
 `text_offset` counts characters of the display strings from the start of the returned text.
 
+Reasoning (a thinking model's, split by the engine): `message.reasoning_content` and `message.reasoning` (the same
+text under vLLM's and mlx-lm's names), streamed as `delta.reasoning_content`/`delta.reasoning` in chunks of their
+own (or beside the content of the same delta); `usage.completion_tokens_details.reasoning_tokens` counts it.
+
 Tool calls (a request with a `tool_parser`, router/tool_calls.py): the whole answer's `message.tool_calls`
 lists the calls and `content` is the remaining text or null; a stream sends, per call, a chunk with
 `delta.tool_calls = [{index, id, type: "function", function: {name, arguments: ""}}]` then one with
@@ -61,6 +65,11 @@ def tool_finish_reason(finish_reason: Optional[str], num_calls: int) -> Optional
     return "tool_calls" if num_calls and finish_reason == "stop" else finish_reason
 
 
+def _reasoning_delta(reasoning: str, content: Optional[str] = None) -> DeltaMessage:
+    """A chunk's delta carrying reasoning, under both names clients read (`reasoning_content`, `reasoning`)."""
+    return DeltaMessage(reasoning_content=reasoning, reasoning=reasoning, content=content)
+
+
 class ChatFormatter(_Formatter):
     """Chunks and answers of /v1/chat/completions."""
 
@@ -91,12 +100,15 @@ class ChatFormatter(_Formatter):
         """The chunk(s) for one delta (None when it carries nothing); logprobs ride with their tokens."""
         if self.p.tool_parser is not None:
             return self._tool_chunks(state, out)
-        if not (out.token_ids or out.text or out.finished):
+        if not (out.token_ids or out.text or out.reasoning_text or out.finished):
             return None
         logprobs = None
         if self.p.logprobs is not None:
             logprobs = ChatLogprobs(content=self._entries(out.logprobs or ()))
-        delta = DeltaMessage(content=out.text) if (out.text or out.token_ids) else DeltaMessage()
+        if out.reasoning_text:
+            delta = _reasoning_delta(out.reasoning_text, out.text or None)
+        else:
+            delta = DeltaMessage(content=out.text) if (out.text or out.token_ids) else DeltaMessage()
         return self._chunk([ChatChunkChoice(index=state.index, delta=delta, logprobs=logprobs,
                                             finish_reason=state.finish_reason if out.finished else None)])
 
@@ -110,7 +122,7 @@ class ChatFormatter(_Formatter):
             events += stream.finish(state.finish_reason)
         held = self._held_logprobs.setdefault(state.index, [])
         held.extend(out.logprobs or ())
-        deltas = []
+        deltas = [_reasoning_delta(out.reasoning_text)] if out.reasoning_text else []
         for e in events:
             if isinstance(e, ContentDelta):
                 deltas.append(DeltaMessage(content=e.text))
@@ -141,12 +153,15 @@ class ChatFormatter(_Formatter):
     def _message(self, c: ChoiceState) -> tuple[ChatMessageOut, Optional[str]]:
         """A whole choice's message and finish_reason, its tool calls parsed out when the request has tools."""
         text = "".join(c.texts)
+        reasoning = "".join(c.reasoning_texts) or None
         if self.p.tool_parser is None:
-            return ChatMessageOut(content=text), c.finish_reason
+            return ChatMessageOut(content=text, reasoning_content=reasoning, reasoning=reasoning), c.finish_reason
         content, calls = self.p.tool_parser.parse(text, self.p.tools, c.finish_reason, self.p.max_tool_calls)
         out = [ToolCallOut(id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments))
                for call in calls]
-        return ChatMessageOut(content=content, tool_calls=out or None), tool_finish_reason(c.finish_reason, len(calls))
+        message = ChatMessageOut(content=content, reasoning_content=reasoning, reasoning=reasoning,
+                                 tool_calls=out or None)
+        return message, tool_finish_reason(c.finish_reason, len(calls))
 
     def response(self, acc: Accumulator) -> ChatCompletionResponse:
         """The non-streamed answer."""

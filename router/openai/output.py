@@ -21,13 +21,20 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    """`usage.completion_tokens_details`: of the completion tokens, those the model spent reasoning."""
+
+    reasoning_tokens: int = 0
+
+
 class Usage(BaseModel):
-    """Token counts of one request (completion_tokens summed over its choices)."""
+    """Token counts of one request (completion_tokens summed over its choices, reasoning tokens included)."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails = Field(default_factory=CompletionTokensDetails)
 
 
 class TopLogprob(BaseModel):
@@ -56,6 +63,8 @@ class ChatMessageOut(BaseModel):
 
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    reasoning_content: Optional[str] = Field(None, exclude_if=_omit_none)  # a thinking model's reasoning
+    reasoning: Optional[str] = Field(None, exclude_if=_omit_none)  # the same, by mlx-lm's and newer vLLM's name
     tool_calls: Optional[list[ToolCallOut]] = Field(None, exclude_if=_omit_none)
 
 
@@ -84,6 +93,8 @@ class DeltaMessage(BaseModel):
 
     role: Optional[str] = Field(None, exclude_if=_omit_none)
     content: Optional[str] = Field(None, exclude_if=_omit_none)
+    reasoning_content: Optional[str] = Field(None, exclude_if=_omit_none)
+    reasoning: Optional[str] = Field(None, exclude_if=_omit_none)
     tool_calls: Optional[list[DeltaToolCall]] = Field(None, exclude_if=_omit_none)
 
 
