@@ -13,8 +13,26 @@ fallback (router/tool_prompt.py renders the tools Hermes-style) and is parsed wi
 
 A parsed call is a tool call only when its name is one of the request's tools and its arguments validate
 against that tool's `parameters` JSON schema (jsonschema); otherwise its text, markers included, stays
-content, so nothing the model wrote is lost. A call whose end marker never came (the output was cut by
-max_tokens) stays content too.
+content, so nothing the model wrote is lost. That holds for a complete call (its end marker came) that is
+invalid, and for a call beyond the request's `max_calls`.
+
+A call the output ends inside (its end marker not yet seen) is decided by why the output ended:
+
+    "length"     the output was cut by max_tokens (or the context's end): the call is cut off, and its
+                 text is dropped, markers included, with the whitespace before it (so is a partial start
+                 marker ending the output: it may begin a call, and the text is cut anyway). The complete
+                 calls before it are kept, the text before its start marker stays content, and the finish
+                 reason stays "length". In a format without an end marker (Mistral's), a call ends where
+                 the next start marker begins: the calls before the last start marker are complete, the
+                 last one is the cut one.
+    "stop"       the model ended by itself (EOS or a stop sequence): the call is parsed as if its end
+                 marker had come, as mlx-lm's server and vLLM's parsers do; valid, it is a call, otherwise
+                 its text stays content (the model chose to end there, so nothing was cut off).
+    other/None   its text stays content (a format without end marker parses it, as for "stop").
+
+Streamed, nothing of an open call is sent before its end marker (a call starts only once it is complete
+and valid), so a cut call has sent nothing, neither as content nor as a call; its dropping is reported as
+one `ToolCallCut` event for the formatters that must forget what it was (the Responses API's logprobs).
 """
 
 from __future__ import annotations
@@ -68,7 +86,15 @@ class ToolCallArguments:
     text: str
 
 
-ToolEvent = Union[ContentDelta, ToolCallStarted, ToolCallArguments]
+@dataclass(frozen=True)
+class ToolCallCut:
+    """The output was cut (finish reason "length") inside a call, or inside what may be its start marker:
+    `text`, that call's markup, is dropped (never content, never a call); only for logging and bookkeeping."""
+
+    text: str
+
+
+ToolEvent = Union[ContentDelta, ToolCallStarted, ToolCallArguments, ToolCallCut]
 
 
 def new_call_id() -> str:
@@ -246,20 +272,38 @@ class ToolCallStream:
             data = whole[at + len(end):]
         return out
 
-    def finish(self, finish_reason: Optional[str] = None) -> list[ToolEvent]:
-        """The events left at the end of the output: held text as content, and a call still open.
+    def _cut(self, body: str, out: list[ToolEvent]) -> None:
+        """Drop the call cut off by max_tokens whose text after its start marker is `body`; in a format
+        without end marker, the calls before the last start marker in `body` are complete and closed first."""
+        start = self.parser.start
+        at = -1 if self.parser.end else body.rfind(start)
+        if at >= 0:
+            self._close(body[:at], False, out)
+            body = body[at + len(start):]
+        self._space = ""
+        out.append(ToolCallCut(start + body))
+        logger.debug("a tool call was cut off by max_tokens; its text is dropped: %r", start + body)
 
-        An open call is parsed when the format has no end marker or the model stopped by itself
-        (`finish_reason` "stop"); cut by max_tokens ("length"), or with no reason given, it stays content."""
+    def finish(self, finish_reason: Optional[str] = None) -> list[ToolEvent]:
+        """The events left at the end of the output, by `finish_reason` (rules in the module docstring): a
+        call still open is dropped ("length"), parsed ("stop", or any reason in a format without end marker)
+        or content; held text is content, or dropped with a cut call when it may begin a start marker."""
         out: list[ToolEvent] = []
+        cut = finish_reason == "length"
         if self._call is not None:
             body, self._call = self._call, None
-            if finish_reason != "length" and (not self.parser.end or finish_reason == "stop"):
+            if cut:
+                self._cut(body, out)
+            elif not self.parser.end or finish_reason == "stop":
                 self._close(body, False, out)
             else:
                 self._content(self.parser.start + body, out)
-        if self._held:
-            self._content(self._held, out)
+        if self._held:  # only ever a proper prefix of the start marker, the output's last characters
+            if cut:
+                self._space = ""
+                out.append(ToolCallCut(self._held))
+            else:
+                self._content(self._held, out)
             self._held = ""
         if self._space and not self.num_calls:
             out.append(ContentDelta(self._space))

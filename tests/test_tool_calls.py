@@ -1,6 +1,6 @@
 """Tool-call parsing (router/tool_calls.py) on text written the way each model family writes its calls:
-whole and streamed (markers split across deltas), invalid calls kept as content, calls cut by max_tokens,
-and the choice of parser from a chat template."""
+whole and streamed (markers split across deltas), invalid calls kept as content, calls cut by max_tokens
+dropped (the complete calls and the text before them kept), and the choice of parser from a chat template."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import re
 
 import pytest
 
-from router.tool_calls import (ContentDelta, ToolCallArguments, ToolCallStarted, ToolParser, build_tool_parser,
-                               infer_parser_name)
+from router.tool_calls import (ContentDelta, ToolCallArguments, ToolCallCut, ToolCallStarted, ToolParser,
+                               build_tool_parser, infer_parser_name)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
@@ -108,16 +108,89 @@ def test_a_call_that_does_not_validate_stays_content(body):
     assert parser("json_tools").parse(text, TOOLS, "stop") == (text, [])
 
 
-def test_a_call_cut_by_max_tokens_stays_content_and_an_unclosed_call_at_stop_is_parsed():
-    text = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n'
-    assert parser("json_tools").parse(text, TOOLS, "length") == (text, [])
-    assert parser("json_tools").parse(text, TOOLS) == (text, [])  # no finish reason: no end marker, no call
-    content, calls = parser("json_tools").parse(text, TOOLS, "stop")
+def test_a_call_cut_by_max_tokens_is_dropped_even_when_its_json_is_whole_and_an_unclosed_call_at_stop_is_parsed():
+    mid_arguments = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+    assert parser("json_tools").parse(mid_arguments, TOOLS, "length") == (None, [])
+    # without its end marker a call is not known to be complete, however whole its JSON looks
+    unclosed = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n'
+    assert parser("json_tools").parse(unclosed, TOOLS, "length") == (None, [])
+    assert parser("json_tools").parse(unclosed, TOOLS) == (unclosed, [])  # no finish reason: no end marker, no call
+    # the model ending by itself closes the call: parsed when valid, its text kept as content when not
+    content, calls = parser("json_tools").parse(unclosed, TOOLS, "stop")
     assert content is None and [c.name for c in calls] == ["get_time"]
-    # Mistral's calls have no end marker: the end of the output closes them, unless it was cut
-    mistral = '[TOOL_CALLS]get_time[ARGS]{"tz": "UTC"}'
-    assert calls_of(parser("mistral").parse(mistral, TOOLS, "stop")) == [("get_time", {"tz": "UTC"})]
-    assert parser("mistral").parse(mistral, TOOLS, "length") == (mistral, [])
+    unknown = '<tool_call>\n{"name": "get_date", "arguments": {}}\n'
+    assert parser("json_tools").parse(unknown, TOOLS, "stop") == (unknown, [])
+
+
+def test_text_before_a_cut_call_stays_and_complete_calls_before_it_are_kept():
+    text, _, _ = FAMILY_OUTPUTS["json_tools"]
+    cut = text[:text.rindex('"CET"')]  # inside the second call's arguments
+    content, calls = parser("json_tools").parse(cut, TOOLS, "length")
+    assert content == "I will check." and [c.name for c in calls] == ["get_weather"]
+    content, calls = parser("json_tools").parse('Let me look.\n<tool_call>\n{"name": "get_ti', TOOLS, "length")
+    assert (content, calls) == ("Let me look.", [])
+    # a complete call that does not validate is not cut off: it stays content, the cut one after it goes
+    bad = '<tool_call>\n{"name": "get_date", "arguments": {}}\n</tool_call>'
+    assert parser("json_tools").parse(bad + '\n<tool_call>\n{"na', TOOLS, "length") == (bad, [])
+    # a call beyond max_calls is content as ever; a cut one is dropped all the same
+    content, calls = parser("json_tools").parse(cut, TOOLS, "length", max_calls=1)
+    assert content == "I will check." and len(calls) == 1
+
+
+def test_a_partial_start_marker_at_the_cut_is_dropped_but_plain_text_cut_by_max_tokens_is_kept_whole():
+    assert parser("json_tools").parse("Let me look. <tool_ca", TOOLS, "length") == ("Let me look.", [])
+    assert parser("json_tools").parse("Let me look. <tool_ca", TOOLS, "stop") == ("Let me look. <tool_ca", [])
+    assert parser("json_tools").parse("Plain text, cut \n", TOOLS, "length") == ("Plain text, cut \n", [])
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_OUTPUTS))
+def test_every_cut_inside_a_family_last_call_keeps_the_calls_before_it_whole_and_streamed(family):
+    """Cut (finish "length") anywhere inside the last call of each family's output, the answer is the content
+    and calls before that call, however the text arrived; nothing of the cut call is ever sent."""
+    text, content, calls = FAMILY_OUTPUTS[family]
+    p = parser(family)
+    last = text.rindex(p.start)
+    first_cut = last + (1 if p.end else len(p.start))  # without end marker only a whole marker ends a call
+    rng = random.Random(family)
+    for at in range(first_cut, len(text)):
+        cut = text[:at]
+        result = p.parse(cut, TOOLS, "length")
+        assert (result[0], calls_of(result)) == (content, calls[:-1]), cut
+        cuts = sorted(rng.sample(range(1, at), min(6, at - 1)))
+        pieces = [cut[a:b] for a, b in zip([0] + cuts, cuts + [at])]
+        stream = p.stream(TOOLS)
+        fed = [e for piece in pieces for e in stream.feed(piece)]
+        finished = stream.finish("length")
+        events = fed + finished
+        assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == (content or "")
+        assert [e.name for e in events if isinstance(e, ToolCallStarted)] == [c[0] for c in calls[:-1]]
+        assert [type(e) for e in finished if isinstance(e, ToolCallCut)] == [ToolCallCut]
+
+
+def test_a_cut_call_in_formats_whose_markers_are_special_tokens():
+    """Markers that are special tokens arrive whole, one token per delta: the cut call after them is dropped,
+    the call and text before it kept, in a format with an end marker and in Mistral's, which has none."""
+    lfm = build_tool_parser(_HFLike("<|tool_call_start|>[{{ c }}]<|tool_call_end|>",
+                                    vocab=["<|tool_call_start|>", "<|tool_call_end|>"]), renders_tools=True)
+    assert (lfm.name, lfm.markers_are_special) == ("pythonic", True)
+    stream = lfm.stream(TOOLS)
+    tokens = ["Sure", ".", " ", "<|tool_call_start|>", "[get_weather(", 'city="Rome")]', "<|tool_call_end|>", " ",
+              "<|tool_call_start|>", "[get_time(", "tz="]
+    events = [e for t in tokens for e in stream.feed(t)] + stream.finish("length")
+    assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == "Sure."
+    assert [(type(e).__name__, getattr(e, "name", getattr(e, "text", None))) for e in events
+            if not isinstance(e, ContentDelta)] == [
+        ("ToolCallStarted", "get_weather"), ("ToolCallArguments", '{"city": "Rome"}'),
+        ("ToolCallCut", "<|tool_call_start|>[get_time(tz=")]
+    mistral = build_tool_parser(_HFLike("[TOOL_CALLS]{{ x }}", vocab=["[TOOL_CALLS]"]), renders_tools=True)
+    assert mistral.markers_are_special
+    stream = mistral.stream(TOOLS)
+    tokens = ["[TOOL_CALLS]", "get_time", "[ARGS]", '{"tz": "UTC"}', "[TOOL_CALLS]", "get_weather", "[ARGS]", '{"ci']
+    events = [e for t in tokens for e in stream.feed(t)]
+    assert events == []  # Mistral's calls end only with the output
+    events = stream.finish("length")
+    assert [type(e) for e in events] == [ToolCallStarted, ToolCallArguments, ToolCallCut]
+    assert events[0].name == "get_time" and events[2].text == '[TOOL_CALLS]get_weather[ARGS]{"ci'
 
 
 def test_max_calls_keeps_later_calls_as_content_and_whitespace_between_calls_is_dropped():

@@ -1,6 +1,6 @@
 """The chat formatter's tool-call bodies (router/openai/format.py) from hand-made engine deltas: OpenAI's chunk
 sequence for text and calls split across deltas, logprobs held with held-back text and sent with the next
-chunk, the whole answer built from the same deltas, and finish reasons."""
+chunk, the whole answer built from the same deltas, finish reasons, and a call cut by max_tokens."""
 
 from __future__ import annotations
 
@@ -65,15 +65,17 @@ def test_text_and_a_call_split_across_deltas_make_openai_chunks_with_logprobs_on
     assert len(whole.choices[0].logprobs.content) == len(pieces)
 
 
-def test_a_call_cut_by_length_is_sent_as_content_when_the_output_ends():
+def test_a_call_cut_by_length_sends_none_of_its_text_and_its_logprobs_ride_on_the_last_chunk():
     cut = TEXT[:-5]
-    chunks, whole = run(prepared(), deltas([cut[:30], cut[30:]], FinishReason.LENGTH))
+    pieces = [cut[:12], cut[12:30], cut[30:]]
+    chunks, whole = run(prepared(logprobs=1), deltas(pieces, FinishReason.LENGTH))
     choices = [c["choices"][0] for c in chunks]
-    assert "".join(c["delta"].get("content", "") for c in choices) == cut
-    assert not any("tool_calls" in c["delta"] for c in choices)
-    assert choices[-1]["finish_reason"] == "length"
-    assert whole.choices[0].message.content == cut and whole.choices[0].message.tool_calls is None
-    assert whole.choices[0].finish_reason == "length"
+    assert [c["delta"] for c in choices] == [{"content": "Checking."}, {}]
+    assert [c["finish_reason"] for c in choices] == [None, "length"]
+    # every token generated has its logprob: those of the dropped call on the finishing chunk
+    assert [len(c["logprobs"]["content"]) for c in choices] == [1, 2]
+    assert whole.choices[0].message.content == "Checking." and whole.choices[0].message.tool_calls is None
+    assert whole.choices[0].finish_reason == "length" and len(whole.choices[0].logprobs.content) == len(pieces)
 
 
 def test_text_without_calls_keeps_stop_and_a_final_delta_with_nothing_left_still_finishes():

@@ -79,11 +79,19 @@ def test_auto_call_streamed_in_openai_chunks(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
 
 
-def test_a_call_cut_by_max_tokens_stays_content_and_finishes_with_length(client):
+def test_a_call_cut_by_max_tokens_is_dropped_and_finishes_with_length(client):
+    """The real model starts its call, greedy, and max_tokens cuts it: no call, no markup as content, finish
+    "length" and all 6 tokens counted, whole and streamed."""
     r = create(client, messages=weather_few_shot("London"), tools=[WEATHER], max_tokens=6)
     choice = r.choices[0]
     assert choice.finish_reason == "length" and not choice.message.tool_calls
-    assert choice.message.content.startswith("<tool_call>")
+    assert choice.message.content is None and r.usage.completion_tokens == 6
+    chunks = list(create(client, messages=weather_few_shot("London"), tools=[WEATHER], max_tokens=6, stream=True,
+                         stream_options={"include_usage": True}))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == "" and not any(d.tool_calls for d in deltas)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].usage.completion_tokens == 6
 
 
 def test_tool_choice_required_gives_one_valid_call(client):

@@ -27,7 +27,9 @@ Streamed, as Anthropic's Messages streaming events (SSE with `event: <type>` lin
 stop_reason: "tool_use" when the model made calls and stopped by itself; "stop_sequence" (with
 `stop_sequence`) when one of the request's stop sequences ended it (`RequestOutput.stop_string`); "end_turn"
 for the model's own end; "max_tokens" when it reached the request's max_tokens, and
-"model_context_window_exceeded" when it reached the end of the context first.
+"model_context_window_exceeded" when it reached the end of the context first. Cut inside a tool call, the
+answer keeps the calls completed before it (tool_use blocks) and drops the cut one's text
+(router/tool_calls.py), so no block, streamed or not, holds any of it.
 
 usage: `input_tokens` + `cache_read_input_tokens` is the prompt (the second the part the prefix cache served),
 `output_tokens` the tokens generated, as Anthropic counts them, of which `output_tokens_details.thinking_tokens`

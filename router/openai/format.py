@@ -15,7 +15,9 @@ lists the calls and `content` is the remaining text or null; a stream sends, per
 `delta.tool_calls = [{index, id, type: "function", function: {name, arguments: ""}}]` then one with
 `[{index, function: {arguments}}]`, content in chunks of its own; text the parser holds back (a possible
 marker, a call not yet closed) waits, and so do its logprobs, which ride on the next chunk. A choice that
-made a call and stopped by itself finishes with "tool_calls"; one cut by max_tokens keeps "length".
+made a call and stopped by itself finishes with "tool_calls"; one cut by max_tokens keeps "length", with the
+calls it completed and without the call it was cut inside, whose text reaches no chunk (the logprobs of its
+tokens ride on the last chunk, as `logprobs.content` lists every token generated).
 """
 
 from __future__ import annotations
