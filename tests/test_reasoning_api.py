@@ -56,7 +56,7 @@ def variant(source: Path, name: str, old: str, new: str) -> Path:
 def server():
     folder = variant(qwen3_thinking_dir(), "qwen35-thinking", QWEN3_PROMPT_END, QWEN35_PROMPT_END)
     with live_model_server(folder, dtype="float32", kv_cache_gb=0.05, block_size=8) as (base, _):
-        yield base, folder.name
+        yield base, folder.name, str(folder)
     shutil.rmtree(folder.parent, ignore_errors=True)
 
 
@@ -233,3 +233,39 @@ def test_harmony_analysis_is_reasoning_and_final_is_the_answer():
     after = "".join(tokens[BUDGET:])
     assert after.startswith(forced), tokens
     assert message.content == after[len(forced):].replace("<|return|>", "").replace("<|end|>", "")
+
+
+def test_speculation_gives_the_same_reasoning_and_answer(oai, server):
+    """Prompt-lookup speculation (drafts verified in one pass) over a budgeted reasoning: the same reasoning,
+    the same forced end, the same answer as plain decoding."""
+    kw = dict(max_tokens=16, extra_body={"thinking_token_budget": BUDGET})
+    plain = chat(oai, server[1], **kw).choices[0].message
+    spec = chat(oai, server[1], max_tokens=16, extra_body={"thinking_token_budget": BUDGET, "speculative": {
+        "method": "prompt_lookup", "num_draft_tokens": 4}}).choices[0].message
+    assert spec.model_extra["reasoning_content"] == plain.model_extra["reasoning_content"]
+    assert spec.content == plain.content
+
+
+def test_prefill_and_decode_workers_give_the_single_node_answer(oai, server, claude):
+    """On 1P1D (the prefill worker samples the first reasoning token, the decode worker resumes mid-reasoning),
+    chat and Messages answers equal the single-node ones: reasoning, forced end, answer, counts."""
+    from tests.cluster_helpers import running_cluster
+    from tests.thinking_models import load
+
+    kw = dict(max_tokens=12, extra_body={"thinking_token_budget": BUDGET})
+    single = chat(oai, server[1], **kw)
+    thinking = {"type": "enabled", "budget_tokens": BUDGET}
+    single_msg = claude.messages.create(model=server[1], max_tokens=12, messages=QUESTION, thinking=thinking,
+                                        extra_body={"temperature": 0})
+    folder = Path(server[2])
+    with running_cluster(1, 1, loaded=load(folder)) as (base, client, _):
+        model = client.model_name
+        pd = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+        got = chat(pd, model, **kw)
+        msg = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0, timeout=120).messages.create(
+            model=model, max_tokens=12, messages=QUESTION, thinking=thinking, extra_body={"temperature": 0})
+    assert got.choices[0].message.model_extra["reasoning_content"] == \
+        single.choices[0].message.model_extra["reasoning_content"]
+    assert got.choices[0].message.content == single.choices[0].message.content
+    assert got.usage.completion_tokens_details.reasoning_tokens == BUDGET
+    assert [b.model_dump() for b in msg.content] == [b.model_dump() for b in single_msg.content]
