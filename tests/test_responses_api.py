@@ -126,7 +126,7 @@ def test_forced_function_call_then_its_output_gives_text(client):
 
 
 @pytest.mark.parametrize("field,value", [("previous_response_id", "resp_123"), ("conversation", "conv_123"),
-                                         ("store", True), ("background", True)])
+                                         ("background", True)])
 def test_stateful_fields_are_refused_by_name(client, field, value):
     """The server keeps no state: the stateful fields get a 400 naming them that says to send the whole input."""
     with pytest.raises(openai.BadRequestError) as exc:
@@ -136,12 +136,8 @@ def test_stateful_fields_are_refused_by_name(client, field, value):
 
 # A value of each refused key that asks for what the server does not do.
 REFUSED_SAMPLES = {
-    "previous_response_id": "resp_1", "conversation": {"id": "conv_1"}, "store": True, "background": True,
-    "background_options": {"completion_window": "2h"}, "prompt": {"id": "pmpt_1"},
-    "reasoning": {"effort": "high"}, "moderation": {"model": "omni-moderation-latest"},
-    "image": {"context_compression": "enabled"}, "access_programs": {"cyber": "standard"},
-    "context_management": [{"type": "compaction"}], "prompt_cache_options": {"ttl": "12h"},
-    "prompt_cache_retention": "24h", "service_tier": "flex", "truncation": "auto"}
+    "previous_response_id": "resp_1", "conversation": {"id": "conv_1"}, "background": True,
+    "prompt": {"id": "pmpt_1"}, "context_management": [{"type": "compaction"}]}
 # A value of each honoured or echoed key, and what the Response shows of it.
 ACCEPTED_SAMPLES = {
     "model": (MODEL, lambda r: r["model"] == MODEL), "input": ("Hi", lambda r: r["output"]),
@@ -153,22 +149,35 @@ ACCEPTED_SAMPLES = {
     "tools": (TOOLS, lambda r: r["tools"][0]["name"] == "get_weather"),
     "tool_choice": ("none", lambda r: r["tool_choice"] == "none"),
     "parallel_tool_calls": (False, lambda r: r["parallel_tool_calls"] is False),
-    "text": ({"format": {"type": "text"}}, lambda r: r["text"]["format"]["type"] == "text"),
+    "text": ({"format": {"type": "text"}, "verbosity": "low"},
+             lambda r: r["text"]["format"]["type"] == "text" and r["text"]["verbosity"] == "low"),
     "include": (["message.output_text.logprobs"], lambda r: len(r["output"][0]["content"][0]["logprobs"]) == 1),
     "top_logprobs": (2, lambda r: r["top_logprobs"] == 2),
     "max_tool_calls": (3, lambda r: r["max_tool_calls"] == 3),
     "metadata": ({"k": "v"}, lambda r: r["metadata"] == {"k": "v"}), "user": ("u1", lambda r: r["user"] == "u1"),
     "safety_identifier": ("s1", lambda r: r["safety_identifier"] == "s1"),
-    "prompt_cache_key": ("p1", lambda r: r["prompt_cache_key"] == "p1")}
+    "prompt_cache_key": ("p1", lambda r: r["prompt_cache_key"] == "p1"),
+    "reasoning": ({"effort": "low", "summary": "auto", "context": "all_turns"},
+                  lambda r: r["reasoning"]["effort"] == "low" and r["reasoning"]["summary"] == "auto"),
+    "store": (True, lambda r: r["store"] is False), "service_tier": ("flex", lambda r: r["service_tier"] == "default"),
+    "truncation": ("auto", lambda r: r["truncation"] == "disabled"),
+    "prompt_cache_options": ({"ttl": "12h"}, lambda r: r["status"]),
+    "prompt_cache_retention": ("24h", lambda r: r["status"]),
+    "moderation": ({"model": "omni-moderation-latest"}, lambda r: r["status"]),
+    "image": ({"context_compression": "enabled"}, lambda r: r["status"]),
+    "background_options": ({"completion_window": "2h"}, lambda r: r["status"]),
+    "access_programs": ({"cyber": "standard"}, lambda r: r["status"])}
 
 
 def test_every_sdk_request_key_is_honoured_or_refused_by_name(server):
-    """Walks every key of the SDK's ResponseCreateParams: each is in exactly one of the audit's sets; a refused
-    key's value gets a 400 naming it; the honoured and echoed keys' values, all in one request, are answered and
-    each shows in the Response."""
+    """Walks every key of the SDK's ResponseCreateParams: each is in exactly one of the audit's sets, and an
+    accepted one has its effect stated; a refused key's value gets a 400 naming it; the honoured and accepted
+    keys' values, all in one request, are answered and each shows in the Response (what it echoes, or what the
+    server reports it did)."""
     keys = set(ResponseCreateParamsBase.__annotations__) | {"stream"}
     sets = (RESPONSES_HONOURED, set(RESPONSES_ACCEPTED), set(RESPONSES_REFUSED))
     assert all(sum(k in s for s in sets) == 1 for k in keys), [k for k in keys if sum(k in s for s in sets) != 1]
+    assert all(isinstance(effect, str) and effect for effect in RESPONSES_ACCEPTED.values())
     assert set(REFUSED_SAMPLES) == set(RESPONSES_REFUSED) and set(ACCEPTED_SAMPLES) == keys - set(REFUSED_SAMPLES)
     for key, value in REFUSED_SAMPLES.items():
         r = post(server, {"input": "Hi", key: value})
@@ -184,8 +193,10 @@ def test_every_sdk_request_key_is_honoured_or_refused_by_name(server):
 @pytest.mark.parametrize("body,param,words", [
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
      "input[0].content[0]", "input_image"),
-    ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input[0]", "reasoning"),
-    ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools[0]", "web_search"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]", "item_reference"),
+    ({"input": [{"type": "custom_tool_call", "call_id": "c", "name": "exec", "input": "x"}]}, "input[0]",
+     "custom_tool_call"),
+    ({"input": "Hi", "tools": [{"type": "custom", "name": "exec"}]}, "tools[0]", "custom"),
     ({"input": "Hi", "tool_choice": {"type": "file_search"}}, "tool_choice", "file_search"),
     ({"input": [{"type": "function_call_output", "call_id": "c9", "output": "x"}]}, "input[0].call_id", "c9"),
     ({"input": "Hi", "include": ["file_search_call.results"]}, "include", "file_search_call.results"),
@@ -193,7 +204,8 @@ def test_every_sdk_request_key_is_honoured_or_refused_by_name(server):
     ({"input": "Hi", "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "nope"),
 ])
 def test_unsupported_inputs_are_refused_naming_the_field(server, body, param, words):
-    """Images, items of built-in tools, built-in tools, an output answering no call: 400 naming the field."""
+    """Images, items the server cannot take (references to stored items, custom tool calls), custom tools, a
+    choice forcing a built-in tool, an output answering no call: 400 naming the field."""
     r = post(server, body)
     assert r.status_code == 400, r.text
     error = r.json()["error"]

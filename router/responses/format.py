@@ -19,9 +19,16 @@ error mid-stream is an `error` event (`code`, `message`, `param`). The stream ha
 OpenAI's has none. A response is `incomplete` (`incomplete_details.reason` "max_output_tokens") when the
 output stopped at max_output_tokens or at the end of the context.
 
+A call of a namespace's function (the chat path knows it by its flat name `<namespace>__<name>`,
+router/responses/tools.py) is a function_call item with the function's own `name` and its `namespace`, in the
+stream's events as in the whole answer.
+
 Logprobs (with `include: ["message.output_text.logprobs"]`): each token's logprob rides with the first text
 delta after it arrives and ends in that message's output_text part (OpenAI's format, -inf as -9999.0); the
-tokens of a tool call have none (function_call items carry no logprobs).
+tokens of a tool call have none (function_call items carry no logprobs), nor have those of a call cut off by
+max_output_tokens, whose text is dropped (router/tool_calls.py): the response is then `incomplete` with the
+calls completed before it and the text before its start marker. The non-streamed answer feeds its whole text as
+one delta, so there every token's logprob, a call's included, lands in its first message.
 """
 
 from __future__ import annotations
@@ -41,8 +48,9 @@ from router.choices import Accumulator, ChoiceState, clamp_logprob
 from router.responses.output import (FunctionCallItem, IncompleteDetails, InputTokensDetails, OutputLogprob,
                                      OutputMessage, OutputText, OutputTopLogprob, ResponseObject, ResponseUsage)
 from router.responses.request import ResponsesRequest
+from router.responses.tools import ToolSet
 from router.tokenizer import RouterTokenizer
-from router.tool_calls import ContentDelta, ToolCallArguments, ToolCallStarted
+from router.tool_calls import ContentDelta, ToolCallArguments, ToolCallCut, ToolCallStarted
 
 OBFUSCATION_MIN_CHARS = 16  # an obfuscated delta's text plus padding is at least this long, plus 0..15 more
 
@@ -71,12 +79,13 @@ class _Call:
 
 class OutputBuilder:
     """The output items of one choice, built from its text events (`ContentDelta`, `ToolCallStarted`,
-    `ToolCallArguments`); every step appends the stream events it causes to `events` (dicts without
-    `sequence_number`), which a non-streamed answer simply drops."""
+    `ToolCallArguments`, `ToolCallCut`); every step appends the stream events it causes to `events` (dicts
+    without `sequence_number`), which a non-streamed answer simply drops."""
 
-    def __init__(self, tok: RouterTokenizer, top_logprobs: Optional[int]):
+    def __init__(self, tok: RouterTokenizer, top_logprobs: Optional[int], tools: Optional[ToolSet] = None):
         self.tok = tok
         self.top_logprobs = top_logprobs  # None = no logprobs
+        self.tools = tools or ToolSet()  # flat names of calls -> (namespace, name)
         self.items: list[Union[_Message, _Call]] = []
         self.events: list[dict[str, Any]] = []
         self._message: Optional[_Message] = None  # the open message
@@ -113,6 +122,8 @@ class OutputBuilder:
                 self._start_call(event)
             elif isinstance(event, ToolCallArguments):
                 self._arguments(event)
+            elif isinstance(event, ToolCallCut):
+                self._pending = []  # the dropped call's tokens: no text of theirs is in the output
 
     def _open_message(self) -> _Message:
         message = self._message = _Message(len(self.items))
@@ -178,7 +189,7 @@ class OutputBuilder:
     def _close_calls(self) -> None:
         for call in self._open_calls:
             self.events.append({"type": "response.function_call_arguments.done", "item_id": call.id,
-                                "output_index": call.output_index, "name": call.name,
+                                "output_index": call.output_index, "name": self.tools.pair(call.name)[1],
                                 "arguments": "".join(call.arguments)})
             self.events.append({"type": "response.output_item.done", "output_index": call.output_index,
                                 "item": self.call_item(call, "completed")})
@@ -199,10 +210,14 @@ class OutputBuilder:
         content = [self.output_text(message)] if with_text else []
         return OutputMessage(id=message.id, status=status, content=content).model_dump(mode="json")
 
+    def _call(self, call: _Call, status: str, with_arguments: bool = True) -> FunctionCallItem:
+        namespace, name = self.tools.pair(call.name)
+        return FunctionCallItem(id=call.id, call_id=call.call_id, name=name, namespace=namespace, status=status,
+                                arguments="".join(call.arguments) if with_arguments else "")
+
     def call_item(self, call: _Call, status: str, with_arguments: bool = True) -> dict[str, Any]:
         """The function_call item as JSON (arguments "" while it is being added)."""
-        return FunctionCallItem(id=call.id, call_id=call.call_id, name=call.name, status=status,
-                                arguments="".join(call.arguments) if with_arguments else "").model_dump(mode="json")
+        return self._call(call, status, with_arguments).model_dump(mode="json")
 
     def output(self) -> list[Union[OutputMessage, FunctionCallItem]]:
         """The finished output items (after `finish`)."""
@@ -211,8 +226,7 @@ class OutputBuilder:
             if isinstance(item, _Message):
                 out.append(OutputMessage(id=item.id, status=item.status, content=[self.output_text(item)]))
             else:
-                out.append(FunctionCallItem(id=item.id, call_id=item.call_id, name=item.name,
-                                            arguments="".join(item.arguments), status="completed"))
+                out.append(self._call(item, "completed"))
         return out
 
 
@@ -226,7 +240,8 @@ class ResponsesFormatter:
         self.created = created
         self._sequence = 0
         self._obfuscate = bool(req.stream_options and req.stream_options.include_obfuscation)
-        self.builder = OutputBuilder(tok, (req.top_logprobs or 0) if req.wants_logprobs else None)
+        self.builder = OutputBuilder(tok, (req.top_logprobs or 0) if req.wants_logprobs else None,
+                                     ToolSet.of(req.tools))
         parser = prepared.tool_parser
         self._parser = parser.stream(prepared.tools, prepared.max_tool_calls) if parser is not None else None
 
@@ -244,6 +259,7 @@ class ResponsesFormatter:
             text=req.text.echo() if req.text else {"format": {"type": "text"}, "verbosity": "medium"},
             max_output_tokens=req.max_output_tokens, max_tool_calls=req.max_tool_calls,
             metadata=req.metadata or {}, top_logprobs=req.top_logprobs or 0, user=req.user,
+            reasoning=req.reasoning.echo() if req.reasoning else None,
             safety_identifier=req.safety_identifier, prompt_cache_key=req.prompt_cache_key)
 
     def _usage(self, state: ChoiceState) -> ResponseUsage:

@@ -50,12 +50,14 @@ class OutputMessage(BaseModel):
 
 class FunctionCallItem(BaseModel):
     """A `function_call` output item: `arguments` is the JSON text of an object; `call_id` pairs it with the
-    function_call_output the client sends back."""
+    function_call_output the client sends back; a function of a namespace tool is named by its own `name` and
+    its `namespace` (left out for other functions)."""
 
     type: Literal["function_call"] = "function_call"
     id: str
     call_id: str
     name: str
+    namespace: Optional[str] = Field(None, exclude_if=_omit_none)
     arguments: str
     status: Literal["in_progress", "completed", "incomplete"]
 
@@ -68,7 +70,7 @@ class InputTokensDetails(BaseModel):
     cache_write_tokens: int = 0
 
 
-class OutputTokensDetails(BaseModel):
+class ResponseOutputTokensDetails(BaseModel):
     """`usage.output_tokens_details` (no reasoning tokens: the served models do not reason apart)."""
 
     reasoning_tokens: int = 0
@@ -80,7 +82,7 @@ class ResponseUsage(BaseModel):
     input_tokens: int
     input_tokens_details: InputTokensDetails
     output_tokens: int
-    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    output_tokens_details: ResponseOutputTokensDetails = Field(default_factory=ResponseOutputTokensDetails)
     total_tokens: int
 
 
@@ -117,7 +119,7 @@ class ResponseObject(BaseModel):
     max_tool_calls: Optional[int] = None
     metadata: dict[str, str] = Field(default_factory=dict)
     previous_response_id: None = None
-    reasoning: None = None
+    reasoning: Optional[dict[str, Any]] = None
     service_tier: str = "default"
     store: bool = False
     background: bool = False

@@ -1,8 +1,8 @@
 """Pydantic models of the requests of OpenAI's Responses API (POST /v1/responses), the stateless subset
-mlx-pd serves (the answers are in router/responses/output.py).
+mlx-pd serves (the answers are in router/responses/output.py; the tools in router/responses/tools.py).
 
 The request mirrors `openai.types.responses.response_create_params.ResponseCreateParamsBase`; which of its
-keys are honoured, echoed or refused is router/responses/fields.py's table, applied here. Shapes are
+keys are honoured, accepted or refused is router/responses/fields.py's table, applied here. Shapes are
 normalised so the translation (router/responses/endpoints.py) sees one form:
 
     input                   "text" | [item, ...]                    ->  [item, ...] ("text" = one user message)
@@ -10,15 +10,18 @@ normalised so the translation (router/responses/endpoints.py) sees one form:
     item.type               absent (OpenAI's EasyInputMessage)      ->  "message"
 
 Items: `message` (roles user, assistant, system, developer; parts input_text, output_text, refusal),
-`function_call` (call_id, name, arguments: the JSON text of an object) and `function_call_output` (call_id,
-output). Every other item type (reasoning, web_search_call, item_reference, ...) and every image, file or
-audio part is refused by name: the server keeps no state, runs no built-in tool and serves text-only models.
+`function_call` (call_id, name, namespace?, arguments: the JSON text of an object), `function_call_output`
+(call_id, output; name and namespace read as hints) and `reasoning` (content's reasoning_text parts, summary's
+summary_text parts, encrypted_content). Items' `id`, `status` and `phase` are accepted and ignored. Every other
+item type (item_reference, web_search_call, custom_tool_call, compaction, ...) and every image, file or audio
+part is refused by name: the server keeps no state, runs no built-in tool, compacts nothing and serves text-only
+models.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -26,15 +29,17 @@ from pydantic_core import PydanticCustomError
 from router.request_model import check_field
 from router.openai.request import CONTEXT_LENGTH_EXCEEDED, Refused, _count, context_length_message
 from router.request_model import RequestModel
-from router.responses.fields import INCLUDE_LOGPROBS, INCLUDE_SERVED, RESPONSES_REFUSED
+from router.responses.fields import INCLUDE_LOGPROBS, INCLUDE_SERVED, NO_COMPACTION, RESPONSES_REFUSED
+from router.responses.tools import Tool, check_tool_choice
 from router.openai.tools import NAME_PATTERN, check_json_schema
 
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text")
 MEDIA_PARTS = ("input_image", "input_file", "input_audio")
-ITEM_TYPES = ("message", "function_call", "function_call_output")
+REASONING_PARTS = ("reasoning_text", "summary_text")  # a reasoning item's content and summary parts
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+COMPACTION_ITEMS = ("compaction", "compaction_trigger")
 TEXT_FORMATS = ("text", "json_object", "json_schema")
-TOOL_CHOICE_MODES = ("none", "auto", "required")
 METADATA_MAX_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
 
 
@@ -56,7 +61,8 @@ class _Request(RequestModel):
 
 class InputContentPart(_Request):
     """One content part of an input message or function output: input_text / output_text (`text`) or
-    refusal (`refusal`, an assistant's refusal, read as its text)."""
+    refusal (`refusal`, an assistant's refusal, read as its text); of a reasoning item: reasoning_text (its
+    content) or summary_text (its summary)."""
 
     type: str
     text: Optional[str] = None
@@ -67,11 +73,11 @@ class InputContentPart(_Request):
         if self.type in MEDIA_PARTS:
             raise ValueError(f"content parts of type {self.type!r} are not supported: this server's model reads "
                              "text only; send input_text parts")
-        if self.type in TEXT_PARTS and self.text is None:
+        if self.type in TEXT_PARTS + REASONING_PARTS and self.text is None:
             raise ValueError(f"a {self.type} part needs its text in 'text'")
         if self.type == "refusal" and self.refusal is None:
             raise ValueError("a refusal part needs its text in 'refusal'")
-        if self.type not in TEXT_PARTS + ("refusal",):
+        if self.type not in TEXT_PARTS + REASONING_PARTS + ("refusal",):
             raise ValueError(f"content part type {self.type!r} is not one of input_text, output_text, refusal")
         return self
 
@@ -87,7 +93,8 @@ def parts_text(parts: list[InputContentPart]) -> str:
 
 
 class InputItem(_Request):
-    """One input item: a message, a function_call of an earlier turn, or a function_call_output."""
+    """One input item: a message, a function_call of an earlier turn, a function_call_output, or the reasoning
+    of an earlier turn."""
 
     model_config = ConfigDict(extra="ignore", json_schema_extra=lambda s: _text_or_list(s, "content", "output"))
 
@@ -99,6 +106,8 @@ class InputItem(_Request):
     arguments: Optional[str] = None
     output: Optional[list[InputContentPart]] = None
     namespace: Optional[str] = None
+    summary: Optional[list[InputContentPart]] = None
+    encrypted_content: Optional[str] = None
 
     @field_validator("content", "output", mode="before")
     @classmethod
@@ -107,20 +116,34 @@ class InputItem(_Request):
 
     @model_validator(mode="after")
     def _check(self) -> "InputItem":
+        if self.type in COMPACTION_ITEMS:
+            raise ValueError(f"{self.type} items are not supported: {NO_COMPACTION}")
+        if self.type == "additional_tools":
+            raise ValueError("additional_tools items are not supported: declare the tools in the request's tools "
+                             "(function tools, and namespaces of them)")
         if self.type not in ITEM_TYPES:
             raise ValueError(f"input items of type {self.type!r} are not supported: this server keeps no state "
-                             "and runs no built-in tools; send message, function_call and function_call_output "
-                             "items (the whole conversation in every request)")
+                             "and runs no built-in or custom tools; send message, reasoning, function_call and "
+                             "function_call_output items (the whole conversation in every request)")
         if self.type == "message":
             if self.role not in ROLES:
                 raise ValueError(f"a message's role must be one of {', '.join(ROLES)}, got {self.role!r}")
             if self.content is None:
                 raise ValueError("a message needs its 'content' (a string or a list of input_text parts)")
+            misplaced = next((p.type for p in self.content if p.type in REASONING_PARTS), None)
+            if misplaced is not None:
+                raise ValueError(f"a message's content has no {misplaced} parts: send input_text or output_text "
+                                 "parts (reasoning goes in a reasoning item)")
+            return self
+        if self.type == "reasoning":
+            for key, parts, kind in (("content", self.content, "reasoning_text"),
+                                     ("summary", self.summary, "summary_text")):
+                wrong = next((p.type for p in parts or () if p.type != kind), None)
+                if wrong is not None:
+                    raise ValueError(f"a reasoning item's {key} holds {kind} parts, got a {wrong} part")
             return self
         if not self.call_id:
             raise ValueError(f"a {self.type} item needs its 'call_id'")
-        if self.namespace is not None:
-            raise ValueError("namespaced function calls are not supported: this server offers no namespace tools")
         if self.type == "function_call":
             if self.name is None or self.arguments is None:
                 raise ValueError("a function_call item needs 'name' and 'arguments' (the JSON text of an object)")
@@ -134,49 +157,14 @@ class InputItem(_Request):
             raise ValueError("a function_call_output item needs its 'output' (a string or input_text parts)")
         return self
 
-
-class FunctionTool(_Request):
-    """One entry of `tools`: only `{"type": "function", name, description?, parameters?, strict?}`."""
-
-    MOVED = {"function": "a Responses API tool is flat: send {\"type\": \"function\", \"name\": ..., "
-                         "\"parameters\": ...} without the \"function\" wrapper of Chat Completions"}
-
-    type: str
-    name: Optional[str] = None
-    description: Optional[str] = None
-    parameters: Optional[dict[str, Any]] = None
-    strict: Optional[bool] = None
-    defer_loading: Optional[bool] = None
-    allowed_callers: Optional[list[str]] = None
-    async_: Optional[bool] = Field(None, alias="async")
-    output_schema: Optional[dict[str, Any]] = None
-
-    @model_validator(mode="after")
-    def _check(self) -> "FunctionTool":
-        if self.type != "function":
-            raise ValueError(f"tools of type {self.type!r} are not supported: this server runs no built-in, MCP "
-                             "or custom tools; declare function tools ({\"type\": \"function\", \"name\": ...})")
-        if self.name is None or not NAME_PATTERN.match(self.name):
-            raise ValueError(f"name {self.name!r} is not a valid function name: use 1 to 64 of a-z, A-Z, 0-9, "
-                             "_ and -")
-        if self.parameters is not None:
-            try:
-                check_json_schema(self.parameters)
-            except ValueError as exc:
-                raise ValueError(f"parameters {exc}") from None
-        refused = [("defer_loading", self.defer_loading not in (None, False), "tool search"),
-                   ("allowed_callers", self.allowed_callers not in (None, ["direct"]), "programmatic calls"),
-                   ("async", self.async_ not in (None, False), "asynchronous calls"),
-                   ("output_schema", self.output_schema is not None, "programmatic tool calling")]
-        for key, given, what in refused:
-            if given:
-                raise ValueError(f"{key} is not supported: this server runs no {what}; leave it out")
-        return self
-
-    def echo(self) -> dict[str, Any]:
-        """The tool as the answer echoes it (OpenAI's FunctionTool)."""
-        return {"type": "function", "name": self.name, "description": self.description,
-                "parameters": self.parameters, "strict": self.strict}
+    @property
+    def reasoning_text(self) -> Optional[str]:
+        """A reasoning item's readable text: its content's reasoning_text parts, else its summary texts (None
+        when it has neither; its encrypted_content is read by the translation, which knows the model)."""
+        for parts in (self.content, self.summary):
+            if parts:
+                return parts_text(parts)
+        return None
 
 
 class TextFormat(_Request):
@@ -207,24 +195,37 @@ class TextFormat(_Request):
 
 
 class TextConfig(_Request):
-    """`text`: the answer's format; `verbosity` only at OpenAI's default, "medium" (a small model has no knob
-    for it)."""
+    """`text`: the answer's format, and `verbosity` (low, medium, high): a hint no chat template reads,
+    accepted and echoed (router/responses/fields.py)."""
 
     format: Optional[TextFormat] = None
-    verbosity: Optional[str] = None
-
-    @field_validator("verbosity")
-    @classmethod
-    def _verbosity(cls, value: Optional[str]) -> Optional[str]:
-        if value not in (None, "medium"):
-            raise ValueError(f"{value!r} is not supported: this server cannot steer verbosity; leave it out or "
-                             "send \"medium\"")
-        return value
+    verbosity: Optional[Literal["low", "medium", "high"]] = None
 
     def echo(self) -> dict[str, Any]:
         """The config as the answer echoes it."""
         fmt = self.format.model_dump(by_alias=True, exclude_none=True) if self.format else {"type": "text"}
         return {"format": fmt, "verbosity": self.verbosity or "medium"}
+
+
+class ReasoningConfig(_Request):
+    """`reasoning`: `effort` is the chat path's reasoning_effort ("max" as "xhigh"); `context` "current_turn"
+    leaves out the reasoning of earlier turns; `summary`, `generate_summary` and `mode` are accepted with the
+    effects router/responses/fields.py states."""
+
+    effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]] = None
+    summary: Optional[Literal["auto", "concise", "detailed"]] = None
+    generate_summary: Optional[Literal["auto", "concise", "detailed"]] = None
+    context: Optional[Literal["auto", "current_turn", "all_turns"]] = None
+    mode: Optional[str] = None
+
+    @property
+    def chat_effort(self) -> Optional[str]:
+        """The chat request's reasoning_effort."""
+        return "xhigh" if self.effort == "max" else self.effort
+
+    def echo(self) -> dict[str, Any]:
+        """The configuration as the answer echoes it (OpenAI's Reasoning)."""
+        return self.model_dump(exclude_none=True)
 
 
 class ResponsesStreamOptions(_Request):
@@ -233,36 +234,10 @@ class ResponsesStreamOptions(_Request):
     include_obfuscation: bool = False
 
 
-def check_tool_choice(value: Any) -> Any:
-    """`value` when it is a `tool_choice` this server serves: "none" | "auto" | "required" |
-    {"type": "function", "name"} | {"type": "allowed_tools", "mode": "auto" | "required", "tools": [{"type":
-    "function", "name"}, ...]}; a ValueError naming what is wrong otherwise (built-in tool types by name)."""
-    if value is None or value in TOOL_CHOICE_MODES:
-        return value
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind == "function" and isinstance(value.get("name"), str):
-        return value
-    if kind == "allowed_tools":
-        tools = value.get("tools")
-        if value.get("mode") not in ("auto", "required"):
-            raise ValueError("an allowed_tools choice needs 'mode' \"auto\" or \"required\"")
-        if not isinstance(tools, list) or not tools or not all(
-                isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("name"), str) for t in tools):
-            raise ValueError("an allowed_tools choice needs 'tools', a non-empty list of {\"type\": \"function\", "
-                             "\"name\": ...}")
-        return value
-    if isinstance(kind, str) and kind != "function":
-        raise ValueError(f"choices of type {kind!r} are not supported: this server runs no built-in, MCP or custom "
-                         "tools; send \"none\", \"auto\", \"required\", {\"type\": \"function\", \"name\": ...} "
-                         "or {\"type\": \"allowed_tools\", ...}")
-    raise ValueError('must be "none", "auto", "required", {"type": "function", "name": ...} or '
-                     '{"type": "allowed_tools", "mode": ..., "tools": [...]}')
-
-
 class ResponsesRequest(_Request):
     """POST /v1/responses. Every key of OpenAI's ResponseCreateParams is in RESPONSES_HONOURED, RESPONSES_ACCEPTED
     or RESPONSES_REFUSED (router/responses/fields.py); a refused one gets a 400 naming it unless its value asks
-    for what the server does anyway, e.g. `store: false`."""
+    for what the server does anyway, e.g. `background: false`."""
 
     MOVED = {"messages": "send the conversation as input (a string or items)",
              "max_tokens": "use max_output_tokens", "max_completion_tokens": "use max_output_tokens",
@@ -280,7 +255,7 @@ class ResponsesRequest(_Request):
     top_p: Optional[float] = None
     stream: Optional[bool] = False
     stream_options: Optional[ResponsesStreamOptions] = None
-    tools: Optional[list[FunctionTool]] = None
+    tools: Optional[list[Tool]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
     text: Optional[TextConfig] = None
@@ -291,21 +266,21 @@ class ResponsesRequest(_Request):
     user: Optional[str] = None
     safety_identifier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
+    reasoning: Optional[ReasoningConfig] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+    truncation: Optional[Literal["auto", "disabled"]] = None
+    prompt_cache_options: Optional[dict[str, Any]] = None
+    prompt_cache_retention: Optional[str] = None
+    moderation: Optional[dict[str, Any]] = None
+    image: Optional[dict[str, Any]] = None
+    background_options: Optional[dict[str, Any]] = None
+    access_programs: Optional[dict[str, Any]] = None
     previous_response_id: Refused = None
     conversation: Refused = None
-    store: Refused = None
     background: Refused = None
-    background_options: Refused = None
     prompt: Refused = None
-    reasoning: Refused = None
-    moderation: Refused = None
-    image: Refused = None
-    access_programs: Refused = None
     context_management: Refused = None
-    prompt_cache_options: Refused = None
-    prompt_cache_retention: Refused = None
-    service_tier: Refused = None
-    truncation: Refused = None
 
     @field_validator(*RESPONSES_REFUSED, mode="before")
     @classmethod
@@ -321,8 +296,10 @@ class ResponsesRequest(_Request):
             raise ValueError("is empty: send at least one message")
         limit = (info.context or {}).get("max_model_len")
         if limit is not None and isinstance(value, list) and len(value) > limit:  # as the chat endpoint counts
-            raise PydanticCustomError(CONTEXT_LENGTH_EXCEEDED, context_length_message(
-                f"{len(value)} input items, so at least {len(value) - 1}", limit))
+            rendered = sum(not (isinstance(v, dict) and v.get("type") == "reasoning") for v in value)
+            if rendered > limit:  # reasoning items join an assistant turn, which a template may render without
+                raise PydanticCustomError(CONTEXT_LENGTH_EXCEEDED, context_length_message(
+                    f"{rendered} input items, so at least {rendered - 1}", limit))
         return value
 
     @field_validator("tool_choice", mode="before")
