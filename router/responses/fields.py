@@ -2,7 +2,7 @@
 
 Every key of `openai.types.responses.response_create_params.ResponseCreateParamsBase` (and `stream`) is in
 exactly one of these sets, by the rule of router/openai/fields.py: refused by name only what would change the
-answer if ignored (tests/test_responses_api.py walks them):
+answer if ignored (tests/test_responses_api.py walks them; docs/API-FIELDS.md is the table, made from them):
 
     RESPONSES_HONOURED   the server does what the key asks. `max_tool_calls` bounds calls to built-in tools,
                          of which this server runs none, so no response exceeds it; `include` takes the values
