@@ -269,3 +269,32 @@ def test_prefill_and_decode_workers_give_the_single_node_answer(oai, server, cla
     assert got.choices[0].message.content == single.choices[0].message.content
     assert got.usage.completion_tokens_details.reasoning_tokens == BUDGET
     assert [b.model_dump() for b in msg.content] == [b.model_dump() for b in single_msg.content]
+
+
+def test_responses_reasoning_item_then_message_whole_and_streamed(oai, server):
+    """Responses: a `reasoning` item (its text as a reasoning_text part, and with the include its
+    encrypted_content) before the message; usage counts the reasoning tokens; streamed, the SDK's events build
+    the same items (reasoning_text deltas, then the message's text)."""
+    kw = dict(model=server[1], input="What is 2 + 2?", max_output_tokens=12, temperature=0,
+              reasoning={"effort": "high"}, include=["reasoning.encrypted_content"],
+              extra_body={"thinking_token_budget": BUDGET})
+    whole = oai.responses.create(**kw)
+    reasoning, message = whole.output
+    assert reasoning.type == "reasoning" and message.type == "message"
+    assert reasoning.content[0].type == "reasoning_text" and reasoning.content[0].text
+    assert reasoning.encrypted_content and whole.usage.output_tokens_details.reasoning_tokens == BUDGET
+    with oai.responses.stream(**kw) as stream:
+        events = list(stream)  # cut by max_output_tokens: it ends with response.incomplete
+    kinds = [e.type for e in events]
+    final = events[-1].response
+    assert kinds[-1] == "response.incomplete"
+    assert "response.reasoning_text.delta" in kinds
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    assert final.output[0].content[0].text == reasoning.content[0].text
+    assert final.output[1].content[0].text == message.content[0].text
+    again = oai.responses.create(model=server[1], max_output_tokens=4, temperature=0, input=[
+        {"role": "user", "content": "What is 2 + 2?"},
+        {"type": "reasoning", "id": reasoning.id, "summary": [], "encrypted_content": reasoning.encrypted_content},
+        {"role": "assistant", "content": message.content[0].text},
+        {"role": "user", "content": "And 3 + 3?"}])
+    assert again.status == "incomplete"

@@ -26,6 +26,7 @@ with its own formatter (router/responses/format.py). The translation:
                                      tool is a 400 naming tool_choice
     text.format                      response_format (text, json_object, json_schema {name, schema, strict})
     reasoning.effort                 reasoning_effort ("max" as "xhigh")
+    thinking_token_budget            the same (vLLM's extension): the most reasoning tokens
     max_output_tokens                max_completion_tokens
     include output_text.logprobs     logprobs: true with top_logprobs (0 unless given)
     temperature, top_p, parallel_tool_calls, stream, user        the same fields
@@ -202,7 +203,8 @@ def chat_body(req: ResponsesRequest, model: str, served_model: Optional[str] = N
             "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
             "tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": req.parallel_tool_calls,
             "response_format": chat_response_format(req.text), "user": req.user,
-            "reasoning_effort": req.reasoning.chat_effort if req.reasoning else None}
+            "reasoning_effort": req.reasoning.chat_effort if req.reasoning else None,
+            "thinking_token_budget": req.thinking_token_budget}
     if req.wants_logprobs:
         body.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
     return {k: v for k, v in body.items() if v is not None}
@@ -213,7 +215,8 @@ def _translate(req: ResponsesRequest, model: str, context: dict[str, Any]) -> Ch
 
 
 RESPONSES = FrontDoor(ResponsesRequest, "resp_", _translate,
-                      lambda req, prepared, ctx, created: ResponsesFormatter(prepared, ctx.tokenizer, req, created),
+                      lambda req, prepared, ctx, created: ResponsesFormatter(prepared, ctx.tokenizer, req, created,
+                                                                              ctx.served_model),
                       rename=renamed)
 
 

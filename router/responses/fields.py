@@ -39,6 +39,7 @@ NO_COMPACTION = ("this server does not compact conversations server-side: config
 RESPONSES_HONOURED = frozenset({
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "stream_options",
     "tools", "tool_choice", "parallel_tool_calls", "text", "include", "top_logprobs", "max_tool_calls",
+    "thinking_token_budget",  # not the SDK's: vLLM's extension, as on the chat endpoint
     "reasoning"})
 _METADATA = "echoed in the Response; kept nowhere, no effect on the answer"
 _CACHE = "the prefix cache is automatic, content-addressed and in memory: it is used whatever this says"
@@ -97,6 +98,7 @@ RESPONSES_DETAILS: dict[str, str] = {
     "input[] of type compaction or compaction_trigger": "refused: " + NO_COMPACTION,
     "client_metadata": "not a key of the SDK (Codex's ids of its client and turn): ignored, as unknown keys are",
 }
-# `include` values: the logprobs of output text are served; the server makes no reasoning items, so their
-# encrypted content is trivially included; every other value belongs to a tool or an input kind refused here.
-INCLUDE_SERVED = (INCLUDE_LOGPROBS, "reasoning.encrypted_content")
+# `include` values: the logprobs of output text, and reasoning items' encrypted content (this server's token of
+# their text, router/responses/reasoning_token.py); every other value belongs to a tool or an input kind refused here.
+REASONING_CONTENT = "reasoning.encrypted_content"
+INCLUDE_SERVED = (INCLUDE_LOGPROBS, REASONING_CONTENT)

@@ -4,9 +4,16 @@ One `OutputBuilder` turns the choice's text into output items, for the streamed 
 alike (so both give the same items, in the same order): plain text opens an assistant `message` item with one
 `output_text` part; a tool call (found by the request's tool parser, router/tool_calls.py) closes it and adds
 a `function_call` item; text after a call opens a new message. With no call and no text there is one empty
-message. Streamed, each step is an event of OpenAI's Responses streaming format, in this order:
+message. A thinking model's reasoning (split by the engine) is a `reasoning` item before the text or call it
+precedes: its `content` is one `reasoning_text` part (no summary is generated), and with
+`include: ["reasoning.encrypted_content"]` its `encrypted_content` is this server's token of the text
+(router/responses/reasoning_token.py), which a client may send back as the item's only text. Streamed, each
+step is an event of OpenAI's Responses streaming format, in this order:
 
     response.created, response.in_progress                       (status in_progress, no output)
+    per reasoning: response.output_item.added, response.content_part.added (reasoning_text),
+                  response.reasoning_text.delta ..., response.reasoning_text.done,
+                  response.content_part.done, response.output_item.done
     per message:  response.output_item.added, response.content_part.added,
                   response.output_text.delta ..., response.output_text.done,
                   response.content_part.done, response.output_item.done
@@ -38,15 +45,18 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from cluster.request import RequestOutput, TokenLogprob
 from router.errors import APIError
 from router.params import PreparedRequest
 from router.openai.request import Usage
 from router.choices import Accumulator, ChoiceState, clamp_logprob
+from router.responses.fields import REASONING_CONTENT
 from router.responses.output import (FunctionCallItem, IncompleteDetails, InputTokensDetails, OutputLogprob,
-                                     OutputMessage, OutputText, OutputTopLogprob, ResponseObject, ResponseUsage)
+                                     OutputMessage, OutputText, OutputTopLogprob, ReasoningItem, ReasoningText,
+                                     ResponseObject, ResponseOutputTokensDetails, ResponseUsage)
+from router.responses.reasoning_token import make_token
 from router.responses.request import ResponsesRequest
 from router.responses.tools import ToolSet
 from router.tokenizer import RouterTokenizer
@@ -69,6 +79,14 @@ class _Message:
 
 
 @dataclass
+class _Reasoning:
+    output_index: int
+    id: str = field(default_factory=lambda: _item_id("rs"))
+    texts: list[str] = field(default_factory=list)
+    status: str = "in_progress"
+
+
+@dataclass
 class _Call:
     output_index: int
     call_id: str
@@ -82,11 +100,14 @@ class OutputBuilder:
     `ToolCallArguments`, `ToolCallCut`); every step appends the stream events it causes to `events` (dicts
     without `sequence_number`), which a non-streamed answer simply drops."""
 
-    def __init__(self, tok: RouterTokenizer, top_logprobs: Optional[int], tools: Optional[ToolSet] = None):
+    def __init__(self, tok: RouterTokenizer, top_logprobs: Optional[int], tools: Optional[ToolSet] = None,
+                 sign: Optional[Callable[[str], str]] = None):
         self.tok = tok
         self.top_logprobs = top_logprobs  # None = no logprobs
         self.tools = tools or ToolSet()  # flat names of calls -> (namespace, name)
-        self.items: list[Union[_Message, _Call]] = []
+        self.sign = sign  # reasoning text -> its encrypted_content, when the request includes it
+        self.items: list[Union[_Reasoning, _Message, _Call]] = []
+        self._reasoning: Optional[_Reasoning] = None  # the open reasoning item
         self.events: list[dict[str, Any]] = []
         self._message: Optional[_Message] = None  # the open message
         self._calls: dict[int, _Call] = {}  # parser index -> call
@@ -125,6 +146,35 @@ class OutputBuilder:
             elif isinstance(event, ToolCallCut):
                 self._pending = []  # the dropped call's tokens: no text of theirs is in the output
 
+    def think(self, text: str) -> None:
+        """Reasoning text: it goes to the open reasoning item, or opens one after closing what is open."""
+        if not text:
+            return
+        reasoning = self._reasoning
+        if reasoning is None:
+            self._close_message("completed")
+            self._close_calls()
+            reasoning = self._reasoning = _Reasoning(len(self.items))
+            self.items.append(reasoning)
+            self.events.append({"type": "response.output_item.added", "output_index": reasoning.output_index,
+                                "item": self.reasoning_item(reasoning, with_text=False)})
+            self.events.append({"type": "response.content_part.added", **self._part_ref(reasoning),
+                                "part": {"type": "reasoning_text", "text": ""}})
+        reasoning.texts.append(text)
+        self.events.append({"type": "response.reasoning_text.delta", **self._part_ref(reasoning), "delta": text})
+
+    def _close_reasoning(self, status: str = "completed") -> None:
+        reasoning, self._reasoning = self._reasoning, None
+        if reasoning is None:
+            return
+        reasoning.status = status
+        text = "".join(reasoning.texts)
+        self.events.append({"type": "response.reasoning_text.done", **self._part_ref(reasoning), "text": text})
+        self.events.append({"type": "response.content_part.done", **self._part_ref(reasoning),
+                            "part": {"type": "reasoning_text", "text": text}})
+        self.events.append({"type": "response.output_item.done", "output_index": reasoning.output_index,
+                            "item": self.reasoning_item(reasoning)})
+
     def _open_message(self) -> _Message:
         message = self._message = _Message(len(self.items))
         self.items.append(message)
@@ -137,6 +187,7 @@ class OutputBuilder:
     def _content(self, text: str) -> None:
         if not text:
             return
+        self._close_reasoning()
         self._close_calls()
         message = self._message or self._open_message()
         logprobs, self._pending = self._pending, []
@@ -146,6 +197,7 @@ class OutputBuilder:
                             "logprobs": self._delta_logprobs(logprobs)})
 
     def _start_call(self, event: ToolCallStarted) -> None:
+        self._close_reasoning()
         self._close_message("completed")
         self._close_calls()  # each item is done before the next is added, as OpenAI streams them
         self._pending = []  # the call's tokens: function_call items carry no logprobs
@@ -170,6 +222,7 @@ class OutputBuilder:
         if self._message is not None and self._pending:
             self._message.logprobs.extend(self._pending)
             self._pending = []
+        self._close_reasoning(status)
         self._close_message(status)
         self._close_calls()
 
@@ -197,8 +250,19 @@ class OutputBuilder:
 
     # ---- items
     @staticmethod
-    def _part_ref(message: _Message) -> dict[str, Any]:
-        return {"item_id": message.id, "output_index": message.output_index, "content_index": 0}
+    def _part_ref(item: Union[_Message, _Reasoning]) -> dict[str, Any]:
+        return {"item_id": item.id, "output_index": item.output_index, "content_index": 0}
+
+    def _reasoning_model(self, reasoning: _Reasoning, with_text: bool = True) -> ReasoningItem:
+        text = "".join(reasoning.texts)
+        done = with_text and reasoning.status != "in_progress"
+        return ReasoningItem(id=reasoning.id, status=reasoning.status,
+                             content=[ReasoningText(text=text)] if with_text else [],
+                             encrypted_content=self.sign(text) if self.sign is not None and done else None)
+
+    def reasoning_item(self, reasoning: _Reasoning, with_text: bool = True) -> dict[str, Any]:
+        """The reasoning item as JSON (no content part while it is being added)."""
+        return self._reasoning_model(reasoning, with_text).model_dump(mode="json")
 
     def output_text(self, message: _Message) -> OutputText:
         """The message's output_text part so far."""
@@ -219,11 +283,13 @@ class OutputBuilder:
         """The function_call item as JSON (arguments "" while it is being added)."""
         return self._call(call, status, with_arguments).model_dump(mode="json")
 
-    def output(self) -> list[Union[OutputMessage, FunctionCallItem]]:
+    def output(self) -> list[Union[ReasoningItem, OutputMessage, FunctionCallItem]]:
         """The finished output items (after `finish`)."""
-        out: list[Union[OutputMessage, FunctionCallItem]] = []
+        out: list[Union[ReasoningItem, OutputMessage, FunctionCallItem]] = []
         for item in self.items:
-            if isinstance(item, _Message):
+            if isinstance(item, _Reasoning):
+                out.append(self._reasoning_model(item))
+            elif isinstance(item, _Message):
                 out.append(OutputMessage(id=item.id, status=item.status, content=[self.output_text(item)]))
             else:
                 out.append(self._call(item, "completed"))
@@ -234,14 +300,16 @@ class ResponsesFormatter:
     """The `router.serving.Formatter` of POST /v1/responses (one choice): the Response object whole, or the
     events above. Its chunks are whole SSE events already (each names its event type), so `frame` keeps them."""
 
-    def __init__(self, prepared: PreparedRequest, tok: RouterTokenizer, req: ResponsesRequest, created: int):
+    def __init__(self, prepared: PreparedRequest, tok: RouterTokenizer, req: ResponsesRequest, created: int,
+                 model: str = ""):
         self.p = prepared
         self.req = req
         self.created = created
         self._sequence = 0
         self._obfuscate = bool(req.stream_options and req.stream_options.include_obfuscation)
+        sign = (lambda text: make_token(text, model)) if REASONING_CONTENT in (req.include or ()) else None
         self.builder = OutputBuilder(tok, (req.top_logprobs or 0) if req.wants_logprobs else None,
-                                     ToolSet.of(req.tools))
+                                     ToolSet.of(req.tools), sign)
         parser = prepared.tool_parser
         self._parser = parser.stream(prepared.tools, prepared.max_tool_calls) if parser is not None else None
 
@@ -266,9 +334,12 @@ class ResponsesFormatter:
         prompt = len(self.p.prompt_token_ids)
         return ResponseUsage(input_tokens=prompt, output_tokens=state.num_tokens,
                              total_tokens=prompt + state.num_tokens,
-                             input_tokens_details=InputTokensDetails(cached_tokens=state.num_cached_tokens))
+                             input_tokens_details=InputTokensDetails(cached_tokens=state.num_cached_tokens),
+                             output_tokens_details=ResponseOutputTokensDetails(
+                                 reasoning_tokens=state.num_reasoning_tokens))
 
-    def _feed(self, text: str, logprobs: Sequence[TokenLogprob]) -> None:
+    def _feed(self, text: str, logprobs: Sequence[TokenLogprob], reasoning: str = "") -> None:
+        self.builder.think(reasoning)
         self.builder.add_logprobs(logprobs)
         if text:
             self.builder.feed(self._parser.feed(text) if self._parser is not None else [ContentDelta(text)])
@@ -283,7 +354,7 @@ class ResponsesFormatter:
     def response(self, acc: Accumulator) -> ResponseObject:
         """The non-streamed answer: the choice's whole text through the same builder as the stream."""
         state = acc.choices[0]
-        self._feed("".join(state.texts), state.logprobs)
+        self._feed("".join(state.texts), state.logprobs, "".join(state.reasoning_texts))
         return self._finish(state)
 
     # ---- the stream
@@ -308,7 +379,7 @@ class ResponsesFormatter:
     def delta_chunk(self, state: ChoiceState, out: RequestOutput) -> list[str]:
         """The events of one delta; the finishing delta closes every item and ends with response.completed
         (or response.incomplete) carrying the whole Response."""
-        self._feed(out.text, out.logprobs or ())
+        self._feed(out.text, out.logprobs or (), out.reasoning_text)
         if not out.finished:
             return self._drain()
         response = self._finish(state)

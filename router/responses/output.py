@@ -48,6 +48,25 @@ class OutputMessage(BaseModel):
     content: list[OutputText]
 
 
+class ReasoningText(BaseModel):
+    """A reasoning item's content part: the model's own reasoning text."""
+
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    """A `reasoning` output item: a thinking model's reasoning as its `content` (no `summary` is generated);
+    `encrypted_content` when the request's `include` asks for it (router/responses/reasoning_token.py)."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    encrypted_content: Optional[str] = Field(None, exclude_if=_omit_none)
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
 class FunctionCallItem(BaseModel):
     """A `function_call` output item: `arguments` is the JSON text of an object; `call_id` pairs it with the
     function_call_output the client sends back; a function of a namespace tool is named by its own `name` and
@@ -71,7 +90,7 @@ class InputTokensDetails(BaseModel):
 
 
 class ResponseOutputTokensDetails(BaseModel):
-    """`usage.output_tokens_details` (no reasoning tokens: the served models do not reason apart)."""
+    """`usage.output_tokens_details`: of the output tokens, those a thinking model spent reasoning."""
 
     reasoning_tokens: int = 0
 
@@ -92,7 +111,7 @@ class IncompleteDetails(BaseModel):
     reason: Literal["max_output_tokens"] = "max_output_tokens"
 
 
-OutputItem = Union[OutputMessage, FunctionCallItem]
+OutputItem = Union[ReasoningItem, OutputMessage, FunctionCallItem]
 
 
 class ResponseObject(BaseModel):

@@ -267,6 +267,7 @@ class ResponsesRequest(_Request):
     safety_identifier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
     reasoning: Optional[ReasoningConfig] = None
+    thinking_token_budget: Optional[int] = Field(None, ge=0)  # vLLM's extension: the most reasoning tokens
     store: Optional[bool] = None
     service_tier: Optional[str] = None
     truncation: Optional[Literal["auto", "disabled"]] = None
