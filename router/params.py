@@ -110,7 +110,7 @@ def plan_tools(req: ChatCompletionRequest, tok: RouterTokenizer) -> ToolPlan:
     if duplicate is not None:
         raise bad_request(f"tools: two functions are named {duplicate!r}: give each tool its own name", "tools")
     choice = req.tool_choice
-    if choice is not None and choice != "none" and not tools:
+    if choice is not None and choice not in ("none", "auto") and not tools:  # "auto" of nothing: plain text
         raise bad_request("tool_choice: there are no tools to choose from: send tools, or leave tool_choice out",
                           "tool_choice")
     parallel = req.parallel_tool_calls is not False

@@ -394,3 +394,15 @@ def test_metrics(client, engine):
         assert line in text, line
     prompt = client.post("/v1/chat/completions", json=chat_body(max_tokens=1)).json()["usage"]["prompt_tokens"]
     assert f"mlxpd_router_prompt_tokens_total {2.0 * prompt}" in client.get("/metrics").text
+
+
+def test_tool_choice_auto_without_tools_is_plain_text_and_required_without_tools_is_refused(client):
+    """Agent clients send `tools: [], tool_choice: "auto"` (Codex compacting a session): "auto" over no tools asks
+    for nothing the server cannot do, so it answers as plain text; "required" over no tools cannot be served."""
+    for tools in ([], None):
+        body = chat_body(max_tokens=3, tool_choice="auto", **({"tools": tools} if tools is not None else {}))
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] and "tool_calls" not in r.json()["choices"][0]["message"]
+    r = client.post("/v1/chat/completions", json=chat_body(max_tokens=3, tools=[], tool_choice="required"))
+    assert_error(r, 400, "tool_choice")
