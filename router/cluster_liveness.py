@@ -22,7 +22,7 @@ import zmq
 
 from cluster.protocol import (KV_EVENTS, PROTOCOL_VERSION, AbortRequest, Generate, Ping, ProtocolError,
                               SnapshotRequest, unpack)
-from cluster.request import FinishReason, RequestOutput
+from cluster.request import FinishReason, RequestOutput, continue_request
 from router.placement import WorkerState
 
 if TYPE_CHECKING:
@@ -128,18 +128,10 @@ class ClusterLiveness:
         return True
 
     def _continuation(self, stream: _Stream):
-        """The request that goes on from the tokens `stream` has streamed so far: its prompt plus those tokens,
-        the rest of its max_tokens, and a grammar that replays them (`SamplingParams.grammar_prefix`); with
-        nothing streamed, the request itself, prompt logprobs included. None when nothing is left to generate."""
-        done = len(stream.token_ids)
-        sp = stream.request.sampling
-        if sp.max_tokens - done <= 0:
-            return None
-        if done:  # a grammar resumes from the tokens streamed so far, now part of the prompt
-            sp = dataclasses.replace(sp, max_tokens=sp.max_tokens - done, prompt_logprobs=None, grammar_prefix=(
-                sp.grammar_prefix + tuple(stream.token_ids)) if sp.grammar is not None else ())
-        return dataclasses.replace(stream.request, prompt_token_ids=tuple(stream.request.prompt_token_ids)
-                                   + tuple(stream.token_ids), sampling=sp)
+        """The request that goes on from the tokens `stream` has streamed so far (`continue_request`: its prompt
+        plus those tokens, the rest of its max_tokens, a grammar and reasoning that replay them); with nothing
+        streamed, the request itself, prompt logprobs included. None when nothing is left to generate."""
+        return continue_request(stream.request, stream.token_ids)
 
     def _migrate(self, stream: _Stream) -> bool:
         """Re-run a request whose decode worker died on another live decode worker, from its prompt plus the
