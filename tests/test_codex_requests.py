@@ -23,7 +23,7 @@ from pydantic import TypeAdapter
 from cluster.request import FinishReason, GenerateRequest, RequestOutput
 from router.app import create_app
 from router.responses.endpoints import chat_body
-from router.responses.reasoning_token import make_token, read_token, TokenChanged
+from router.reasoning_token import make_token, read_token, TokenChanged
 from router.responses.request import ResponsesRequest
 from tests.router_fakes import MODEL, FakeEngine, load_tokenizer
 

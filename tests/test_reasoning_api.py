@@ -19,7 +19,7 @@ import jsonschema
 import openai
 import pytest
 
-from router.anthropic import signature
+from router.reasoning_token import PREFIX, read_token
 from tests.live_server import live_model_server
 from tests.thinking_models import gpt_oss_dir, qwen3_thinking_dir
 
@@ -172,7 +172,7 @@ def test_anthropic_thinking_block_then_text_with_a_signature_that_verifies(claud
     answer = claude.messages.create(**kw)
     thinking, text = answer.content
     assert thinking.type == "thinking" and thinking.thinking and text.type == "text"
-    assert signature.verified_text(thinking.thinking, thinking.signature, server[1]) == thinking.thinking
+    assert read_token(thinking.signature, server[1]) == thinking.thinking
     assert answer.usage.output_tokens_details.thinking_tokens == BUDGET and answer.usage.output_tokens == 12
     with claude.messages.stream(**kw) as stream:
         kinds = [(e.type, getattr(getattr(e, "delta", None), "type", None)) for e in stream]
@@ -191,8 +191,8 @@ def test_anthropic_omitted_thinking_travels_in_the_signature_and_comes_back(clau
     answer = claude.messages.create(model=server[1], max_tokens=10, messages=QUESTION, extra_body={"temperature": 0},
                                     thinking={"type": "adaptive", "display": "omitted"})
     block = answer.content[0]
-    assert block.type == "thinking" and block.thinking == "" and block.signature.startswith(signature.PREFIX)
-    assert signature.verified_text("", block.signature, server[1])
+    assert block.type == "thinking" and block.thinking == "" and block.signature.startswith(PREFIX)
+    assert read_token(block.signature, server[1])
     turns = QUESTION + [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in answer.content]},
                         {"role": "user", "content": "And 3 + 3?"}]
     again = claude.messages.create(model=server[1], max_tokens=4, messages=turns, extra_body={"temperature": 0})

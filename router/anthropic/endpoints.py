@@ -10,8 +10,9 @@ router/serving.py: engine, failure rules), with Anthropic's formatter (router/an
                                        (prefixed "Error: " when `is_error`)
     assistant turn: text, tool_use     an assistant message: content and `tool_calls` (id, name, input as JSON)
                     thinking           its `reasoning_content` (the chat template decides whether to render it),
-                                       when its signature is this server's (router/anthropic/signature.py); a
-                                       foreign signature and redacted_thinking blocks are left out
+                                       when its signature is this server's token of its text
+                                       (router/reasoning_token.py; a changed one is a 400); another server's
+                                       signature and redacted_thinking blocks are left out
     system turn (the SDK allows them)  a system message
     tools                              function tools (input_schema -> parameters); a tool with defer_loading
                                        only once a tool_result's tool_reference block names it (as Anthropic's
@@ -47,7 +48,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from router.anthropic import signature
 from router.anthropic.output import CountTokensResponse
 from router.anthropic.format import AnthropicFormatter
 from router.anthropic.request import (CountTokensRequest, MessageParam, MessagesRequest, RedactedThinkingBlockParam,
@@ -55,6 +55,7 @@ from router.anthropic.request import (CountTokensRequest, MessageParam, Messages
 from router.errors import APIError, bad_request, from_validation_error
 from router.openai.request import ChatCompletionRequest
 from router.params import clamp_max_tokens, tokenize_chat
+from router.reasoning_token import TokenChanged, is_ours, read_token
 from router.serving import FrontDoor, ServingContext, serve
 
 _CHOICES = {"auto": "auto", "any": "required", "none": "none"}
@@ -100,10 +101,8 @@ def _check_blocks(turns: list[MessageParam], model: str) -> None:
                 if turn.role != "assistant":
                     raise bad_request(f"{where}: {block.type} blocks belong to assistant turns: send them back in "
                                       "the assistant turn that produced them", where)
-                if (isinstance(block, ThinkingBlockParam) and signature.is_ours(block.signature)
-                        and signature.verified_text(block.thinking, block.signature, model) is None):
-                    raise bad_request(f"{where}.signature: the thinking block was changed after this server sent "
-                                      "it: send it back unchanged, or leave it out", f"{where}.signature")
+                if isinstance(block, ThinkingBlockParam):
+                    _vouched(block, model, f"{where}.signature")
             elif isinstance(block, ToolUseBlockParam):
                 if turn.role != "assistant":
                     raise bad_request(f"{where}: tool_use blocks belong to assistant turns: move it to the "
@@ -127,10 +126,24 @@ def _text(blocks: list[TextBlockParam]) -> str:
     return "\n".join(b.text for b in blocks)
 
 
+def _vouched(block: ThinkingBlockParam, model: str, where: str) -> Optional[str]:
+    """The reasoning a thinking block's signature carries when it is this server's token (None for another
+    server's); 400 naming `where` when the token was changed or the block's text is not the one it carries."""
+    if not is_ours(block.signature):
+        return None
+    try:
+        text = read_token(block.signature, model)
+    except TokenChanged as exc:
+        raise bad_request(f"{where}: the thinking block's signature {exc}", where) from None
+    if block.thinking and block.thinking != text:
+        raise bad_request(f"{where}: the thinking block was changed after this server sent it: send it back "
+                          "unchanged, or leave it out", where)
+    return text
+
+
 def _reasoning(blocks: list[Any], model: str) -> Optional[str]:
     """The reasoning of an assistant turn's thinking blocks this server vouches for (None when there is none)."""
-    texts = [signature.verified_text(b.thinking, b.signature, model) for b in blocks
-             if isinstance(b, ThinkingBlockParam) and signature.is_ours(b.signature)]
+    texts = [_vouched(b, model, "") for b in blocks if isinstance(b, ThinkingBlockParam)]
     texts = [t for t in texts if t]
     return "\n\n".join(texts) if texts else None
 

@@ -4,8 +4,9 @@ A choice's reasoning and text (the text split into text and tool calls by the re
 router/tool_calls.py, when it has tools) become content blocks in order, the same way for both forms
 (`BlockBuilder`):
 
-    reasoning                 {"type": "thinking", "thinking", "signature"} (router/anthropic/signature.py; with
-                              `thinking.display: "omitted"` the text is "" and the signature carries it)
+    reasoning                 {"type": "thinking", "thinking", "signature"}: the signature is this server's token
+                              of the text (router/reasoning_token.py), which carries it; with
+                              `thinking.display: "omitted"` the block's own text is ""
     text                      {"type": "text", "text"}
     a tool call               {"type": "tool_use", "id": "toolu_...", "name", "input": {...}}
 
@@ -43,12 +44,12 @@ import json
 from typing import Any, Optional, Union
 
 from cluster.request import RequestOutput
-from router.anthropic import signature
 from router.anthropic.output import (MessageResponse, MessageUsage, OutputTokensDetails, StopReason, TextOut,
                                      ThinkingOut, ToolUseOut)
 from router.errors import APIError
 from router.openai.request import Usage
 from router.params import PreparedRequest
+from router.reasoning_token import make_token
 from router.choices import Accumulator, ChoiceState
 from router.tool_calls import ContentDelta, ToolCallArguments, ToolCallStarted, ToolCallStream, ToolEvent
 
@@ -128,7 +129,7 @@ class BlockBuilder:
         elif isinstance(block, ThinkingOut):
             text = "".join(self._thinking)
             block.thinking = "" if self._omit else text
-            block.signature = signature.sign(text, self._model, carry=self._omit)
+            block.signature = make_token(text, self._model)
             out.append({"type": "content_block_delta", "index": len(self.blocks) - 1,
                         "delta": {"type": "signature_delta", "signature": block.signature}})
         out.append({"type": "content_block_stop", "index": len(self.blocks) - 1})

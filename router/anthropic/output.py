@@ -20,7 +20,7 @@ class TextOut(BaseModel):
 
 class ThinkingOut(BaseModel):
     """A thinking block of the answer: the model's reasoning (empty when the request's `thinking.display` is
-    "omitted": then the signature carries it) and this server's signature (router/anthropic/signature.py)."""
+    "omitted") and its signature, this server's token of the text, which carries it (router/reasoning_token.py)."""
 
     type: Literal["thinking"] = "thinking"
     thinking: str

@@ -166,7 +166,7 @@ class ToolResultBlockParam(_Request):
 
 class ThinkingBlockParam(_Request):
     """An earlier assistant turn's reasoning, sent back: `signature` is the one this server gave it
-    (router/anthropic/signature.py checks it)."""
+    (router/reasoning_token.py reads and checks it)."""
 
     type: Literal["thinking"]
     thinking: str

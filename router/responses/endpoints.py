@@ -14,7 +14,7 @@ with its own formatter (router/responses/format.py). The translation:
     function_call_output items       tool messages answering their call_id (which must name an earlier call)
     reasoning items                  the `reasoning_content` of the next assistant turn: content's reasoning_text
                                      parts, else the summary, else the text this server's encrypted_content
-                                     carries (router/responses/reasoning_token.py; another server's is left
+                                     carries (router/reasoning_token.py; another server's is left
                                      out, a changed one is a 400); with reasoning.context "current_turn" only
                                      the turns after the last user message keep theirs
     tools                            function tools as chat tools; a namespace's functions as chat tools named
@@ -50,7 +50,7 @@ from router.errors import APIError, bad_request
 from router.openai.request import ChatCompletionRequest
 from router.responses.fields import NO_COMPACTION
 from router.responses.format import ResponsesFormatter
-from router.responses.reasoning_token import TokenChanged, read_token
+from router.reasoning_token import TokenChanged, read_token
 from router.responses.request import InputItem, ResponsesRequest, TextConfig, parts_text
 from router.responses.tools import ToolSet
 from router.serving import FrontDoor, ServingContext, serve

@@ -99,6 +99,6 @@ RESPONSES_DETAILS: dict[str, str] = {
     "client_metadata": "not a key of the SDK (Codex's ids of its client and turn): ignored, as unknown keys are",
 }
 # `include` values: the logprobs of output text, and reasoning items' encrypted content (this server's token of
-# their text, router/responses/reasoning_token.py); every other value belongs to a tool or an input kind refused here.
+# their text, router/reasoning_token.py); every other value belongs to a tool or an input kind refused here.
 REASONING_CONTENT = "reasoning.encrypted_content"
 INCLUDE_SERVED = (INCLUDE_LOGPROBS, REASONING_CONTENT)

@@ -7,7 +7,7 @@ a `function_call` item; text after a call opens a new message. With no call and 
 message. A thinking model's reasoning (split by the engine) is a `reasoning` item before the text or call it
 precedes: its `content` is one `reasoning_text` part (no summary is generated), and with
 `include: ["reasoning.encrypted_content"]` its `encrypted_content` is this server's token of the text
-(router/responses/reasoning_token.py), which a client may send back as the item's only text. Streamed, each
+(router/reasoning_token.py), which a client may send back as the item's only text. Streamed, each
 step is an event of OpenAI's Responses streaming format, in this order:
 
     response.created, response.in_progress                       (status in_progress, no output)
@@ -56,7 +56,7 @@ from router.responses.fields import REASONING_CONTENT
 from router.responses.output import (FunctionCallItem, IncompleteDetails, InputTokensDetails, OutputLogprob,
                                      OutputMessage, OutputText, OutputTopLogprob, ReasoningItem, ReasoningText,
                                      ResponseObject, ResponseOutputTokensDetails, ResponseUsage)
-from router.responses.reasoning_token import make_token
+from router.reasoning_token import make_token
 from router.responses.request import ResponsesRequest
 from router.responses.tools import ToolSet
 from router.tokenizer import RouterTokenizer

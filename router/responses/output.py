@@ -57,7 +57,7 @@ class ReasoningText(BaseModel):
 
 class ReasoningItem(BaseModel):
     """A `reasoning` output item: a thinking model's reasoning as its `content` (no `summary` is generated);
-    `encrypted_content` when the request's `include` asks for it (router/responses/reasoning_token.py)."""
+    `encrypted_content` when the request's `include` asks for it (router/reasoning_token.py)."""
 
     type: Literal["reasoning"] = "reasoning"
     id: str

@@ -1,8 +1,12 @@
-"""The `encrypted_content` of reasoning items: this server's own opaque token, made and checked here.
+"""This server's token of a thinking model's reasoning: made when an answer carries reasoning, checked when a
+client sends it back. One token serves both APIs that round-trip reasoning:
 
-OpenAI's clients with `store: false` (Codex) ask for `include: ["reasoning.encrypted_content"]` and send every
-reasoning item back in the next request's `input`, the token included, so the reasoning can reach the model
-again without the server keeping anything. A token of this server is
+- Responses: a reasoning item's `encrypted_content` (OpenAI's clients with `store: false`, Codex, ask for it with
+  `include: ["reasoning.encrypted_content"]` and send every reasoning item back in the next `input`);
+- Anthropic Messages: a thinking block's `signature` (Claude Code sends the blocks back unchanged; with
+  `thinking.display: "omitted"` the block's text is empty and the token alone carries it).
+
+So the reasoning can reach the model again without the server keeping anything. A token of this server is
 
     "mlxpd1." + base64url(reasoning text, UTF-8) + "." + base64url(HMAC-SHA256(key, "mlxpd1." + that text part))
 
@@ -30,7 +34,7 @@ class TokenChanged(ValueError):
 
 
 def _key(model: str) -> bytes:
-    return hashlib.sha256(b"mlx-pd responses reasoning\0" + model.encode("utf-8")).digest()
+    return hashlib.sha256(b"mlx-pd reasoning\0" + model.encode("utf-8")).digest()
 
 
 def _b64(data: bytes) -> str:
@@ -64,10 +68,9 @@ def read_token(token: str, model: str) -> Optional[str]:
     signed, _, mac = token.rpartition(".")
     if not signed.startswith(PREFIX) or not hmac.compare_digest(_mac(signed, model).encode("utf-8"),
                                                                     mac.encode("utf-8")):
-        raise TokenChanged("the reasoning item's encrypted_content was changed after this server sent it (or "
-                           "comes from a server of another model): send the item back unchanged, or leave it out")
+        raise TokenChanged("it was changed after this server sent it (or comes from a server of another model): "
+                           "send it back unchanged, or leave it out")
     try:
         return _unb64(signed[len(PREFIX):]).decode("utf-8")
     except (binascii.Error, ValueError, UnicodeDecodeError):  # a MAC that verifies over text we never made
-        raise TokenChanged("the reasoning item's encrypted_content does not decode: send the item back "
-                           "unchanged, or leave it out") from None
+        raise TokenChanged("it does not decode: send it back unchanged, or leave it out") from None
