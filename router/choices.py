@@ -49,6 +49,7 @@ class ChoiceState:
     index: int
     texts: list[str] = field(default_factory=list)
     reasoning_texts: list[str] = field(default_factory=list)  # a thinking model's reasoning, apart from the answer
+    segments: list[tuple[bool, str]] = field(default_factory=list)  # (is reasoning, text) in the order written
     num_reasoning_tokens: int = 0  # of num_tokens, those inside the reasoning (the engine's count)
     num_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -70,10 +71,12 @@ class Accumulator:
     def add(self, index: int, out: RequestOutput) -> ChoiceState:
         """Record one delta of choice `index`."""
         state = self.choices[index]
+        if out.reasoning_text:  # a delta's reasoning goes before its text, as the stream formatters send them
+            state.reasoning_texts.append(out.reasoning_text)
+            state.segments.append((True, out.reasoning_text))
         if out.text:
             state.texts.append(out.text)
-        if out.reasoning_text:
-            state.reasoning_texts.append(out.reasoning_text)
+            state.segments.append((False, out.text))
         state.num_reasoning_tokens = max(state.num_reasoning_tokens, out.num_reasoning_tokens)
         state.num_tokens += len(out.token_ids)
         if out.logprobs:

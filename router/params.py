@@ -261,7 +261,7 @@ async def prepare_chat(req: ChatCompletionRequest, tok: RouterTokenizer, *, requ
     max_tokens = clamp_max_tokens(req.requested_max_tokens, len(ids), max_model_len, "messages")
     special = plan.parser is not None and plan.parser.markers_are_special
     sampling = build_sampling(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=None, tok=tok,
-                              grammar=grammar, skip_special_tokens=not special, reasoning=reasoning.params(ids))
+                              grammar=grammar, skip_special_tokens=not special, reasoning=reasoning.params(ids, max_tokens))
     return PreparedRequest(
         request_id=request_id, model=model, prompt_token_ids=tuple(ids), prompt_text=text,
         requests=make_requests(request_id, ids, sampling, req.n or 1, req.cache_salt, arrival_time),

@@ -21,10 +21,12 @@ and per request (`plan_reasoning`), from the API fields the doors translate into
     thinking_token_budget N              the engine forces the end marker after N reasoning tokens
     chat_template_kwargs                 passed to the template last, so an explicit `enable_thinking` wins;
                                          the keys the router itself sets (messages, tools, add_generation_prompt,
-                                         tokenize, ...) are refused by name
+                                         tokenize, ...) and the template's own functions
+                                         (raise_exception, namespace, ...) are refused by name
 
 The plan's `template_kwargs` go to `apply_chat_template`; `params(prompt_ids)` is the engine's `ReasoningParams`
-(None for a model without reasoning): `starts_inside` from the rendered prompt (its last start marker after its
+(None for a model without reasoning; the budget clamped to max_tokens, past which it cannot bind, so any
+integer a client sends travels): `starts_inside` from the rendered prompt (its last start marker after its
 last end marker, as mlx-lm's server decides; for harmony, a prompt that ends by opening an analysis message).
 """
 
@@ -39,7 +41,10 @@ from cluster.request import ReasoningParams
 from router.errors import bad_request
 
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
-                                      "tokenize", "continue_final_message", "return_dict", "chat_template"})
+                                      "tokenize", "continue_final_message", "return_dict", "chat_template",
+                                      # the globals templates call (Jinja's and transformers')
+                                      "raise_exception", "strftime_now", "namespace", "range", "dict", "lipsum",
+                                      "cycler", "joiner"})
 OFF_EFFORTS = ("none", "minimal")
 _EFFORT_LEVELS = {"minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "high"}
 
@@ -66,8 +71,9 @@ class ReasoningPlan:
     budget: Optional[int] = None
     enabled: bool = True
 
-    def params(self, prompt_ids: Sequence[int]) -> Optional[ReasoningParams]:
-        """The engine's `ReasoningParams` for the rendered prompt (None for a model without reasoning)."""
+    def params(self, prompt_ids: Sequence[int], max_tokens: int) -> Optional[ReasoningParams]:
+        """The engine's `ReasoningParams` for the rendered prompt (None for a model without reasoning); the budget
+        is clamped to `max_tokens` (the request's, after the context clamped it): a larger one never binds."""
         s = self.support
         if s.format is None:
             return None
@@ -76,8 +82,9 @@ class ReasoningPlan:
         else:
             n = len(s.analysis_open)
             inside = n > 0 and tuple(prompt_ids[-n:]) == s.analysis_open
+        budget = None if self.budget is None else min(self.budget, max_tokens)
         return ReasoningParams(format=s.format, start_ids=s.start_ids, end_ids=s.end_ids, starts_inside=inside,
-                               budget=self.budget)
+                               budget=budget)
 
 
 _SUPPORT: "weakref.WeakKeyDictionary[Any, ReasoningSupport]" = weakref.WeakKeyDictionary()

@@ -194,6 +194,16 @@ def test_required_with_only_hosted_tools_is_refused_and_auto_answers_in_text(cli
     assert r.json()["tools"] == [{"type": "web_search"}]
 
 
+@pytest.mark.parametrize("kind", ["local_shell", "shell", "apply_patch", "computer_use_preview"])
+def test_a_tool_the_client_runs_from_its_own_call_items_is_refused_naming_it(client, kind):
+    """Built-in tools the client runs (local_shell_call, computer_call ... items) cannot be left out quietly: the
+    model could not do what the client offers. A 400 naming tools[1], saying to declare a function instead."""
+    body = {"model": MODEL, "input": "hi", "tools": [{"type": "web_search"}, {"type": kind}]}
+    r = client.post("/v1/responses", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[1]", r.text
+    assert "function tool" in r.json()["error"]["message"]
+
+
 def test_tool_choice_and_allowed_tools_name_namespaced_functions(client, engine, answer):
     """tool_choice {"type": "function", "name", "namespace"} forces the flat function (only it is shown, in
     the forced form); an allowed_tools list naming a namespace's function, or the namespace itself, shows the

@@ -264,6 +264,8 @@ def test_prefill_and_decode_workers_give_the_single_node_answer(oai, server, cla
         got = chat(pd, model, **kw)
         msg = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0, timeout=120).messages.create(
             model=model, max_tokens=12, messages=QUESTION, thinking=thinking, extra_body={"temperature": 0})
+        huge = chat(pd, model, max_tokens=6, extra_body={"thinking_token_budget": 2**64})  # past any int on the wire
+    assert huge.usage.completion_tokens_details.reasoning_tokens == 6  # clamped to max_tokens: it never binds
     assert got.choices[0].message.model_extra["reasoning_content"] == \
         single.choices[0].message.model_extra["reasoning_content"]
     assert got.choices[0].message.content == single.choices[0].message.content

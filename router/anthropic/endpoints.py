@@ -14,7 +14,9 @@ router/serving.py: engine, failure rules), with Anthropic's formatter (router/an
                                        (router/reasoning_token.py; a changed one is a 400); another server's
                                        signature and redacted_thinking blocks are left out
     system turn (the SDK allows them)  a system message
-    tools                              function tools (input_schema -> parameters); a tool with defer_loading
+    tools                              function tools (input_schema -> parameters); server tools (web_search_...,
+                                       code_execution_...) left out (a tool_choice naming one is a 400); a
+                                       tool with defer_loading
                                        only once a tool_result's tool_reference block names it (as Anthropic's
                                        tool search loads it), the reference itself as "Tool loaded: NAME"
     tool_choice auto | any | tool | none   "auto" | "required" | {"type": "function", ...} | "none";
@@ -51,7 +53,8 @@ from pydantic import ValidationError
 from router.anthropic.output import CountTokensResponse
 from router.anthropic.format import AnthropicFormatter
 from router.anthropic.request import (CountTokensRequest, MessageParam, MessagesRequest, RedactedThinkingBlockParam,
-                                      TextBlockParam, ThinkingBlockParam, ToolResultBlockParam, ToolUseBlockParam)
+                                      ServerToolParam, TextBlockParam, ThinkingBlockParam, ToolParam,
+                                      ToolResultBlockParam, ToolUseBlockParam)
 from router.errors import APIError, bad_request, from_validation_error
 from router.openai.request import ChatCompletionRequest
 from router.params import clamp_max_tokens, tokenize_chat
@@ -134,7 +137,7 @@ def _vouched(block: ThinkingBlockParam, model: str, where: str) -> Optional[str]
     try:
         text = read_token(block.signature, model)
     except TokenChanged as exc:
-        raise bad_request(f"{where}: the thinking block's signature {exc}", where) from None
+        raise bad_request(f"{where}: the thinking block's signature does not verify: {exc}", where) from None
     if block.thinking and block.thinking != text:
         raise bad_request(f"{where}: the thinking block was changed after this server sent it: send it back "
                           "unchanged, or leave it out", where)
@@ -217,12 +220,16 @@ def chat_body(req: Union[CountTokensRequest, MessagesRequest], model: str) -> di
         body["thinking_token_budget"] = req.thinking.budget_tokens
     loaded = {name for turn in req.messages for block in turn.content if isinstance(block, ToolResultBlockParam)
               for name in block.referenced_tools}
-    tools = [t for t in req.tools or () if not t.defer_loading or t.name in loaded]
+    tools = [t for t in req.tools or () if isinstance(t, ToolParam) and (not t.defer_loading or t.name in loaded)]
+    hosted = {t.name for t in req.tools or () if isinstance(t, ServerToolParam)}
     if tools:
         body["tools"] = [{"type": "function", "function": {
             "name": t.name, "parameters": t.input_schema,
             **({"description": t.description} if t.description is not None else {})}} for t in tools]
     choice = req.tool_choice
+    if choice is not None and choice.type == "tool" and choice.name in hosted:
+        raise bad_request(f"tool_choice: {choice.name!r} is a server tool, which this server does not run: "
+                          "choose a custom tool, \"auto\" or \"none\"", "tool_choice")
     if choice is not None:
         body["tool_choice"] = (_CHOICES[choice.type] if choice.type in _CHOICES
                                else {"type": "function", "function": {"name": choice.name}})

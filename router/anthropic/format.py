@@ -226,8 +226,13 @@ class AnthropicFormatter:
     def response(self, acc: Accumulator) -> MessageResponse:
         """The non-streamed answer."""
         state = acc.choices[0]
-        self._builder.think("".join(state.reasoning_texts), [])
-        for event in self._parse(state, "".join(state.texts), True):
+        for reasoning, text in state.segments:  # in the order written, as the stream has them
+            if reasoning:
+                self._builder.think(text, [])
+            else:
+                for event in self._parse(state, text, False):
+                    self._builder.add(event, [])
+        for event in self._parse(state, "", True):
             self._builder.add(event, [])
         self._builder.close([])
         return self._message(state, self._builder.blocks, finished=True)

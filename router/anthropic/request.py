@@ -248,12 +248,33 @@ class ToolParam(_Request):
         return value
 
 
-def _tool_type(value: Any) -> Any:
+# Anthropic's server tools: its servers run them, and a model answers with their results; this server runs none,
+# so they are left out of the prompt (a tool_choice that forces one is refused). Anthropic-defined tools the client
+# runs (bash, text_editor, computer, memory) are refused by name: left out, the model could not use them.
+SERVER_TOOL_PREFIXES = ("web_search_", "web_fetch_", "code_execution_", "tool_search_tool_")
+
+
+class ServerToolParam(BaseModel):
+    """A server tool (`type` e.g. "web_search_20250305", and its `name`): kept to be left out of the prompt."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    name: str = ""
+
+
+def _tool(value: Any) -> Any:
+    """One entry of `tools`: a custom tool, or a server tool this server leaves out; other types refused."""
+    if isinstance(value, BaseModel):
+        return value
     kind = value.get("type") if isinstance(value, dict) else None
+    if isinstance(kind, str) and kind.startswith(SERVER_TOOL_PREFIXES):
+        return ServerToolParam.model_validate(value)
     if kind not in (None, "custom"):
-        raise PydanticCustomError("unsupported_tool", "server tools such as '{kind}' are not supported by this "
-                                  "server: send custom tools (name, description, input_schema)", {"kind": str(kind)})
-    return value
+        raise PydanticCustomError("unsupported_tool", "tools of type '{kind}' run on the client from a schema of "
+                                  "Anthropic's that this server's models do not know: send it as a custom tool "
+                                  "(name, description, input_schema)", {"kind": str(kind)})
+    return ToolParam.model_validate(value)
 
 
 class ToolChoiceParam(BaseModel):
@@ -307,7 +328,8 @@ class CountTokensRequest(_Request):
     model: Optional[str] = None
     messages: list[MessageParam]
     system: Optional[TextContent] = None
-    tools: Optional[list[Annotated[ToolParam, BeforeValidator(_tool_type)]]] = None
+    tools: Optional[list[Annotated[Union[ToolParam, ServerToolParam], PlainValidator(
+        _tool, json_schema_input_type=ToolParam)]]] = None
     tool_choice: Optional[ToolChoiceParam] = None
     output_config: Optional[OutputConfigParam] = None
     cache_control: Optional[CacheControlEphemeralParam] = None

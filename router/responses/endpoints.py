@@ -84,14 +84,20 @@ def renamed(exc: APIError) -> APIError:
 
 
 def _reasoning_text(item: InputItem, model: str, where: str) -> Optional[str]:
-    """A reasoning item's text: its parts' text, else what this server's encrypted_content carries (None for
-    another server's); 400 naming the item's encrypted_content when a token of this server's form was changed."""
+    """A reasoning item's text: what this server's encrypted_content carries, else its parts' text (None for
+    neither); 400 naming the item's encrypted_content when a token of this server's form was changed, or its
+    content when the text differs from what the token carries."""
     text = item.reasoning_text
-    if text is None and item.encrypted_content:
+    if item.encrypted_content:
         try:
-            text = read_token(item.encrypted_content, model)
+            carried = read_token(item.encrypted_content, model)
         except TokenChanged as exc:
             raise bad_request(f"{where}.encrypted_content: {exc}", f"{where}.encrypted_content") from None
+        if carried is not None and text is not None and text != carried:
+            raise bad_request(f"{where}.content: the reasoning item's text is not the one its encrypted_content "
+                              "carries (it was changed after this server sent it): send the item back unchanged",
+                              f"{where}.content")
+        text = carried if carried is not None else text
     return text or None
 
 

@@ -25,12 +25,15 @@ from __future__ import annotations
 from router.request_model import Refusal, absent, one_of
 
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
-# Built-in tools of the SDK's ToolParam and ToolChoice that this server does not run: accepted in `tools` and
-# left out of the prompt; a tool_choice that forces one is refused.
+# Built-in tools of the SDK's ToolParam and ToolChoice that OpenAI's servers run and this server does not:
+# accepted in `tools` and left out of the prompt; a tool_choice that forces one is refused.
 HOSTED_TOOL_TYPES = frozenset({
     "web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11", "file_search",
-    "computer", "computer_use", "computer_use_preview", "code_interpreter", "image_generation", "mcp",
-    "local_shell", "shell", "apply_patch", "tool_search", "programmatic_tool_calling"})
+    "code_interpreter", "image_generation", "mcp", "tool_search", "programmatic_tool_calling"})
+# Built-in tools the client runs, from calls in their own item types (computer_call, local_shell_call, ...) that
+# these models do not write: refused by name (left out, the model could not do what the client offers).
+CLIENT_RUN_TOOL_TYPES = frozenset({"computer", "computer_use", "computer_use_preview", "local_shell", "shell",
+                                   "apply_patch"})
 
 _STATELESS = "this server is stateless and stores nothing between requests: "
 NO_COMPACTION = ("this server does not compact conversations server-side: configure Codex with a custom model "

@@ -354,7 +354,9 @@ class ResponsesFormatter:
     def response(self, acc: Accumulator) -> ResponseObject:
         """The non-streamed answer: the choice's whole text through the same builder as the stream."""
         state = acc.choices[0]
-        self._feed("".join(state.texts), state.logprobs, "".join(state.reasoning_texts))
+        self.builder.add_logprobs(state.logprobs)
+        for reasoning, text in state.segments:  # in the order written, as the stream has them
+            self._feed("" if reasoning else text, (), text if reasoning else "")
         return self._finish(state)
 
     # ---- the stream

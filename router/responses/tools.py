@@ -30,7 +30,7 @@ from pydantic.json_schema import SkipJsonSchema
 from router.errors import bad_request
 from router.openai.tools import NAME_PATTERN, check_json_schema
 from router.request_model import RequestModel
-from router.responses.fields import HOSTED_TOOL_TYPES
+from router.responses.fields import CLIENT_RUN_TOOL_TYPES, HOSTED_TOOL_TYPES
 
 FLAT_SEPARATOR = "__"
 DEFAULT_NAMESPACE = "functions"  # Codex's namespace of the plain function tools
@@ -139,6 +139,10 @@ class Tool(FunctionTool):
                 raise ValueError(f"name {self.name!r} is not a valid namespace name: use 1 to 64 of a-z, A-Z, "
                                  "0-9, _ and -")
             return self
+        if self.type in CLIENT_RUN_TOOL_TYPES:
+            raise ValueError(f"tools of type {self.type!r} are not supported: the client runs them from calls of "
+                             "their own item types, which this server's models do not write; declare what the "
+                             "client runs as a function tool ({\"type\": \"function\", \"name\": ...})")
         if self.type != "function":
             raise ValueError(f"tools of type {self.type!r} are not supported: this server runs no custom tools; "
                              "declare function tools ({\"type\": \"function\", \"name\": ...}) or namespaces of "
