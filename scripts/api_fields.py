@@ -74,6 +74,12 @@ def table(keys: set[str], honoured: frozenset[str], accepted: dict[str, str], re
     return rows
 
 
+def details(rows: dict[str, str]) -> list[str]:
+    """Markdown rows (with the header) of a details table: a key or part of one, and what the server does."""
+    return ["| Key | What the server does |", "| --- | --- |",
+            *(f"| `{key}` | {cell(effect)} |" for key, effect in rows.items())]
+
+
 def render() -> str:
     """The whole text of docs/API-FIELDS.md from the tables and the installed SDKs."""
     from anthropic.types import message_create_params
@@ -82,8 +88,8 @@ def render() -> str:
     from openai.types.chat import completion_create_params as chat_create_params
     from openai.types.responses.response_create_params import ResponseCreateParamsBase
 
-    from router.anthropic.fields import MESSAGES_ACCEPTED, MESSAGES_HONOURED, MESSAGES_REFUSED
-    from router.openai.fields import (CHAT_ACCEPTED, CHAT_HONOURED, CHAT_REFUSED, COMPLETION_ACCEPTED,
+    from router.anthropic.fields import MESSAGES_ACCEPTED, MESSAGES_DETAILS, MESSAGES_HONOURED, MESSAGES_REFUSED
+    from router.openai.fields import (CHAT_ACCEPTED, CHAT_DETAILS, CHAT_HONOURED, CHAT_REFUSED, COMPLETION_ACCEPTED,
                                       COMPLETION_HONOURED, COMPLETION_REFUSED, MESSAGE_REFUSED)
     from router.responses.fields import (HOSTED_TOOL_TYPES, RESPONSES_ACCEPTED, RESPONSES_DETAILS,
                                          RESPONSES_HONOURED, RESPONSES_REFUSED)
@@ -98,17 +104,18 @@ def render() -> str:
     out = [HEADER]
     out += ["## Chat Completions (POST /v1/chat/completions)", "",
             *table(sdk(chat_create_params), CHAT_HONOURED, CHAT_ACCEPTED, {**CHAT_REFUSED, **chat_message_refused}),
-            "", "Content parts other than text are refused naming the message.", ""]
+            "", "Content parts other than text are refused naming the message. Fields beyond the SDK's, and parts "
+            "of honoured keys:", "", *details(CHAT_DETAILS), ""]
     out += ["## Completions (POST /v1/completions)", "",
             *table(sdk(completion_create_params), COMPLETION_HONOURED, COMPLETION_ACCEPTED, COMPLETION_REFUSED), ""]
     out += ["## Messages (POST /v1/messages)", "",
-            *table(messages, MESSAGES_HONOURED, MESSAGES_ACCEPTED, MESSAGES_REFUSED), ""]
+            *table(messages, MESSAGES_HONOURED, MESSAGES_ACCEPTED, MESSAGES_REFUSED), "",
+            "Parts of honoured keys, blocks and tools:", "", *details(MESSAGES_DETAILS), ""]
     out += ["## Responses (POST /v1/responses)", "",
             *table(_typed_keys(ResponseCreateParamsBase) | {"stream"}, RESPONSES_HONOURED, RESPONSES_ACCEPTED,
                    RESPONSES_REFUSED), "",
             "Parts of honoured keys, items and tools, and keys outside the SDK that agent clients send:", "",
-            "| Key | What the server does |", "| --- | --- |",
-            *(f"| `{key}` | {cell(effect)} |" for key, effect in RESPONSES_DETAILS.items()), "",
+            *details(RESPONSES_DETAILS), "",
             f"HOSTED_TOOL_TYPES (accepted in `tools`, left out of the prompt): "
             f"{', '.join(f'`{t}`' for t in sorted(HOSTED_TOOL_TYPES))}.", ""]
     return "\n".join(out)

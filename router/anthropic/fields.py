@@ -34,5 +34,26 @@ MESSAGES_REFUSED: dict[str, Refusal] = {
     "thread": Refusal(absent, "server-side threads are not supported by this server: leave thread out and send "
                                "the whole conversation in messages"),
 }
-
-
+# What the server does with parts of honoured keys and with blocks: the details docs/API-FIELDS.md lists.
+MESSAGES_DETAILS: dict[str, str] = {
+    "thinking {type: enabled, budget_tokens}": "thinking on; the engine ends the reasoning after budget_tokens "
+                                               "(a budget at or over max_tokens never binds: reasoning counts "
+                                               "toward max_tokens)",
+    "thinking {type: adaptive or between_tools}": "the chat template's default (the model decides)",
+    "thinking {type: disabled}": "the chat template's thinking switch off (a model without one: the end "
+                                 "marker forced first)",
+    "thinking.display omitted": "thinking blocks come with empty text; their signature carries it",
+    "output_config.effort": "the template's effort variable where it has one (max as xhigh)",
+    "context_management.edits[] clear_thinking_20251015": "drops the reasoning of all but the last `keep` "
+                                                          "assistant turns; reported in applied_edits",
+    "context_management.edits[] of other types": "refused naming the edit (it would change what the model sees)",
+    "messages[].content[] thinking": "its reasoning goes back to the template when its signature is this "
+                                     "server's (a changed block is a 400); another server's is left out",
+    "messages[].content[] redacted_thinking": "left out of the prompt",
+    "tools[].defer_loading": "the tool is left out of the prompt until a tool_result's tool_reference loads it",
+    "tools[].eager_input_streaming": "satisfied: a call's input is streamed whole once the model has written it",
+    "tools[] server tools (web_search_..., web_fetch_..., code_execution_..., tool_search_tool_...)":
+        "left out of the prompt; a tool_choice naming one is refused",
+    "tools[] client tools of Anthropic's schemas (bash_..., text_editor_..., computer_..., memory_...)":
+        "refused naming the tool: send it as a custom tool",
+}

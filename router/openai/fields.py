@@ -64,3 +64,14 @@ MESSAGE_REFUSED: dict[str, Refusal] = {
     "refusal": Refusal(absent, "a refusal of an earlier answer cannot be replayed: send it as the message's "
                                 "content"),
 }
+# Fields beyond the SDK's and parts of honoured keys: the details docs/API-FIELDS.md lists.
+CHAT_DETAILS: dict[str, str] = {
+    "reasoning_effort": "a thinking model's switch and effort level in its chat template (none/minimal: off; a "
+                        "model without a switch gets a budget of 0); no effect on a model that does not reason",
+    "thinking_token_budget": "vLLM's extension: the engine ends the reasoning after that many tokens by forcing "
+                             "the end marker (clamped to max_tokens)",
+    "chat_template_kwargs": "vLLM's extension: more template variables, applied last (the router's own and the "
+                            "template's functions are refused by name)",
+    "messages[].reasoning_content, messages[].reasoning": "an earlier turn's reasoning, handed to the template "
+                                                          "(as reasoning_content and thinking)",
+}
