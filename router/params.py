@@ -144,6 +144,9 @@ async def tokenize_chat(req: ChatCompletionRequest, tok: RouterTokenizer, max_mo
     plan = plan or plan_tools(req, tok)
     reasoning = reasoning or reasoning_plan(req, tok)
     messages, template_tools = chat_messages(req.messages, plan.shown, plan.native)
+    if template_tools and reasoning.support.format == "harmony":  # gpt-oss's template reads every description
+        template_tools = [{**t, "function": {**t["function"], "description": t["function"].get("description", "")}}
+                          for t in template_tools]
     try:
         return await tok.arender_chat(messages, max_model_len, template_tools, reasoning.template_kwargs)
     except ChatTemplateError as exc:

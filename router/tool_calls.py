@@ -11,6 +11,9 @@ fallback (router/tool_prompt.py renders the tools Hermes-style) and is parsed wi
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
+A harmony model (gpt-oss), for which mlx-lm has no parser, renders its tools with its own template and is read
+with `json_tools`: the engine writes each of its calls (`commentary to=functions.NAME`) in the Hermes form.
+
 A parsed call is a tool call only when its name is one of the request's tools and its arguments validate
 against that tool's `parameters` JSON schema (jsonschema); otherwise its text, markers included, stays
 content, so nothing the model wrote is lost. That holds for a complete call (its end marker came) that is
@@ -47,6 +50,8 @@ from types import ModuleType
 from typing import Any, Optional, Sequence, Union
 
 from jsonschema.validators import validator_for
+
+from router.reasoning import reasoning_support
 
 logger = logging.getLogger(__name__)
 
@@ -357,6 +362,9 @@ def build_tool_parser(wrapper: Any, renders_tools: bool) -> ToolParser:
     native = module is not None
     if module is None:
         name, module = FALLBACK_PARSER, importlib.import_module(f"mlx_lm.tool_parsers.{FALLBACK_PARSER}")
+        # a harmony model (gpt-oss): its template renders tools and calls, and the engine writes each call it
+        # makes in the Hermes form (cluster/reasoning_harmony.py), which the fallback parser reads
+        native = renders_tools and reasoning_support(wrapper).format == "harmony"
     special = special_token_texts(wrapper)
     markers = [m for m in (module.tool_call_start, module.tool_call_end) if m]
     return ToolParser(name, module, native=native, markers_are_special=any(m in special for m in markers))

@@ -300,3 +300,29 @@ def test_responses_reasoning_item_then_message_whole_and_streamed(oai, server):
         {"role": "assistant", "content": message.content[0].text},
         {"role": "user", "content": "And 3 + 3?"}])
     assert again.status == "incomplete"
+
+
+def test_harmony_tools_and_a_call_turns_reasoning_render_through_gpt_oss_template():
+    """gpt-oss (for which mlx-lm has no tool parser) renders its tools, an earlier call (`to=functions.NAME` on
+    the commentary channel) and that turn's reasoning (its analysis message) with its own template, and its
+    calls are read by the Hermes parser (the engine writes harmony calls in that form)."""
+    import asyncio
+
+    from router.openai.request import ChatCompletionRequest
+    from router.params import prepare_chat
+    from router.tokenizer import RouterTokenizer
+
+    tok = RouterTokenizer.from_path(gpt_oss_dir())
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    req = ChatCompletionRequest.model_validate({"model": "m", "tools": [tool], "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "reasoning_content": "I should look it up.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]})
+    prepared = asyncio.run(prepare_chat(req, tok, request_id="r", model="m", max_model_len=4096, arrival_time=0))
+    assert prepared.tool_parser.name == "json_tools" and prepared.tool_parser.native
+    text = prepared.prompt_text
+    assert "namespace functions" in text and "type get_weather" in text and "<tool_call>" not in text
+    assert "<|channel|>analysis<|message|>I should look it up.<|end|>" in text
+    assert 'to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>' in text
