@@ -42,6 +42,17 @@ def finish_error(out: RequestOutput) -> Optional[APIError]:
     return None
 
 
+@dataclass(frozen=True)
+class Delta:
+    """What one engine delta of a choice carried: its reasoning and answer text, its tokens' logprobs and how many
+    of its tokens were reasoning (they lead the delta). A whole answer replays these as its stream sent them."""
+
+    reasoning: str
+    text: str
+    logprobs: tuple[TokenLogprob, ...]
+    num_reasoning_tokens: int
+
+
 @dataclass
 class ChoiceState:
     """What one choice has delivered so far."""
@@ -49,7 +60,7 @@ class ChoiceState:
     index: int
     texts: list[str] = field(default_factory=list)
     reasoning_texts: list[str] = field(default_factory=list)  # a thinking model's reasoning, apart from the answer
-    segments: list[tuple[bool, str]] = field(default_factory=list)  # (is reasoning, text) in the order written
+    deltas: list[Delta] = field(default_factory=list)  # what each delta carried, in order (replayed for whole answers)
     num_reasoning_tokens: int = 0  # of num_tokens, those inside the reasoning (the engine's count)
     num_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -71,12 +82,13 @@ class Accumulator:
     def add(self, index: int, out: RequestOutput) -> ChoiceState:
         """Record one delta of choice `index`."""
         state = self.choices[index]
-        if out.reasoning_text:  # a delta's reasoning goes before its text, as the stream formatters send them
+        if out.reasoning_text:
             state.reasoning_texts.append(out.reasoning_text)
-            state.segments.append((True, out.reasoning_text))
         if out.text:
             state.texts.append(out.text)
-            state.segments.append((False, out.text))
+        new_reasoning = max(0, out.num_reasoning_tokens - state.num_reasoning_tokens)
+        if out.text or out.reasoning_text or out.logprobs:
+            state.deltas.append(Delta(out.reasoning_text, out.text, tuple(out.logprobs or ()), new_reasoning))
         state.num_reasoning_tokens = max(state.num_reasoning_tokens, out.num_reasoning_tokens)
         state.num_tokens += len(out.token_ids)
         if out.logprobs:

@@ -326,3 +326,16 @@ def test_harmony_tools_and_a_call_turns_reasoning_render_through_gpt_oss_templat
     assert "namespace functions" in text and "type get_weather" in text and "<tool_call>" not in text
     assert "<|channel|>analysis<|message|>I should look it up.<|end|>" in text
     assert 'to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>' in text
+
+
+def test_responses_output_text_logprobs_are_the_answers_tokens_only(oai, server):
+    """Responses logprobs describe the output_text: its own tokens, not the reasoning's nor the forced end
+    marker's; whole and streamed alike."""
+    kw = dict(model=server[1], input="What is 2 + 2?", max_output_tokens=14, temperature=0,
+              include=["message.output_text.logprobs"], extra_body={"thinking_token_budget": BUDGET})
+    whole = oai.responses.create(**kw)
+    part = whole.output[1].content[0]
+    assert len(part.logprobs) == 14 - BUDGET - 1 and "".join(p.token for p in part.logprobs) == part.text
+    with oai.responses.stream(**kw) as stream:
+        streamed = [p.token for e in stream if e.type == "response.output_text.delta" for p in e.logprobs]
+    assert streamed == [p.token for p in part.logprobs]

@@ -226,12 +226,10 @@ class AnthropicFormatter:
     def response(self, acc: Accumulator) -> MessageResponse:
         """The non-streamed answer."""
         state = acc.choices[0]
-        for reasoning, text in state.segments:  # in the order written, as the stream has them
-            if reasoning:
-                self._builder.think(text, [])
-            else:
-                for event in self._parse(state, text, False):
-                    self._builder.add(event, [])
+        for delta in state.deltas:  # as the stream sent them: reasoning and text in the order written
+            self._builder.think(delta.reasoning, [])
+            for event in self._parse(state, delta.text, False) if delta.text else ():
+                self._builder.add(event, [])
         for event in self._parse(state, "", True):
             self._builder.add(event, [])
         self._builder.close([])

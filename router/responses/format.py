@@ -34,8 +34,9 @@ Logprobs (with `include: ["message.output_text.logprobs"]`): each token's logpro
 delta after it arrives and ends in that message's output_text part (OpenAI's format, -inf as -9999.0); the
 tokens of a tool call have none (function_call items carry no logprobs), nor have those of a call cut off by
 max_output_tokens, whose text is dropped (router/tool_calls.py): the response is then `incomplete` with the
-calls completed before it and the text before its start marker. The non-streamed answer feeds its whole text as
-one delta, so there every token's logprob, a call's included, lands in its first message.
+calls completed before it and the text before its start marker. Reasoning tokens, and the end marker after them,
+have none either (output_text parts hold the answer's tokens). The non-streamed answer replays the choice's
+deltas as the stream sent them, so both give the same logprobs.
 """
 
 from __future__ import annotations
@@ -306,6 +307,8 @@ class ResponsesFormatter:
         self.req = req
         self.created = created
         self._sequence = 0
+        self._thinking = False  # the last delta with anything in it was reasoning
+        self._num_reasoning = 0  # reasoning tokens seen so far (the engine's cumulative count)
         self._obfuscate = bool(req.stream_options and req.stream_options.include_obfuscation)
         sign = (lambda text: make_token(text, model)) if REASONING_CONTENT in (req.include or ()) else None
         self.builder = OutputBuilder(tok, (req.top_logprobs or 0) if req.wants_logprobs else None,
@@ -338,9 +341,17 @@ class ResponsesFormatter:
                              output_tokens_details=ResponseOutputTokensDetails(
                                  reasoning_tokens=state.num_reasoning_tokens))
 
-    def _feed(self, text: str, logprobs: Sequence[TokenLogprob], reasoning: str = "") -> None:
-        self.builder.think(reasoning)
-        self.builder.add_logprobs(logprobs)
+    def _feed(self, text: str, logprobs: Sequence[TokenLogprob], reasoning: str = "", num_reasoning: int = 0
+              ) -> None:
+        """One delta: its reasoning, then its tokens' logprobs (those of its `num_reasoning` leading reasoning
+        tokens, and of the end marker between reasoning and the text, belong to no output_text), then its text."""
+        if reasoning:
+            self.builder.think(reasoning)
+            self._thinking = True
+        if self._thinking and not text:
+            return  # reasoning tokens, or the end marker after them: not the text's
+        self._thinking = self._thinking and not text
+        self.builder.add_logprobs(logprobs[num_reasoning:])
         if text:
             self.builder.feed(self._parser.feed(text) if self._parser is not None else [ContentDelta(text)])
 
@@ -354,9 +365,8 @@ class ResponsesFormatter:
     def response(self, acc: Accumulator) -> ResponseObject:
         """The non-streamed answer: the choice's whole text through the same builder as the stream."""
         state = acc.choices[0]
-        self.builder.add_logprobs(state.logprobs)
-        for reasoning, text in state.segments:  # in the order written, as the stream has them
-            self._feed("" if reasoning else text, (), text if reasoning else "")
+        for delta in state.deltas:  # as the stream sent them
+            self._feed(delta.text, delta.logprobs, delta.reasoning, delta.num_reasoning_tokens)
         return self._finish(state)
 
     # ---- the stream
@@ -381,7 +391,9 @@ class ResponsesFormatter:
     def delta_chunk(self, state: ChoiceState, out: RequestOutput) -> list[str]:
         """The events of one delta; the finishing delta closes every item and ends with response.completed
         (or response.incomplete) carrying the whole Response."""
-        self._feed(out.text, out.logprobs or (), out.reasoning_text)
+        num_reasoning = max(0, out.num_reasoning_tokens - self._num_reasoning)
+        self._num_reasoning = max(self._num_reasoning, out.num_reasoning_tokens)
+        self._feed(out.text, out.logprobs or (), out.reasoning_text, num_reasoning)
         if not out.finished:
             return self._drain()
         response = self._finish(state)
