@@ -16,8 +16,8 @@ and per request (`plan_reasoning`), from the API fields the doors translate into
     reasoning_effort "none" | "minimal"  thinking off: the switch set to false where there is one; a model
                                          without a switch is told a budget of 0 (the end marker is forced first),
                                          except that harmony's "minimal" is its "low" effort
-    reasoning_effort low | medium | high | xhigh   thinking on; the template's effort variable gets the level
-                                         (xhigh as high, minimal as low)
+    reasoning_effort low | medium | high | xhigh | max   thinking on; the template's effort variable gets the
+                                         level (xhigh and max as high, minimal as low)
     thinking_token_budget N              the engine forces the end marker after N reasoning tokens
     chat_template_kwargs                 passed to the template last, so an explicit `enable_thinking` wins;
                                          the keys the router itself sets (messages, tools, add_generation_prompt,
@@ -46,7 +46,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "docu
                                       "raise_exception", "strftime_now", "namespace", "range", "dict", "lipsum",
                                       "cycler", "joiner"})
 OFF_EFFORTS = ("none", "minimal")
-_EFFORT_LEVELS = {"minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "high"}
+_EFFORT_LEVELS = {"minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
 
 
 @dataclass(frozen=True)

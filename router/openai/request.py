@@ -253,7 +253,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Optional[ToolChoice] = None
     parallel_tool_calls: Optional[bool] = None
     response_format: Optional[ResponseFormat] = None
-    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]] = None
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]] = None
     thinking_token_budget: Optional[int] = Field(None, ge=0)  # vLLM's extension: the most reasoning tokens
     chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM's extension: more variables for the template
     audio: Refused = None
