@@ -334,7 +334,9 @@ def test_a_router_restarted_while_a_worker_is_gone_serves_and_uses_it_once_it_is
     finally:
         ray.shutdown()
     assert pid != old_pid and answer == 503, (pid, answer)  # it listens, and says no decode worker is alive
-    r = httpx.post(f"{info['endpoint']}/chat/completions", timeout=60, json={
+    # the router answers once its wait for a decode worker (dead_after_s, 60 s here) is over: a client waiting
+    # exactly as long raced it, and lost to any work before the wait (a first request's tokenizer set-up)
+    r = httpx.post(f"{info['endpoint']}/chat/completions", timeout=120, json={
         "model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
     assert r.status_code == 503 and r.headers.get("retry-after"), r.text
     ray_up.up(str(path), state_dir=state, timeout_s=300, echo=lambda line: None)  # decode-0 again, same ports
