@@ -9,7 +9,7 @@ Method. This machine's costs are turned into *efficiencies*, then applied to the
 - decode: efficiency = bytes one decode step reads (matmul weights + lm_head once, plus batch x context x KV
   bytes per token) / measured step time / this core's copy bandwidth (NumPy copy of 256 MB, read + write).
   Projected step = the target's bytes / (M4 Pro bandwidth x that efficiency); again also with an assumed one.
-- transfer: KV bytes per token from `cluster.kv_store.kv_bytes_per_block` (bfloat16, as on a Mac) over 10 GbE,
+- transfer: KV bytes per token from `cluster.kv.store.kv_bytes_per_block` (bfloat16, as on a Mac) over 10 GbE,
   chunks shipped as they are computed, so only what is left after the last chunk is exposed.
 
 FLOPs follow `benchmarks/transfer_projection.Projection`: 2 x matmul weights per token plus causal attention
@@ -50,7 +50,7 @@ class Shape:
         return 2.0 * self.matmul_params * (stop - start) + attention
 
     def kv_bytes_per_token(self, dtype: str) -> float:
-        from cluster.kv_store import kv_bytes_per_block
+        from cluster.kv.store import kv_bytes_per_block
         from cluster.model import ModelSpec
 
         spec = ModelSpec(self.name, "-", self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim,

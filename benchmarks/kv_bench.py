@@ -5,7 +5,7 @@
 
 **Pool table.** For each format (float32, bfloat16, float16; 8- and 4-bit with `--group-size` 64, with
 float32 scales as on the CPU backend's default dtype and float16 scales as on a Mac's half dtypes) a
-`cluster.kv_store.KVStore` of `--probe-blocks` blocks is allocated and its `nbytes` divided by blocks x
+`cluster.kv.store.KVStore` of `--probe-blocks` blocks is allocated and its `nbytes` divided by blocks x
 block_size: the bytes per token the pool really holds, next to the formula (`kv_bytes_per_block`) and
 the textbook layers x 2 x kv_heads x head_dim x bytes. Then the engine's pool for `--kv-cache-gb`
 (EngineCore: 1 + budget // bytes per block blocks, the first one the null block) and how many
@@ -53,7 +53,7 @@ def pool_row(spec, label: str, dtype: str, kv_bits: Optional[int], *, group_size
     """One format's measured bytes per token and its capacity under `kv_cache_gb` (see the module doc)."""
     import mlx.core as mx
 
-    from cluster.kv_store import KVStore, kv_bytes_per_block
+    from cluster.kv.store import KVStore, kv_bytes_per_block
 
     store = KVStore(spec, probe_blocks, block_size, dtype, kv_bits, group_size)
     measured = store.nbytes / (probe_blocks * block_size)

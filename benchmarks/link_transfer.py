@@ -14,7 +14,7 @@ lab's CurveZMQ keys, so the KV is encrypted on the wire as the workers ship it. 
 and long enough that one round moves at least `--min-mb` MB of KV payload. One round = wall time from `open`
 (the offer) to the sender seeing the receiver's `ack`; one unmeasured warm-up round first.
 
-    throughput = KV payload bytes / round seconds          (payload: cluster.kv_store.kv_bytes_per_block)
+    throughput = KV payload bytes / round seconds          (payload: cluster.kv.store.kv_bytes_per_block)
     ratio      = throughput x 8 / (--link-gbit x 1e9)      (the tbf rate of the link the KV crosses)
 
 Headers, the offer and TCP/IP framing are not payload, so a link carrying only KV at its rate reads a little
@@ -76,7 +76,7 @@ def _fmt(spec, dtype: str, kv_bits: Optional[int], group_size: int, block_size: 
 def tokens_for(spec, dtype: str, kv_bits: Optional[int], group_size: int, tokens: int, min_mb: float,
                block_size: int = 32) -> int:
     """Prompt tokens of a round: at least `tokens` and at least `min_mb` MB of payload, in whole blocks."""
-    from cluster.kv_store import kv_bytes_per_block
+    from cluster.kv.store import kv_bytes_per_block
 
     per_block = kv_bytes_per_block(spec, block_size, dtype, kv_bits, group_size)
     blocks = max(-(-tokens // block_size), math.ceil(min_mb * 1e6 / per_block))
@@ -93,9 +93,9 @@ def receive(host: str, dtype: str, kv_bits: Optional[int], group_size: int, toke
             deadline_s: float, keys_dir: Optional[str] = None) -> int:
     """The receiving side (its own process): print {"endpoint"} once bound, then {"received": id} per prompt;
     exits after `count` prompts, at the deadline, or when stdin closes (the orchestrator is gone)."""
-    from cluster.block_pool import BlockPool
-    from cluster.kv_manager import KVManager
-    from cluster.kv_store import KVStore
+    from cluster.kv.block_pool import BlockPool
+    from cluster.kv.manager import KVManager
+    from cluster.kv.store import KVStore
     from kv_transfer.receiver import KVReceiver, ReceivedSequence
 
     spec, block_size = _spec(), 32
@@ -124,7 +124,7 @@ def send(endpoint: str, dtype: str, kv_bits: Optional[int], group_size: int, tok
     """The sending side (its own process): a warm-up round, then `rounds` measured ones; prints {"seconds":
     [...], "payload_bytes": n}. Exit 1 when a transfer fails."""
     from benchmarks.transfer_bench import _filled_store
-    from cluster.kv_store import kv_bytes_per_block
+    from cluster.kv.store import kv_bytes_per_block
     from kv_transfer.sender import KVSender
 
     spec, block_size = _spec(), 32

@@ -131,7 +131,7 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_
 
     Unquantized: layers x 2 x kv_heads x head_dim x dtype bytes. With `kv_bits`: bits/8 bytes per value
     plus a scale and a bias of `dtype_bytes` per `kv_group_size` values (mx.quantize's format, as
-    cluster.kv_store.kv_bytes_per_block counts it).
+    cluster.kv.store.kv_bytes_per_block counts it).
 
     >>> kv_bytes_per_token(30, 3, 64, 4)      # SmolLM2-135M, float32
     46080

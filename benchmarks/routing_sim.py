@@ -6,13 +6,13 @@ Builds the router's `PrefixIndex` for `--workers` workers (`--prefill-workers` o
 synthetic KV events until it indexes `--blocks` distinct block hashes: `--tenants` tenant prefixes of
 `--tenant-blocks` blocks, each held by `--replicas` random workers, and conversations that extend a tenant
 prefix by 8-40 blocks, each held by one of that tenant's holders. Hashes are the real chained ones
-(`cluster.hashing.block_hashes` over random token ids); events are one hash each, as a worker's `BlockPool`
+(`cluster.kv.hashing.block_hashes` over random token ids); events are one hash each, as a worker's `BlockPool`
 emits them, applied in batches of `--batch` (`PrefixIndex.apply_events`, timed per call).
 
 Then `--placements` placements of `--prompt-tokens`-token prompts, a third each of: a tenant prefix plus a new
 suffix, a known conversation plus a new suffix, and a prompt nobody holds. Each is timed from the prompt's
 token ids to the chosen workers, exactly as the router does it: the first block's key
-(`cluster.hashing.first_block_key`), `PrefixIndex.match_prompt` (the prompt's `block_hashes`, then `match`) and
+(`cluster.kv.hashing.first_block_key`), `PrefixIndex.match_prompt` (the prompt's `block_hashes`, then `match`) and
 `router.placement.place` over
 `WorkerState`s with random requests in flight. Reported: p50/p99/p99.9/max per step, the index's memory
 (the objects it owns, counted with sys.getsizeof, and the process's RSS growth), event throughput with and
@@ -79,7 +79,7 @@ class Synthetic:
 
     def first_key(self, cache_salt) -> int:
         """The first block's key of the simulated model and KV format, as every worker and the router key it."""
-        from cluster.hashing import first_block_key
+        from cluster.kv.hashing import first_block_key
 
         return first_block_key("sim-model", "rev0", "bfloat16", None, 64, self.bs, cache_salt)
 
@@ -88,7 +88,7 @@ class Synthetic:
 
     def stored(self):
         """(worker slot, hashes) of every block a worker stores, until `--blocks` distinct hashes exist."""
-        from cluster.hashing import block_hashes
+        from cluster.kv.hashing import block_hashes
 
         a, made = self.args, 0
         for _ in range(a.tenants):
@@ -123,7 +123,7 @@ class Synthetic:
 
 def build_index(syn: Synthetic, batch: int):
     """(PrefixIndex, {blocks, events, seconds, ...}) with every stored hash applied as one-hash events."""
-    from cluster.block_pool import KVEvent
+    from cluster.kv.block_pool import KVEvent
     from router.prefix_index import PrefixIndex
 
     index = PrefixIndex(syn.names)
@@ -155,7 +155,7 @@ def build_index(syn: Synthetic, batch: int):
 
 def wire_throughput(syn: Synthetic, index, batch: int, blocks: int = 100_000) -> dict:
     """Blocks/s of the router's whole path for `blocks` more one-hash events: msgpack + pydantic decode, apply."""
-    from cluster.hashing import block_hashes
+    from cluster.kv.hashing import block_hashes
     from cluster.protocol import KV_EVENTS, PROTOCOL_VERSION, KVEvent, KVEvents, pack, unpack
 
     name = syn.names[-1]

@@ -66,7 +66,7 @@ def _filled_store(spec, num_blocks: int, block_size: int, dtype: str, kv_bits, g
     """A KVStore whose blocks 1..num_blocks-1 hold random KV (quantized: mx.quantize of random values)."""
     import mlx.core as mx
 
-    from cluster.kv_store import KVStore
+    from cluster.kv.store import KVStore
 
     store = KVStore(spec, num_blocks, block_size, dtype, kv_bits, group_size)
     mx.random.seed(0)
@@ -176,10 +176,10 @@ def ship_format(spec, *, dtype: str, kv_bits: Optional[int], group_size: int, to
     import mlx.core as mx
     import zmq
 
-    from cluster.block_pool import BlockPool
-    from cluster.kv_manager import KVManager
+    from cluster.kv.block_pool import BlockPool
+    from cluster.kv.manager import KVManager
     from cluster.config import TransferConfig
-    from cluster.kv_store import KVStore, kv_bytes_per_block
+    from cluster.kv.store import KVStore, kv_bytes_per_block
     from cluster.transport import LOOPBACK, client_socket, server_socket
     from kv_transfer.handshake import KVFormat
     from kv_transfer.receiver import KVReceiver, ReceivedSequence

@@ -28,7 +28,7 @@ class EngineConfig:
 
     - `block_size`: tokens per KV block, the unit of hashing, prefix reuse, transfer and quantization.
     - `kv_cache_gb`: the KV pool's byte budget in GiB (2**30 bytes); the number of blocks follows from the
-      model's bytes per block (see `cluster.kv_store.kv_bytes_per_block`). `num_blocks`, when set, wins.
+      model's bytes per block (see `cluster.kv.store.kv_bytes_per_block`). `num_blocks`, when set, wins.
       For a model with recurrent layers it also holds the `state_cache_gb` of state snapshots and the
       recurrent states of `max_num_seqs` running sequences.
     - `max_num_seqs`: sequences in the running batch at most; None = follows the KV budget
@@ -54,7 +54,7 @@ class EngineConfig:
     - `kv_bits` / `kv_group_size`: quantized KV (mlx-lm's names); None = unquantized.
     - `enable_prefix_caching`: reuse cached full blocks across requests.
     - `state_cache_gb`: GiB for recurrent-state snapshots, the prefix cache of models with recurrent layers
-      (cluster/state_snapshots.py; LRU by bytes). Taken from `kv_cache_gb` (the pool gets the rest; with
+      (cluster/kv/snapshots.py; LRU by bytes). Taken from `kv_cache_gb` (the pool gets the rest; with
       `num_blocks` set, on top of it); None = half of `kv_cache_gb`; 0 keeps none, so such a model recomputes every prompt in full. Unused
       by models without recurrent layers or with the prefix cache off.
     - `state_snapshot_interval`: tokens between the state snapshots taken while a prompt is computed (a
@@ -64,7 +64,7 @@ class EngineConfig:
     - `max_waiting`: requests queued (beyond those the next step admits into free running slots) before new
       ones get 503 with Retry-After; a request whose `n` exceeds `max_num_seqs + max_waiting` gets 400.
     - `decode_mirror_gb`: GiB for contiguous copies of the decode batch's contexts kept between decode
-      steps (`cluster.decode_mirror`); None = as large as the KV pool, 0 disables it (every step gathers
+      steps (`cluster.kv.decode_mirror`); None = as large as the KV pool, 0 disables it (every step gathers
       from the pool). Not part of `kv_cache_gb`: the two add up to the KV memory at most (the mirror holds
       only the running batch's contexts, so it is usually far smaller).
     - `queue_timeout_s`: a request still waiting for its first admission after this many seconds (the KV

@@ -35,7 +35,7 @@ from cluster.sequence import Sequence
 @dataclass(frozen=True)
 class ExternalPrefix:
     """A prompt computed elsewhere: its KV is the request's holding; `first_token` was sampled there;
-    `state`: for a model with recurrent layers, their state after the prompt (cluster/recurrent_state.py)."""
+    `state`: for a model with recurrent layers, their state after the prompt (cluster/kv/recurrent_state.py)."""
 
     first_token: int
     state: Any = None

@@ -22,19 +22,19 @@ from typing import Optional
 
 import mlx.core as mx
 
-from cluster.block_pool import BlockPool
+from cluster.kv.block_pool import BlockPool
 from cluster.connector import Connector
 from cluster.config import EngineConfig
 from cluster.detokenizer import OutputText
 from cluster.reasoning import start_reasoning
 from cluster.grammar import GrammarError, Grammars
-from cluster.hashing import first_block_key
-from cluster.kv_store import KVStore, kv_bytes_per_block
-from cluster.kv_groups import KVGroups
-from cluster.kv_manager import KVManager, WindowGroup
+from cluster.kv.hashing import first_block_key
+from cluster.kv.store import KVStore, kv_bytes_per_block
+from cluster.kv.groups import KVGroups
+from cluster.kv.manager import KVManager, WindowGroup
 from cluster.model import ModelSpec
 from cluster.ownership import ThreadOwner
-from cluster.recurrent_state import probe_state_shapes, state_nbytes
+from cluster.kv.recurrent_state import probe_state_shapes, state_nbytes
 from cluster.model_families import verify_model
 from cluster.request import FinishReason, GenerateRequest, RequestOutput
 from cluster.runner import ModelRunner
@@ -42,7 +42,7 @@ from cluster.sampling import make_key
 from cluster.sequence import Sequence
 from cluster.scheduler import ScheduledBatch, Scheduler
 from cluster.speculation import Speculator
-from cluster.state_snapshots import StateSnapshots
+from cluster.kv.snapshots import StateSnapshots
 from cluster.step_budget import auto_max_num_seqs
 
 logger = logging.getLogger(__name__)
@@ -69,12 +69,12 @@ class EngineCore:
         self.block_size = config.block_size
         self.max_model_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
         # KV cache groups: sliding-window layers beside full ones keep their blocks in a pool of their own,
-        # released as they leave the window (cluster/kv_groups.py)
+        # released as they leave the window (cluster/kv/groups.py)
         self.groups = KVGroups.of(verified.layer_windows)
         main_spec, window_spec = self.groups.specs(spec)
         kv_args = (config.block_size, config.dtype, config.kv_bits, config.kv_group_size)
         per_block = kv_bytes_per_block(main_spec, *kv_args)
-        # recurrent layers: a prefix hit restores their state from a snapshot (cluster/state_snapshots.py), kept
+        # recurrent layers: a prefix hit restores their state from a snapshot (cluster/kv/snapshots.py), kept
         # in `state_cache_gb` of the `kv_cache_gb` budget
         state_gb = config.kv_cache_gb / 2 if config.state_cache_gb is None else config.state_cache_gb
         snapshot_bytes = int(state_gb * 2**30) if verified.num_state_layers and config.enable_prefix_caching else 0

@@ -20,7 +20,7 @@ class EngineStats:
     """A snapshot of an engine's load, for `/metrics`, `/health` and placement.
 
     Counts are sequences and KV blocks; `kv_block_size` is tokens per block; the state snapshots (models
-    with recurrent layers, cluster/state_snapshots.py) are counts and bytes, added up over every worker.
+    with recurrent layers, cluster/kv/snapshots.py) are counts and bytes, added up over every worker.
     """
 
     num_running: int = 0

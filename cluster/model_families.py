@@ -1,6 +1,6 @@
 """The model families the engine reproduces exactly, and the gate that refuses every other one at load.
 
-The engine runs mlx-lm's own model classes over its paged KV cache (cluster/kv_cache.py) and applies the
+The engine runs mlx-lm's own model classes over its paged KV cache (cluster/kv/cache_view.py) and applies the
 output head itself, on the rows that need logits only (cluster/runner.py). That reproduces mlx-lm's
 generation only when three things hold, so a model is served only when all three are checked:
 
@@ -139,10 +139,10 @@ class Family:
     config.json's fields (`attention_cache_dims`; latent attention: `latent_cache_dims`).
     `sliding_windows`: the model's body asks the cache of a sliding-window layer for its mask with
     `window_size` equal to that layer's `RotatingKVCache.max_size` (read in its `__call__`), so the paged
-    cache can serve those layers (cluster/kv_layout.py `windowed_mask`); when False, such a layer is refused.
+    cache can serve those layers (cluster/kv/layout.py `windowed_mask`); when False, such a layer is refused.
     `recurrent`: the family's recurrent layers (ArraysCache state) read `lengths` to keep padding out of
     their state (read in their `__call__`: the conv window is taken at each row's end, the state update is
-    masked), so batched steps keep each row exact (cluster/recurrent_state.py); when False they are refused.
+    masked), so batched steps keep each row exact (cluster/kv/recurrent_state.py); when False they are refused.
     `kv_layers(config)`: how many layers cache KV (the pool's layers), from config.json.
     """
 

@@ -1,6 +1,6 @@
 """The prefix cache seen from one sequence: the longest cached prefix a sequence takes when it is admitted, and
-the blocks it registers as they fill up and are computed (block hashes: cluster/hashing.py; the pools'
-bookkeeping: cluster/kv_manager.py).
+the blocks it registers as they fill up and are computed (block hashes: cluster/kv/hashing.py; the pools'
+bookkeeping: cluster/kv/manager.py).
 
 A hit is whole blocks, then, token-granular, the head of one more: past its last whole-block hit a prompt's
 next tokens often agree with the start of a cached block without filling it (two chats that share a
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from cluster.hashing import block_hashes
-from cluster.kv_manager import KVManager
+from cluster.kv.hashing import block_hashes
+from cluster.kv.manager import KVManager
 from cluster.sequence import Sequence
-from cluster.state_snapshots import StateSnapshots
+from cluster.kv.snapshots import StateSnapshots
 
 
 # the fewest tokens a head hit must cover, for 32-token blocks (scaled with the block size): a head hit costs a

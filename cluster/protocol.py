@@ -324,7 +324,7 @@ class Snapshot(_Message):
 
 
 class KVEvent(BaseModel):
-    """One change to a worker's cached set (cluster.block_pool.KVEvent on the wire)."""
+    """One change to a worker's cached set (cluster.kv.block_pool.KVEvent on the wire)."""
 
     model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
 

@@ -19,11 +19,11 @@ from typing import Any, Callable, Optional, Sequence as Seq
 import mlx.core as mx
 
 from cluster.grammar import Grammars, token_rule
-from cluster.kv_groups import KVGroups
-from cluster.kv_layout import BatchLayout
-from cluster.kv_store import KVStore
+from cluster.kv.groups import KVGroups
+from cluster.kv.layout import BatchLayout
+from cluster.kv.store import KVStore
 from cluster.model_families import VerifiedModel, verify_model
-from cluster.recurrent_state import State, StateShapes, probe_state_shapes, split_states, stack_states
+from cluster.kv.recurrent_state import State, StateShapes, probe_state_shapes, split_states, stack_states
 from cluster.request import TokenLogprob
 from cluster.sampling import prompt_logprobs, sample, sample_tokens
 from cluster.sequence import PENDING, Sequence
@@ -46,7 +46,7 @@ class Logits(enum.Enum):
 class BatchItem:
     """One sequence's share of a step: compute `token_ids` at positions [start, start + len) into the blocks of
     `block_table`. `mirror_row` names the sequence across decode steps (its row of the decode mirror).
-    `state`: the sequence's recurrent state before the step (cluster/recurrent_state.py; None: nothing
+    `state`: the sequence's recurrent state before the step (cluster/kv/recurrent_state.py; None: nothing
     computed yet, or a model without recurrent layers). `window_table`: its window layers' blocks
     (`Sequence.window_table`; empty without a window group). `pending_request`: set when the first token is a
     `PENDING` place, to the request whose token the previous step sampled on the device (`execute`)."""
@@ -73,7 +73,7 @@ class ModelRunner:
                  state_shapes: Optional[StateShapes] = None):
         self.model, self.store, self.window_store = model, store, window_store
         self.verified = verified or verify_model(model)
-        # with a window store, the KV layers of each group in the model's KV-layer order (cluster/kv_groups.py)
+        # with a window store, the KV layers of each group in the model's KV-layer order (cluster/kv/groups.py)
         self.groups = groups if window_store is not None else None
         if store.kv_bits is not None and not store.dequantize_for_attention and not self.verified.reads_quantized_kv:
             raise ValueError(f"{self.verified.model_type} attention reads float KV only: a KV store with "

@@ -33,14 +33,14 @@ from typing import Callable, Iterable, Optional
 from cluster.config import EngineConfig
 from cluster.grammar import consume_answer
 from cluster.connector import Connector, NoConnector
-from cluster.kv_manager import KVManager
+from cluster.kv.manager import KVManager
 from cluster.prefix_match import PrefixMatcher
 from cluster.request import MAX_DRAFT_TOKENS, FinishReason, RequestOutput
 from cluster.runner import RowResult
 from cluster.sampling import advance_key
 from cluster.sequence import PENDING, Sequence, SequenceStatus
 from cluster.speculation import Draft, NoSpeculator, Speculator, Verified
-from cluster.state_snapshots import StateSnapshots
+from cluster.kv.snapshots import StateSnapshots
 from cluster.step_budget import ScheduledBatch, StepBudget
 
 
@@ -52,7 +52,7 @@ class Scheduler:
     `extra_key(cache_salt)` gives the first block's hash key (model, revision, KV format, salt); `eos_ids` the
     model's end-of-sequence token ids. `speculator` (how many drafts a decoding sequence wants, what
     verification accepted) and `connector` (the role seam) are the engine's, set through it. `snapshots`:
-    for a model with recurrent layers, its state snapshots (cluster/state_snapshots.py), which say where
+    for a model with recurrent layers, its state snapshots (cluster/kv/snapshots.py), which say where
     prefill chunks end and take the snapshots after each step and as a sequence finishes; a prefix hit (cut
     back by the pool to its last restore point) restores one. `copy_block(src, dst)`: the KV store's, for
     prefix hits on the head of a cached block (cluster/prefix_match.py).

@@ -41,12 +41,12 @@ class Sequence:
     num_computed_tokens after every step (the rejected drafts' KV is rolled back by lowering it).
     draft_state: the drafter's own per-sequence state (e.g. the prompt-lookup n-gram index).
     recurrent_state: its recurrent layers' state after its num_computed_tokens tokens
-        (cluster/recurrent_state.py; None before any, and always for models without recurrent layers).
+        (cluster/kv/recurrent_state.py; None before any, and always for models without recurrent layers).
     window_table: for a model with sliding-window layers beside full ones, the blocks of its window layers
         (`KVManager`'s window pool), index for index with block_table; 0 where a block fell out of every
         future query's window and was released. Empty otherwise.
     pending_snapshot: (block hash, state) at the latest block boundary reached while decoding, saved as a
-        state snapshot when the sequence finishes (cluster/state_snapshots.py); None otherwise.
+        state snapshot when the sequence finishes (cluster/kv/snapshots.py); None otherwise.
     chunk_snapshots: (block hash, position) of the state snapshots it saved at prefill chunk ends (not its
         prompt's last whole block), thinned when it finishes (`StateSnapshots.finish`).
     grammar: for a request with `SamplingParams.grammar`, its matcher (cluster/grammar.py's GrammarMatcher),

@@ -30,7 +30,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from cluster.kv_store import KVStore, kv_bytes_per_block
+from cluster.kv.store import KVStore, kv_bytes_per_block
 from cluster.model import ModelSpec, load_draft_model
 from cluster.model_families import verify_model
 from cluster.runner import BatchItem, Logits, ModelRunner

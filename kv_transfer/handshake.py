@@ -24,8 +24,8 @@ from typing import Annotated, Callable, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cluster.hashing import block_hashes, first_block_key
-from cluster.kv_manager import KVManager
+from cluster.kv.hashing import block_hashes, first_block_key
+from cluster.kv.manager import KVManager
 
 # Fields whose mismatch makes transferred KV meaningless, in the order a refusal names them.
 _CHECKED = ("model_id", "revision", "dtype", "kv_bits", "kv_group_size", "block_size", "num_layers",
@@ -48,7 +48,7 @@ class KVFormat(BaseModel):
     cached value head where it differs from the key's `head_dim` (latent attention), else None;
     `layer_kinds` names what each layer caches (`cluster.model_families.LayerKind.name`: attention, a
     sliding window, recurrent state, or state beside attention; empty when every layer is plain attention);
-    `state` lists the arrays of one sequence's recurrent state, layer by layer (cluster/recurrent_state.py),
+    `state` lists the arrays of one sequence's recurrent state, layer by layer (cluster/kv/recurrent_state.py),
     which a transfer carries after the blocks, in the model's dtype; `speculative_kv` is True when the
     worker's speculative decoding keeps KV of its own (a draft model) that transfers must carry too.
     """
@@ -98,7 +98,7 @@ class KVFormat(BaseModel):
                 for name in _CHECKED if getattr(self, name) != getattr(other, name)]
 
     def extra_key(self, cache_salt: Optional[str] = None) -> int:
-        """The first block's hash key, identical to the engine's (cluster.hashing)."""
+        """The first block's hash key, identical to the engine's (cluster.kv.hashing)."""
         return first_block_key(self.model_id, self.revision, self.dtype, self.kv_bits, self.kv_group_size,
                                self.block_size, cache_salt)
 
@@ -111,7 +111,7 @@ class KVFormat(BaseModel):
 class Reservation:
     """Blocks a receiver set aside for one prompt: `block_table` covers every prompt position; its first
     `num_cached_blocks` entries already hold the right KV (prefix-cache hits, referenced). With window
-    layers (cluster/kv_manager.py), `window_table` holds their blocks from `window_first` on (the first block
+    layers (cluster/kv/manager.py), `window_table` holds their blocks from `window_first` on (the first block
     the decode worker's next query can see; 0 before it): nothing older is sent."""
 
     block_table: list[int]

@@ -30,8 +30,8 @@ import numpy as np
 import zmq
 
 from cluster.config import TransferConfig
-from cluster.kv_manager import KVManager
-from cluster.kv_store import KVStore
+from cluster.kv.manager import KVManager
+from cluster.kv.store import KVStore
 from cluster.transport import LOOPBACK, CurveKeys, server_socket
 from kv_transfer.handshake import Busy, KVFormat, Refusal, reserve
 from kv_transfer.metrics import TransferMetrics
@@ -106,7 +106,7 @@ class KVReceiver:
 
     `fmt` is this worker's KV format; offers in any other format are refused naming the difference.
     `max_prompt_len`: offers of this many tokens or more are refused (the context limit). `window_store`: the
-    window layers' store of a model with two KV cache groups (cluster/kv_groups.py; `kv` has the window pool).
+    window layers' store of a model with two KV cache groups (cluster/kv/groups.py; `kv` has the window pool).
     """
 
     def __init__(self, fmt: KVFormat, kv: KVManager, store: KVStore, *, max_prompt_len: int,

@@ -29,8 +29,8 @@ from typing import Any, Callable, Optional, Sequence
 import zmq
 
 from cluster.config import TransferConfig
-from cluster.kv_groups import window_first_block
-from cluster.kv_store import KVStore
+from cluster.kv.groups import window_first_block
+from cluster.kv.store import KVStore
 from cluster.transport import CurveKeys, client_socket
 from kv_transfer.handshake import KVFormat
 from kv_transfer.metrics import TransferMetrics
@@ -92,7 +92,7 @@ class _Peer:
 class KVSender:
     """Sends KV blocks of `store` (owned by the caller's thread; call every method from it) in format `fmt`;
     for a model with sliding-window layers beside full ones, also those of `window_store` (the window
-    layers', cluster/kv_groups.py, with the largest window `window` in positions), only from the first
+    layers', cluster/kv/groups.py, with the largest window `window` in positions), only from the first
     block the decode worker's next query can see."""
 
     def __init__(self, fmt: KVFormat, store: KVStore, *, window_store: Optional[KVStore] = None,

@@ -13,7 +13,7 @@ the format's `state` lists them); for any other model it carries none.
                     arrays: [{name: "k", dtype: "float32", shape: [30, 2048, 3, 64]}, {name: "v", ...}]}
             frame 1: k bytes (30 * 2048 * 3 * 64 * 4 = 47,185,920), frame 2: v bytes (same)
 
-Array shapes are [layers, num_blocks * block_size, kv_heads, d] (see cluster.kv_store.KVStore.read_blocks);
+Array shapes are [layers, num_blocks * block_size, kv_heads, d] (see cluster.kv.store.KVStore.read_blocks);
 quantized KV travels as its (packed uint32, scales, biases) arrays per K and V, never dequantized.
 bfloat16 travels as its raw 16-bit words (NumPy has no bfloat16). Arrays are NumPy views both ways: the
 sender's one copy gathers whole blocks out of the pool, the receiver's one copy scatters them into it.
@@ -52,7 +52,7 @@ class _Message(BaseModel):
 
 
 class ArraySpec(BaseModel):
-    """One payload frame: array `name` (cluster.kv_store.KVStore.array_names), dtype and shape."""
+    """One payload frame: array `name` (cluster.kv.store.KVStore.array_names), dtype and shape."""
 
     model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
 
@@ -96,7 +96,7 @@ class BusyAnswer(_Message):
 class Blocks(_Message):
     """S->R: KV of blocks [block_start, block_start + num_blocks) of the prompt, layers
     [layer_start, layer_start + num_layers) of KV cache group `group` (0: the full-attention layers, or all
-    of a model without window layers; 1: the sliding-window layers, cluster/kv_groups.py, sent only for the
+    of a model without window layers; 1: the sliding-window layers, cluster/kv/groups.py, sent only for the
     blocks from the first one the decode worker's next query can see); `block_hashes` of those that are
     full."""
 

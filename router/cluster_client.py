@@ -29,7 +29,7 @@ import zmq
 import zmq.asyncio
 
 from cluster.engine_client import EngineError, EngineStats
-from cluster.hashing import first_block_key
+from cluster.kv.hashing import first_block_key
 from cluster.protocol import (PROTOCOL_VERSION, TO_ROUTER, AbortRequest, Generate, Pong, ProtocolError, Rejected,
                               ResetDone, ResetPrefixCache, Snapshot, pack, unpack)
 from cluster.request import FinishReason, GenerateRequest, RequestOutput

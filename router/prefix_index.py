@@ -7,14 +7,14 @@ the number of workers or indexed blocks. Example: workers 0 and 1 hold blocks [a
 [a, b, c]: masks a=0b11, b=0b01, c=0 -> worker 0 matches 2 blocks, worker 1 matches 1.
 
 Restore points: a worker serving a model with recurrent layers can restore a prefix only up to a block with a
-state snapshot (cluster/state_snapshots.py). Its snapshot reply lists those blocks (`restore_points`) and its
+state snapshot (cluster/kv/snapshots.py). Its snapshot reply lists those blocks (`restore_points`) and its
 events add and drop them ("restorable" / "unrestorable"; a removed block is none either); `match` cuts such a
 worker's count back to its last restore point, so routing counts only prefixes the worker can restore.
-Window layers: a worker serving a model with sliding-window layers beside full ones (cluster/kv_groups.py)
+Window layers: a worker serving a model with sliding-window layers beside full ones (cluster/kv/groups.py)
 keeps their blocks in a second pool, and a prefix of k blocks is usable there only where the window blocks
 before position k x block_size are cached too. Its snapshot reply names its window and those blocks, its
 events of group 1 follow them, and `match_prompt` cuts its count back to the longest prefix whose last window
-is intact (`cluster.kv_groups.window_first_block`).
+is intact (`cluster.kv.groups.window_first_block`).
 
 Consistency: each worker numbers its events consecutively per boot (`boot_id`). A batch from a new boot, or
 one whose first sequence number is not the next expected, marks the worker stale: its entries stay until a
@@ -29,8 +29,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
-from cluster.hashing import block_hashes
-from cluster.kv_groups import window_first_block
+from cluster.kv.hashing import block_hashes
+from cluster.kv.groups import window_first_block
 
 
 @dataclass
@@ -150,7 +150,7 @@ class PrefixIndex:
 
     def match_prompt(self, token_ids: Sequence[int], block_size: int, first_key: int) -> dict[str, int]:
         """Leading blocks of a prompt each worker holds: its full blocks hashed as the workers hash them
-        (`first_key` from cluster.hashing.first_block_key), then `match`."""
+        (`first_key` from cluster.kv.hashing.first_block_key), then `match`."""
         hashes = block_hashes(token_ids, block_size, first_key)
         out = self.match(hashes)
         for name, k in list(out.items()):

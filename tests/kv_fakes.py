@@ -20,10 +20,10 @@ import mlx.core as mx
 import numpy as np
 import zmq
 
-from cluster.block_pool import BlockPool
-from cluster.kv_manager import KVManager
+from cluster.kv.block_pool import BlockPool
+from cluster.kv.manager import KVManager
 from cluster.config import TransferConfig
-from cluster.kv_store import KVStore
+from cluster.kv.store import KVStore
 from cluster.model import ModelSpec
 from cluster.transport import client_socket
 from kv_transfer.handshake import KVFormat

@@ -247,7 +247,7 @@ def test_simulated_index_holds_the_blocks_and_matches_prompts():
     index, build = routing_sim.build_index(syn, batch=16)
     assert build["distinct_blocks"] == len(index) == 3000
     assert build["events"] == sum(len(w.hashes) for w in index.workers.values()) > 3000  # tenants on 2 workers
-    from cluster.hashing import block_hashes
+    from cluster.kv.hashing import block_hashes
 
     toks, hashes, holders = syn.tenants[0]
     match = index.match(block_hashes(syn.prompt("cold")[:256], syn.bs, syn.key))

@@ -11,7 +11,7 @@ import pytest
 from benchmarks import cli, transfer_bench
 from benchmarks.transfer_bench import ship_format
 from benchmarks.transfer_projection import Projection, projection_rows
-from cluster.kv_store import kv_bytes_per_block
+from cluster.kv.store import kv_bytes_per_block
 from cluster.model import ModelSpec
 
 TINY = ModelSpec("tiny", "r0", num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64, vocab_size=100,
@@ -151,8 +151,8 @@ def test_block_copies_survive_4k_aliased_frames(dtype, bits, group):
     order; the sender's buffers are placed off that window."""
     import numpy as np
 
-    from cluster import cpu_backend
-    from cluster.kv_store import KVStore
+    from cluster.kv import cpu_backend
+    from cluster.kv.store import KVStore
 
     spec = ModelSpec("t", "r", num_layers=3, num_heads=16, num_kv_heads=16, head_dim=64, vocab_size=100,
                      max_model_len=4096, eos_token_ids=(1,))  # 16 heads: blocks of 32 KiB / 64 KiB, over 2 KiB

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from cluster.block_pool import BlockPool
-from cluster.hashing import block_extra_key, block_hashes, hash_block
+from cluster.kv.block_pool import BlockPool
+from cluster.kv.hashing import block_extra_key, block_hashes, hash_block
 
 B = 4
 
@@ -102,7 +102,7 @@ def test_hashes_chain_and_depend_on_extra_keys():
 
 
 def test_hashes_are_equal_in_another_process():
-    code = ("from cluster.hashing import block_extra_key, block_hashes;"
+    code = ("from cluster.kv.hashing import block_extra_key, block_hashes;"
             "print(block_hashes(list(range(100)), 32, block_extra_key('m', 'r', 'f', 's')))")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": "123", "PYTHONPATH": "."})

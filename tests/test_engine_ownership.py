@@ -183,6 +183,6 @@ def test_engines_on_threads_moving_kv_between_them_answer_as_if_alone():
 
 
 def _hashes(engine: EngineCore, prompt: list[int]) -> list[int]:
-    from cluster.hashing import block_hashes
+    from cluster.kv.hashing import block_hashes
 
     return block_hashes(prompt, BLOCK, engine._extra_key(None))

@@ -8,8 +8,8 @@ import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
 
-from cluster.kv_layout import BatchLayout
-from cluster.kv_store import KVStore, kv_bytes_per_block
+from cluster.kv.layout import BatchLayout
+from cluster.kv.store import KVStore, kv_bytes_per_block
 from cluster.model import ModelSpec
 from cluster.runner import BatchItem, Logits, ModelRunner
 
@@ -49,7 +49,7 @@ def test_windowed_mask_is_mlx_lms_sliding_window_mask_row_by_row(mask_rank):
     exactly those of mlx-lm's `create_causal_mask(N, offset, window_size=3)` at that row's positions."""
     from mlx_lm.models.base import create_causal_mask
 
-    from cluster.decode_mirror import DecodeMirror
+    from cluster.kv.decode_mirror import DecodeMirror
 
     def visible(mask, b, rows, cols):
         m = np.array(mask.tolist(), dtype=bool).reshape(mask.shape[0] if mask.ndim > 2 else 1, -1, *mask.shape[-2:])

@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from cluster.block_pool import BlockPool
-from cluster.kv_manager import KVManager
+from cluster.kv.block_pool import BlockPool
+from cluster.kv.manager import KVManager
 from cluster.request import GenerateRequest, SamplingParams
 from cluster.sequence import Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCT = ("cluster", "router", "prefill_node", "decode_node", "kv_transfer", "benchmarks")
-OWNERS = {"cluster/kv_manager.py", "cluster/scheduler.py"}
-POOL = "cluster/block_pool.py"  # defines free; never calls it
+OWNERS = {"cluster/kv/manager.py", "cluster/scheduler.py"}
+POOL = "cluster/kv/block_pool.py"  # defines free; never calls it
 BLOCK_TABLE_NAMES = {"block_table", "block_ids", "blocks", "table", "tables"}
 ENDING_CALLS = {"free", "release"}
 

@@ -9,10 +9,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from cluster.block_pool import BlockPool
-from cluster.kv_manager import KVManager
+from cluster.kv.block_pool import BlockPool
+from cluster.kv.manager import KVManager
 from cluster.config import EngineConfig, TransferConfig
-from cluster.kv_store import KVStore
+from cluster.kv.store import KVStore
 from cluster.model import ModelSpec
 from cluster.transport import client_socket, generate_keys
 from kv_transfer.handshake import KVFormat

@@ -8,10 +8,10 @@ import time
 import mlx.core as mx
 import pytest
 
-from cluster.block_pool import BlockPool
-from cluster.kv_manager import KVManager
+from cluster.kv.block_pool import BlockPool
+from cluster.kv.manager import KVManager
 from cluster.config import EngineConfig, TransferConfig
-from cluster.kv_store import KVStore
+from cluster.kv.store import KVStore
 from cluster.runner import BatchItem, Logits, ModelRunner
 from kv_transfer.handshake import KVFormat
 from kv_transfer.receiver import KVReceiver, ReceivedSequence

@@ -110,7 +110,7 @@ def test_window_layers_release_the_blocks_no_later_query_can_see(model_type):
     """A 45-token prompt (window 8, blocks of 8) decoding beside a short one: after every step each
     sequence's window-layer blocks before its next query's window are released (0 in its window table, back
     in the window pool) while its full-attention blocks all stay, and both answers are still mlx-lm's."""
-    from cluster.kv_groups import KVGroups
+    from cluster.kv.groups import KVGroups
 
     core = make_engine(model_type)
     assert core.window_store is not None and core.groups == KVGroups.of(core.runner.verified.layer_windows)
@@ -152,8 +152,8 @@ def test_a_prefix_hit_needs_the_window_blocks_before_its_end_in_the_window_pool(
     evicted from the window pool, a prompt repeating all five still hits all five (the blocks its window
     needs, 3 and 4, are cached), but a prompt sharing only the first three hits nothing: its window's blocks
     (1 and 2) are gone, though the full-attention blocks are all still cached."""
-    from cluster.block_pool import BlockPool
-    from cluster.kv_manager import KVManager, WindowGroup
+    from cluster.kv.block_pool import BlockPool
+    from cluster.kv.manager import KVManager, WindowGroup
     from cluster.sequence import Sequence
 
     kv = KVManager(BlockPool(16), WindowGroup(BlockPool(16), window=8))
@@ -177,7 +177,7 @@ def test_the_kv_budget_gives_the_window_pool_what_running_sequences_need_and_the
     """gemma3_text's window of 1024 beside full layers, 16 running sequences of 2048-token chunks: the
     window pool gets twice their need, the main pool the rest of the budget, and together they stay inside
     it; a window as long as the context saves nothing (an even split)."""
-    from cluster.kv_groups import pool_sizes, window_blocks_per_sequence
+    from cluster.kv.groups import pool_sizes, window_blocks_per_sequence
 
     need = window_blocks_per_sequence(1024, 16, 2048)
     assert need == (1024 + 2048) // 16 + 2

@@ -11,7 +11,7 @@ from cluster.model import read_model_spec
 from tests.family_helpers import (WINDOW, COMMON, CONFIGS, UNVERIFIED, tokenizer, build, write_config, family,
                                    engine, request, minimal_config)
 
-from cluster.kv_store import KVStore
+from cluster.kv.store import KVStore
 from cluster.model import load_model
 from cluster.model_families import verify_model
 from cluster.runner import ModelRunner

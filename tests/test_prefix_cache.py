@@ -152,7 +152,7 @@ def test_cached_prefix_extended_across_chunk_boundaries():
 
 def test_constant_hash_collisions_fall_back_to_misses(monkeypatch):
     """With every block hash forced equal, lookups compare token ids and miss; output equals cold."""
-    import cluster.hashing as hashing
+    import cluster.kv.hashing as hashing
 
     monkeypatch.setattr(hashing, "hash_block", lambda parent, token_ids: 42)
     engine = make_engine()

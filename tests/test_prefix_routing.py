@@ -62,7 +62,7 @@ def test_a_worker_with_window_layers_counts_only_prefixes_whose_last_window_it_s
     prefix has an intact window (each needs the blocks of its own last window) and it matches none, while a
     plain worker holding the same blocks still matches five; storing window blocks 0 and 1 again makes the
     two-block prefix usable."""
-    from cluster.hashing import block_hashes
+    from cluster.kv.hashing import block_hashes
 
     tokens, key = list(range(20)), 7
     h = block_hashes(tokens, 4, key)
@@ -79,9 +79,9 @@ def test_a_worker_with_window_layers_counts_only_prefixes_whose_last_window_it_s
 
 
 def test_the_router_and_the_transfer_handshake_key_a_prompt_as_one_function_does():
-    """cluster.hashing.first_block_key is the one home of the first block's key: the router's cached-blocks
+    """cluster.kv.hashing.first_block_key is the one home of the first block's key: the router's cached-blocks
     lookup (PrefixIndex.match_prompt) and the transfer handshake (KVFormat) hash a prompt with it."""
-    from cluster.hashing import block_hashes, first_block_key
+    from cluster.kv.hashing import block_hashes, first_block_key
     from kv_transfer.handshake import KVFormat
 
     fmt = KVFormat(model_id="m", revision="r", dtype="bfloat16", kv_bits=4, kv_group_size=32, block_size=4,

@@ -21,7 +21,7 @@ import math
 import numpy as np
 import pytest
 
-from cluster.hashing import block_hashes
+from cluster.kv.hashing import block_hashes
 from tests.engine_helpers import chat_prompt, greedy, make_engine, run
 
 FACT = "Remember this: the locker code is 4826.\n\n"

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from cluster.model_families import FAMILIES, verify_model
-from cluster.recurrent_state import state_nbytes
+from cluster.kv.recurrent_state import state_nbytes
 from tests.engine_helpers import run
 from tests.family_helpers import (VOCAB, COMMON, CONFIGS, RECURRENT, family, make_engine, engine, prompts,
                                    reference, request, assert_matches, expected_state_bytes_per_sequence,
@@ -95,8 +95,8 @@ def _state(kib: int):
 
 
 def _pool_with_snapshots(budget: int, num_blocks: int = 8):
-    from cluster.block_pool import BlockPool
-    from cluster.state_snapshots import StateSnapshots
+    from cluster.kv.block_pool import BlockPool
+    from cluster.kv.snapshots import StateSnapshots
 
     pool = BlockPool(num_blocks, needs_restore_points=True)
     return pool, StateSnapshots(budget, pool)

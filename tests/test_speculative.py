@@ -8,8 +8,8 @@ import mlx.core as mx
 import pytest
 
 from cluster.connector import ExternalPrefix, NoConnector
-from cluster.kv_layout import BatchLayout
-from cluster.kv_store import KVStore
+from cluster.kv.layout import BatchLayout
+from cluster.kv.store import KVStore
 from cluster.request import FinishReason, GenerateRequest, SamplingParams
 from cluster.runner import BatchItem, Logits, ModelRunner
 from decode_node.drafters import check_same_tokenizer

@@ -18,7 +18,7 @@ On macOS (Metal, Accelerate) and on Linux without the package, every OpenBLAS fu
 
 :func:`pin_cpus` pins a worker process to its topology's ``cpu_affinity`` (Linux only; macOS has no
 affinity API, so it is ignored there). The engine's own tuning for the CPU backend is in
-``cluster/cpu_backend.py``.
+``cluster/kv/cpu_backend.py``.
 """
 
 from __future__ import annotations

@@ -2,13 +2,13 @@
 
 mlx-pd is built for Apple Silicon, where MLX runs on Metal. Its tests and benchmarks run on Linux, where the
 `mlx[cpu]` wheel runs every array operation on the CPU. Two things are slow there, and this module makes the
-choices that work around them. The KV store (cluster/kv_store.py) asks this module, and nothing else in the
+choices that work around them. The KV store (cluster/kv/store.py) asks this module, and nothing else in the
 engine knows about these quirks:
 
 1. **Quantized attention.** On the CPU backend, mlx-lm's quantized attention (`mx.quantized_matmul` over the
    packed KV) measured 3.6x slower in prefill and 1.7x slower in batch-8 decode than float attention (SmolLM2,
    8-bit KV). So `attend_in_float()` is True there: the KV store keeps its blocks 4/8-bit, and
-   `cluster.kv_cache.DequantizingLayerCacheView` dequantizes each step's gathered context instead. On Metal,
+   `cluster.kv.cache_view.DequantizingLayerCacheView` dequantizes each step's gathered context instead. On Metal,
    mlx-lm's quantized attention kernels read the packed blocks directly and are the fast path, so
    `attend_in_float()` is False and `QuantizedLayerCacheView` is used.
 

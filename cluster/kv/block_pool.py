@@ -14,7 +14,7 @@ Each cached block given its parent (the hash its own was chained from) is also l
 (cluster/prefix_match.py).
 
 Restore points (models with recurrent layers): a prefix hit also needs the recurrent state after its last
-block, which only a state snapshot holds (cluster/state_snapshots.py). A pool made with
+block, which only a state snapshot holds (cluster/kv/snapshots.py). A pool made with
 `needs_restore_points=True` keeps the set of cached hashes that have one (`mark_restorable`), and
 `find_cached_prefix` cuts a hit back to its last restore point. A restore point lives only as long as its
 block is cached: evicting the block (or resetting the cache) ends it and calls `on_restore_point_lost`, so
@@ -47,7 +47,7 @@ class Block:
 class KVEvent:
     """A change to the cached set: `kind` is "stored", "removed", "cleared" (all blocks dropped), or, in a
     pool with restore points, "restorable" / "unrestorable" (a block's state snapshot kept / dropped).
-    `group`: the KV cache group whose pool changed (0: the main pool, 1: a window pool, cluster/kv_groups.py)."""
+    `group`: the KV cache group whose pool changed (0: the main pool, 1: a window pool, cluster/kv/groups.py)."""
 
     seq: int
     kind: str

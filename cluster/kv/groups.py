@@ -4,7 +4,7 @@ A model whose KV layers are all full attention (or all one kind) has one group: 
 the pool's blocks for as long as the sequence does. A model with sliding-window layers beside full-attention
 ones (gemma3_text, gpt_oss, llama with sliding `layer_types`) has two: the full layers in the main pool, the
 window layers in a window pool whose blocks are released once they fall out of every future query's window
-(cluster/kv_manager.py, vLLM v1's KV cache groups with a sliding-window manager). Both stores are indexed by
+(cluster/kv/manager.py, vLLM v1's KV cache groups with a sliding-window manager). Both stores are indexed by
 their own block ids; a sequence's `block_table` and `window_table` map its positions into each.
 
 The split of `kv_cache_gb` (`pool_sizes`): a running sequence needs at most `window_blocks_per_sequence`

@@ -2,8 +2,8 @@
 
 A prefix-cache hit gives a sequence the KV of its first k blocks, but a recurrent layer also needs its state
 after those k x block_size tokens, which cannot be rebuilt from KV. So the scheduler saves a copy of a
-sequence's state (cluster/recurrent_state.py) at block-aligned positions, keyed by the chained hash of the
-block that ends there (cluster/hashing.py), and a hit is cut back to the longest prefix whose last block has a
+sequence's state (cluster/kv/recurrent_state.py) at block-aligned positions, keyed by the chained hash of the
+block that ends there (cluster/kv/hashing.py), and a hit is cut back to the longest prefix whose last block has a
 snapshot: the state is restored from it and the rest computed (llama.cpp's context checkpoints and mlx-lm's
 server prompt cache do the same with whole caches).
 
@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Optional
 
-from cluster.block_pool import BlockPool
-from cluster.recurrent_state import State
+from cluster.kv.block_pool import BlockPool
+from cluster.kv.recurrent_state import State
 from cluster.request import FinishReason
 from cluster.sequence import Sequence
 

@@ -1,5 +1,5 @@
 """Where one engine step's tokens go and which slots each sequence attends to (`BatchLayout`), over the
-slot layout of the KV store (cluster/kv_store.py).
+slot layout of the KV store (cluster/kv/store.py).
 
 One engine step runs a batch of B sequences, each with T_b new tokens (padded to T = max T_b): the new K/V
 are scattered into their slots (`write_slots`), then each sequence's whole context ([B, kv_heads, L,
@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 import mlx.core as mx
 import numpy as np
 
-from cluster.decode_mirror import MirrorStep, context_slots
+from cluster.kv.decode_mirror import MirrorStep, context_slots
 
 if TYPE_CHECKING:
-    from cluster.kv_store import KVStore
+    from cluster.kv.store import KVStore
 
 
 @dataclass
@@ -49,7 +49,7 @@ class BatchLayout:
         that `mask` hides. Every context position is still in the pool; the window is applied here.
 
         Mirror steps: row b's context sits left-aligned so that every row's new token is column `width`
-        (cluster/decode_mirror.py), so the window is the columns > width - window for every row."""
+        (cluster/kv/decode_mirror.py), so the window is the columns > width - window for every row."""
         if window < 1:
             raise ValueError(f"a sliding window must hold at least one position, got {window}")
         if self.mirror is not None:

@@ -1,5 +1,5 @@
 """The mlx-lm cache view that unmodified mlx-lm models run over: one object per layer and step, over the
-KV store's arrays (cluster/kv_store.py) and the step's BatchLayout (cluster/kv_layout.py).
+KV store's arrays (cluster/kv/store.py) and the step's BatchLayout (cluster/kv/layout.py).
 
 This is the only module that knows mlx-lm's cache protocol (`offset`, `update_and_fetch`, `make_mask`,
 and `bits`/`group_size` for quantized attention, see mlx_lm/models/base.py).
@@ -8,7 +8,7 @@ and `bits`/`group_size` for quantized attention, see mlx_lm/models/base.py).
 ([B, kv_heads, L, head_dim]) for attention, gathered or from the decode mirror; `make_mask` hides the padding.
 Quantized KV has two views: `QuantizedLayerCacheView` hands mlx-lm the packed context (its quantized
 attention, the fast path on Metal); `DequantizingLayerCacheView` hands it the context dequantized (float
-attention, the fast path on the CPU backend). `KVStore.views` picks one (cluster/cpu_backend.py says why).
+attention, the fast path on the CPU backend). `KVStore.views` picks one (cluster/kv/cpu_backend.py says why).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Optional
 
 import mlx.core as mx
 
-from cluster.kv_layout import BatchLayout
+from cluster.kv.layout import BatchLayout
 
 if TYPE_CHECKING:
-    from cluster.kv_store import KVStore
+    from cluster.kv.store import KVStore
 
 
 class LayerCacheView:
@@ -86,7 +86,7 @@ class DequantizingLayerCacheView(LayerCacheView):
     """Quantized blocks in the pool, float attention: the gathered (or mirrored) context is dequantized.
 
     Used where `KVStore.dequantize_for_attention` is set: on MLX's CPU backend, where float attention is the
-    faster (cluster.cpu_backend.attend_in_float), and for families whose attention reads float KV only. The
+    faster (cluster.kv.cpu_backend.attend_in_float), and for families whose attention reads float KV only. The
     pool keeps its 4/8-bit size; only the step's transient context is float. No `bits` attribute, so mlx-lm
     uses its ordinary attention.
     """

@@ -32,8 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence as Seq
 
-from cluster.block_pool import BlockPool
-from cluster.kv_groups import window_first_block
+from cluster.kv.block_pool import BlockPool
+from cluster.kv.groups import window_first_block
 from cluster.sequence import Sequence
 
 

@@ -24,7 +24,7 @@ import numpy as np
 
 
 def context_slots(block_table: Sequence[int], num_tokens: int, block_size: int) -> np.ndarray:
-    """Slots of positions [0, num_tokens) of a sequence: int32 [num_tokens] (see cluster/kv_store.py)."""
+    """Slots of positions [0, num_tokens) of a sequence: int32 [num_tokens] (see cluster/kv/store.py)."""
     nb = -(-num_tokens // block_size)
     table = np.asarray(block_table[:nb], dtype=np.int32)
     return (table[:, None] * block_size + np.arange(block_size, dtype=np.int32)).ravel()[:num_tokens]

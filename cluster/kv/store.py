@@ -11,8 +11,8 @@ Quantized KV (kv_bits 4 or 8) stores each array as mlx's (packed uint32, scales,
 `mx.quantize` along head_dim, shapes [slots, kv_heads, head_dim * bits / 32] and
 [slots, kv_heads, head_dim / group_size] twice.
 
-Each step's mlx-lm cache objects come from `KVStore.views` (cluster/kv_cache.py), over the step's
-`BatchLayout` (cluster/kv_layout.py).
+Each step's mlx-lm cache objects come from `KVStore.views` (cluster/kv/cache_view.py), over the step's
+`BatchLayout` (cluster/kv/layout.py).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from cluster.cpu_backend import CopyPlacement, attend_in_float
-from cluster.decode_mirror import DecodeMirror
-from cluster.kv_cache import DequantizingLayerCacheView, LayerCacheView, QuantizedLayerCacheView
-from cluster.kv_layout import BatchLayout
+from cluster.kv.cpu_backend import CopyPlacement, attend_in_float
+from cluster.kv.decode_mirror import DecodeMirror
+from cluster.kv.cache_view import DequantizingLayerCacheView, LayerCacheView, QuantizedLayerCacheView
+from cluster.kv.layout import BatchLayout
 from cluster.model import ModelSpec
 from cluster.ownership import ThreadOwner
 
@@ -50,7 +50,7 @@ class KVStore:
     The arrays belong to `owner` (cluster/ownership.py: the engine's thread); `read_blocks`, `write_blocks` and
     `views` raise `WrongThreadError` on any other thread. `dequantize_for_attention` (quantized KV only): the
     views dequantize each step's context for float attention; None chooses by device
-    (cluster.cpu_backend.attend_in_float).
+    (cluster.kv.cpu_backend.attend_in_float).
     """
 
     def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: str = "float32",
@@ -74,7 +74,7 @@ class KVStore:
         self.keys = [make(spec.head_dim) for _ in range(spec.num_layers)]
         self.values = [make(spec.v_dim) for _ in range(spec.num_layers)]
         mx.eval(self.keys, self.values)
-        if dequantize_for_attention is None:  # auto: float attention on the CPU backend (cluster/cpu_backend.py)
+        if dequantize_for_attention is None:  # auto: float attention on the CPU backend (cluster/kv/cpu_backend.py)
             dequantize_for_attention = attend_in_float()
         self.dequantize_for_attention = dequantize_for_attention
         mirrored_bits = None if dequantize_for_attention else kv_bits  # the mirror holds what attention reads
@@ -156,7 +156,7 @@ class KVStore:
         contiguous slot ranges). Slots beyond a partial block's tokens hold whatever was there (never read)."""
         self.owner.check("KVStore.read_blocks")
         ids = self._block_ids(block_ids)
-        placement = CopyPlacement(ids)  # no block copy may 4K-alias (cluster/cpu_backend.py)
+        placement = CopyPlacement(ids)  # no block copy may 4K-alias (cluster/kv/cpu_backend.py)
         self._evaluate(layers)
         per_layer = [self._block_views(layer) for layer in layers]
         out = []
@@ -175,7 +175,7 @@ class KVStore:
         """Store `arrays` (as `read_blocks` returns them) into the blocks `block_ids` of `layers`, in place
         (see `_block_views` for who may call this and when). One fancy assignment (a memcpy per block) per
         array and layer. A layer whose block copies would 4K-alias goes through a bounce buffer placed so that
-        neither copy does (`CopyPlacement.write_source`, cluster/cpu_backend.py)."""
+        neither copy does (`CopyPlacement.write_source`, cluster/kv/cpu_backend.py)."""
         self.owner.check("KVStore.write_blocks")
         ids = self._block_ids(block_ids)
         placement = CopyPlacement(ids)
