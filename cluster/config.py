@@ -32,7 +32,7 @@ class EngineConfig:
       For a model with recurrent layers it also holds the `state_cache_gb` of state snapshots and the
       recurrent states of `max_num_seqs` running sequences.
     - `max_num_seqs`: sequences in the running batch at most; None = follows the KV budget
-      (`cluster.step_budget.auto_max_num_seqs`: one sequence per `AUTO_TOKENS_PER_SEQ` tokens of the pool, at
+      (`cluster.kv.plan.auto_max_num_seqs`: one sequence per `AUTO_TOKENS_PER_SEQ` tokens of the pool, at
       least 16, at most 256).
     - `max_num_batched_tokens`: tokens per engine step at most (decode tokens, drafts and prompt chunks
       together; vLLM's token budget); None = max(prefill_chunk_size, max_num_seqs + block_size). It must

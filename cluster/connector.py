@@ -26,7 +26,7 @@ acts after the step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Sequence as Seq
+from typing import Optional, Protocol, Sequence as Seq
 
 from cluster.request import FinishReason
 from cluster.sequence import Sequence
@@ -34,11 +34,10 @@ from cluster.sequence import Sequence
 
 @dataclass(frozen=True)
 class ExternalPrefix:
-    """A prompt computed elsewhere: its KV is the request's holding; `first_token` was sampled there;
-    `state`: for a model with recurrent layers, their state after the prompt (cluster/kv/recurrent_state.py)."""
+    """A prompt computed elsewhere: its KV (blocks and any state after the prompt) is the request's holding;
+    `first_token` was sampled there."""
 
     first_token: int
-    state: Any = None
 
 
 class Connector(Protocol):

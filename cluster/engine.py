@@ -14,7 +14,6 @@ engine carries on.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -22,19 +21,16 @@ from typing import Optional
 
 import mlx.core as mx
 
-from cluster.kv.block_pool import BlockPool
 from cluster.connector import Connector
 from cluster.config import EngineConfig
 from cluster.detokenizer import OutputText
 from cluster.reasoning import start_reasoning
 from cluster.grammar import GrammarError, Grammars
 from cluster.kv.hashing import first_block_key
-from cluster.kv.store import KVStore, kv_bytes_per_block
-from cluster.kv.groups import KVGroups
-from cluster.kv.manager import KVManager, WindowGroup
+from cluster.kv.plan import KVPlan, plan_kv
 from cluster.model import ModelSpec
 from cluster.ownership import ThreadOwner
-from cluster.kv.recurrent_state import probe_state_shapes, state_nbytes
+from cluster.kv.recurrent_state import probe_state_shapes
 from cluster.model_families import verify_model
 from cluster.request import FinishReason, GenerateRequest, RequestOutput
 from cluster.runner import ModelRunner
@@ -42,8 +38,6 @@ from cluster.sampling import make_key
 from cluster.sequence import Sequence
 from cluster.scheduler import ScheduledBatch, Scheduler
 from cluster.speculation import Speculator
-from cluster.kv.snapshots import StateSnapshots
-from cluster.step_budget import auto_max_num_seqs
 
 logger = logging.getLogger(__name__)
 
@@ -63,80 +57,30 @@ class EngineCore:
     """
 
     def __init__(self, model, tokenizer, spec: ModelSpec, config: EngineConfig,
-                 speculator: Optional[Speculator] = None, connector: Optional[Connector] = None):
-        self.model, self.tokenizer, self.spec, self.config = model, tokenizer, spec, config
+                 speculator: Optional[Speculator] = None, connector: Optional[Connector] = None,
+                 kv_plan: Optional[KVPlan] = None):
+        self.model, self.tokenizer, self.spec = model, tokenizer, spec
         verified = verify_model(model)  # before the pool is allocated: a refused model fails fast
+        if kv_plan is None:  # the KV wing plans the budget (cluster/kv/plan.py)
+            shapes = probe_state_shapes(model, verified.state_caches) if verified.num_state_layers else ()
+            kv_plan = plan_kv(spec, config, verified, shapes)
+        self.kv_plan, self.config = kv_plan, kv_plan.config
         self.block_size = config.block_size
         self.max_model_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
-        # KV cache groups: sliding-window layers beside full ones keep their blocks in a pool of their own,
-        # released as they leave the window (cluster/kv/groups.py)
-        self.groups = KVGroups.of(verified.layer_windows)
-        main_spec, window_spec = self.groups.specs(spec)
-        kv_args = (config.block_size, config.dtype, config.kv_bits, config.kv_group_size)
-        per_block = kv_bytes_per_block(main_spec, *kv_args)
-        # recurrent layers: a prefix hit restores their state from a snapshot (cluster/kv/snapshots.py), kept
-        # in `state_cache_gb` of the `kv_cache_gb` budget
-        state_gb = config.kv_cache_gb / 2 if config.state_cache_gb is None else config.state_cache_gb
-        snapshot_bytes = int(state_gb * 2**30) if verified.num_state_layers and config.enable_prefix_caching else 0
-        # and the running sequences' own states (one per sequence, up to max_num_seqs) come out of it too
-        state_shapes = probe_state_shapes(model, verified.state_caches) if verified.num_state_layers else ()
-        window_block = kv_bytes_per_block(window_spec, *kv_args) if window_spec is not None else 0
-        self.config = config = self._resolve_limits(config, snapshot_bytes, per_block + window_block,
-                                                    state_nbytes(state_shapes))
-        budget = int(config.kv_cache_gb * 2**30) - snapshot_bytes - config.max_num_seqs * state_nbytes(state_shapes)
-        num_blocks, num_window_blocks = self.groups.num_blocks(config, budget, per_block, window_block)
-        if min(num_blocks, num_window_blocks or num_blocks) < 2:
-            raise ValueError(f"kv_cache_gb={config.kv_cache_gb} holds no block of {per_block} bytes"
-                             + (f" beside state_cache_gb={state_gb} of recurrent-state snapshots and the states "
-                                f"of max_num_seqs={config.max_num_seqs} running sequences: raise kv_cache_gb or "
-                                "lower state_cache_gb or max_num_seqs" if state_shapes else ""))
-        self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching,
-                              needs_restore_points=bool(verified.num_state_layers))
-        window = None if window_spec is None else WindowGroup(
-            BlockPool(num_window_blocks, enable_caching=config.enable_prefix_caching, event_log=self.pool.event_log,
-                      group=1), self.groups.window)
-        self.kv = KVManager(self.pool, window)  # the one owner that allocates and frees blocks
         # one owner thread for the model calls, the KV arrays and the pool (cluster/ownership.py)
         self.owner = ThreadOwner("this engine")
-        dequantize = None if verified.reads_quantized_kv else True
-        self.store = KVStore(main_spec, num_blocks, *kv_args,
-                             mirror_budget_bytes=self._mirror_budget(config, num_blocks * per_block),
-                             dequantize_for_attention=dequantize, owner=self.owner)
-        self.window_store = None if window_spec is None else KVStore(
-            window_spec, num_window_blocks, *kv_args, dequantize_for_attention=dequantize, owner=self.owner)
-        self.runner = ModelRunner(model, self.store, verified, self.window_store, self.groups, state_shapes)
+        self.kv = kv_plan.build(self.owner)  # the one owner of every request's KV, by KV cache group
+        self.pool, self.store = self.kv.pool, self.kv.block_groups[0].store
+        self.runner = ModelRunner(model, self.kv, verified)
         eos_ids = set(spec.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
-        interval = config.state_snapshot_interval or max(  # default: whole blocks of a prefill chunk
-            config.block_size, config.prefill_chunk_size // config.block_size * config.block_size)
-        snapshots = (StateSnapshots(snapshot_bytes, self.pool, config.block_size, interval)
-                     if verified.num_state_layers else None)
-        self.scheduler = Scheduler(config, self.kv, self._extra_key, eos_ids, None, connector, snapshots,
-                                   self.store.copy_block)
+        self.scheduler = Scheduler(self.config, self.kv, self._extra_key, eos_ids, None, connector)
         # constrained decoding (cluster/grammar.py): its llguidance tokenizer is built on the first grammar
         self.grammars = Grammars(tokenizer, spec.vocab_size, eos_ids)
         # the overlapped loop: plain rows' tokens stay on the device for a step (`_defers`, `InFlight`)
-        self._overlap = config.async_scheduling and not verified.num_state_layers
+        self._overlap = self.config.async_scheduling and not verified.num_state_layers
         self._inflight: Optional[InFlight] = None
         if speculator is not None:
-            self.speculator = speculator
-
-    @staticmethod
-    def _resolve_limits(config: EngineConfig, snapshot_bytes: int, block_bytes: int, state_bytes: int) -> EngineConfig:
-        """`config` with `max_num_seqs` (None: following the KV budget, `auto_max_num_seqs`) and
-        `max_num_batched_tokens` (None: max(prefill_chunk_size, max_num_seqs + block_size)) filled in. Raises
-        ValueError when a set token budget cannot hold one token of every running sequence and a block."""
-        n = config.max_num_seqs
-        if n is None:
-            blocks_bytes = (config.num_blocks * block_bytes if config.num_blocks
-                            else int(config.kv_cache_gb * 2**30) - snapshot_bytes)
-            n = auto_max_num_seqs(blocks_bytes, block_bytes, config.block_size, state_bytes)
-        need = n + config.block_size
-        budget = config.max_num_batched_tokens or max(config.prefill_chunk_size, need)
-        if budget < need:
-            raise ValueError(f"max_num_batched_tokens={budget} cannot hold one token of each of max_num_seqs={n} "
-                             f"running sequences and a block of prompt: set it to at least {need} or lower "
-                             "max_num_seqs")
-        return dataclasses.replace(config, max_num_seqs=n, max_num_batched_tokens=budget)
+            self.speculator = speculator  # checked against the model
 
     @property
     def speculator(self) -> Speculator:
@@ -171,11 +115,6 @@ class EngineCore:
     def sequences(self) -> dict[str, Sequence]:
         """The live sequences by request id (the scheduler's; read them, never change them)."""
         return self.scheduler.sequences
-
-    @staticmethod
-    def _mirror_budget(config: EngineConfig, pool_bytes: int) -> int:
-        """Bytes for the decode mirror: `decode_mirror_gb`, or by default as much as the pool."""
-        return pool_bytes if config.decode_mirror_gb is None else int(config.decode_mirror_gb * 2**30)
 
     def _extra_key(self, cache_salt: Optional[str]) -> int:
         c = self.config

@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence as Seq
+from typing import Callable, Optional, Sequence as Seq, Union
 
 import mlx.core as mx
 
 from cluster.grammar import Grammars, token_rule
-from cluster.kv.groups import KVGroups
-from cluster.kv.layout import BatchLayout
+from cluster.kv.attention_groups import FullAttentionGroup
+from cluster.kv.groups import KVCacheGroup
+from cluster.kv.manager import KVManager
 from cluster.kv.store import KVStore
 from cluster.model_families import VerifiedModel, verify_model
-from cluster.kv.recurrent_state import State, StateShapes, probe_state_shapes, split_states, stack_states
 from cluster.request import TokenLogprob
 from cluster.sampling import prompt_logprobs, sample, sample_tokens
 from cluster.sequence import PENDING, Sequence
@@ -46,79 +46,73 @@ class Logits(enum.Enum):
 class BatchItem:
     """One sequence's share of a step: compute `token_ids` at positions [start, start + len) into the blocks of
     `block_table`. `mirror_row` names the sequence across decode steps (its row of the decode mirror).
-    `state`: the sequence's recurrent state before the step (cluster/kv/recurrent_state.py; None: nothing
-    computed yet, or a model without recurrent layers). `window_table`: its window layers' blocks
-    (`Sequence.window_table`; empty without a window group). `pending_request`: set when the first token is a
-    `PENDING` place, to the request whose token the previous step sampled on the device (`execute`)."""
+    `entries`: the sequence's entry in every KV cache group (`KVManager.entries`, cluster/kv/groups.py), of
+    which `block_table` is the first group's; empty for a runner over one store. `pending_request`: set when the
+    first token is a `PENDING` place, to the request whose token the previous step sampled on the device
+    (`execute`)."""
 
     block_table: Seq[int]
     start: int
     token_ids: Seq[int]
     logits: Logits = Logits.LAST
     mirror_row: Optional[str] = None
-    state: Any = None
-    window_table: Seq[int] = ()
+    entries: tuple = ()
     pending_request: Optional[str] = None
 
 
 class ModelRunner:
-    """Runs `model` over `store`. Not thread-safe: one engine thread owns it (MLX runs on that thread).
+    """Runs `model` over the KV cache groups of `kv` (a `KVManager`), or over one `KVStore` of full attention.
+    Not thread-safe: one engine thread owns it (MLX runs on that thread).
 
     `verified` is `verify_model(model)`'s result (computed here when None). Raises ValueError for a model
     that `verify_model` refuses, or whose attention cannot read the store's quantized KV as stored.
     """
 
-    def __init__(self, model, store: KVStore, verified: Optional[VerifiedModel] = None,
-                 window_store: Optional[KVStore] = None, groups: Optional[KVGroups] = None,
-                 state_shapes: Optional[StateShapes] = None):
-        self.model, self.store, self.window_store = model, store, window_store
+    def __init__(self, model, kv: Union[KVManager, KVStore], verified: Optional[VerifiedModel] = None):
+        self.model = model
         self.verified = verified or verify_model(model)
-        # with a window store, the KV layers of each group in the model's KV-layer order (cluster/kv/groups.py)
-        self.groups = groups if window_store is not None else None
+        if isinstance(kv, KVStore):
+            self.kv: Optional[KVManager] = None
+            self.groups: tuple[KVCacheGroup, ...] = (FullAttentionGroup(None, kv, range(kv.spec.num_layers)),)
+        else:
+            self.kv, self.groups = kv, kv.groups
+        self.store = self.groups[0].store  # the first group's: its decode mirror, its block size
+        store = self.store
         if store.kv_bits is not None and not store.dequantize_for_attention and not self.verified.reads_quantized_kv:
             raise ValueError(f"{self.verified.model_type} attention reads float KV only: a KV store with "
                              f"kv_bits={store.kv_bits} must dequantize for attention")
         self._body, self._head, self._mask_rank = self.verified.body, self.verified.head, self.verified.mask_rank
-        if state_shapes is None:  # the engine probes them first, to budget the states
-            state_shapes = probe_state_shapes(model, self.verified.state_caches) if self.verified.num_state_layers else ()
-        self.state_shapes = state_shapes
+        self._num_slots = {space: sum(len(g.layers) for g in self.groups if g.layer_space == space)
+                           for space in ("kv", "state")}
         self.num_prefill_tokens = 0  # prompt tokens computed
         self.num_padding_tokens = 0  # padding computed beside them (bounded by `pack_prefill`)
 
-    def forward(self, items: Seq[BatchItem]) -> list[Optional[mx.array]]:
+    def forward(self, items: Seq[BatchItem], fed: Optional[tuple[mx.array, list[int], list[int]]] = None
+                ) -> list[Optional[mx.array]]:
         """Run one step; returns per item float32 logits: [vocab] for Logits.LAST, [T_b, vocab] for Logits.ALL,
-        None for Logits.NONE. The returned arrays are lazy; if none is returned the KV writes are evaluated here."""
-        return self.forward_with_state(items)[0]
-
-    def forward_with_state(self, items: Seq[BatchItem], fed: Optional[tuple[mx.array, list[int], list[int]]] = None
-                           ) -> tuple[list[Optional[mx.array]], list[Optional[State]]]:
-        """`forward`, plus each item's recurrent state after the step (evaluated; None for every item of a
-        model without recurrent layers). `fed`: (tokens on the device, rows, indices): row r's first token is
-        tokens[index] (a `PENDING` place in its `token_ids`)."""
+        None for Logits.NONE. The returned arrays are lazy; if none is returned the KV writes are evaluated here.
+        What a group keeps per row besides blocks (a recurrent state) is written back into the items' entries,
+        evaluated. `fed`: (tokens on the device, rows, indices): row r's first token is tokens[index] (a
+        `PENDING` place in its `token_ids`)."""
         num_new = [len(it.token_ids) for it in items]
         T = max(num_new)
         tokens = mx.array([list(it.token_ids) + [0] * (T - len(it.token_ids)) for it in items], dtype=mx.int32)
         if fed is not None:
             source, rows, index = fed
             tokens[mx.array(rows), 0] = mx.take(source, mx.array(index))
-        tables, starts = [it.block_table for it in items], [it.start for it in items]
-        if T == 1 and all(it.mirror_row is not None for it in items):
-            layout = BatchLayout.build_decode(self.store, [it.mirror_row for it in items], tables, starts,
-                                              self._mask_rank)
-        else:
-            layout = BatchLayout.build(tables, starts, num_new, self.store.block_size, self._mask_rank)
-        kv_views = self.store.views(layout)
-        if self.groups is not None:  # window layers over their own blocks: a gathered layout of their tables
-            window_layout = BatchLayout.build([it.window_table for it in items], starts, num_new,
-                                              self.store.block_size, self._mask_rank)
-            views = [None] * (len(self.groups.full_layers) + len(self.groups.window_layers))
-            for layers, group_views in ((self.groups.full_layers, kv_views),
-                                        (self.groups.window_layers, self.window_store.views(window_layout))):
-                for i, view in zip(layers, group_views):
-                    views[i] = view
-            kv_views = views
-        state_views = stack_states(self.state_shapes, [it.state for it in items], num_new) if self.state_shapes else []
-        caches = self.verified.caches(kv_views, state_views) if self.verified.layer_kinds else kv_views
+        starts = [it.start for it in items]
+        mirror_rows = [it.mirror_row for it in items] if all(it.mirror_row is not None for it in items) else None
+        slots = {space: [None] * n for space, n in self._num_slots.items()}
+        group_entries, group_views = [], []
+        for g, group in enumerate(self.groups):  # each group's layers over its own entries (cluster/kv/groups.py)
+            entries = [it.entries[g] if it.entries else it.block_table for it in items]
+            views = group.views(entries, starts, num_new, self._mask_rank, mirror_rows)
+            for i, view in zip(group.layers, views):
+                slots[group.layer_space][i] = view
+            group_entries.append(entries)
+            group_views.append(views)
+        kv_views = slots["kv"]
+        caches = self.verified.caches(kv_views, slots["state"]) if self.verified.layer_kinds else kv_views
         hidden = self._body(tokens, cache=caches)
         out: list[Optional[mx.array]] = [None] * len(items)
         # one [rows, hidden] x [hidden, vocab] product: the head's weights are read once per step
@@ -135,13 +129,10 @@ class ModelRunner:
             for b, at, n in spans:
                 out[b] = logits[at] if items[b].logits is Logits.LAST else logits[at:at + n]
         else:
-            mx.eval(self.store.keys, self.store.values,
-                    *((self.window_store.keys, self.window_store.values) if self.window_store else ()))
-        if not state_views:
-            return out, [None] * len(items)
-        states = split_states(state_views, len(items))
-        mx.eval(states)
-        return out, states
+            mx.eval(*[a for group in self.groups for a in group.arrays()])
+        for group, entries, views in zip(self.groups, group_entries, group_views):
+            group.collect(entries, views)
+        return out
 
     def execute(self, batch, drafts: dict[str, Draft], verify: Optional[Verify] = None,
                 grammars: Optional[Grammars] = None, pending: Optional[tuple[mx.array, dict[str, int]]] = None,
@@ -158,15 +149,17 @@ class ModelRunner:
         from there on the device. Rows of sequences `defer` accepts sample on the device without being read
         back: their `pending` is (this step's tokens array, their index), evaluated asynchronously
         (`mx.async_eval`), so the host goes on while the device computes."""
-        decode = [plan_row(seq, n, False, drafts.get(seq.request_id)) for seq, n in batch.decode]
-        prefill = [plan_row(seq, n, True, None) for seq, n in batch.prefill]
+        kv = self.kv
+        decode = [plan_row(seq, n, False, drafts.get(seq.request_id), kv.entries(seq.request_id))
+                  for seq, n in batch.decode]
+        prefill = [plan_row(seq, n, True, None, kv.entries(seq.request_id)) for seq, n in batch.prefill]
         rows = [row for row, _ in decode + prefill]
         # the decode rows in one forward, then the prompt chunks in forwards of rows of similar length
         groups = ([decode] if decode else []) + pack_prefill(prefill, bool(self.verified.num_state_layers))
         for i, group in enumerate(groups):
             fed = self._feed_pending([item for _, item in group], pending) if group is decode else None
-            for (row, _), logits, state in zip(group, *self.forward_with_state([item for _, item in group], fed)):
-                row.logits, row.state = logits, state
+            for (row, _), logits in zip(group, self.forward([item for _, item in group], fed)):
+                row.logits = logits
             if i + 1 < len(groups):
                 self._settle([row.logits for row, _ in group if row.logits is not None])
             if group is not decode:
@@ -208,8 +201,7 @@ class ModelRunner:
         next forward of the same step is built. In one lazy graph, a pool array that one forward reads (its
         contexts) and the next one writes has two consumers, so the write cannot reuse the buffer and copies
         the whole pool (measured with a 1 GiB pool: 340 ms a step of decode rows and a prompt, 30 ms so)."""
-        stores = (self.store,) + ((self.window_store,) if self.window_store is not None else ())
-        mx.async_eval(*logits, *[a for store in stores for part in (store.keys, store.values) for a in part])
+        mx.async_eval(*logits, *[a for group in self.groups for a in group.arrays()])
 
     @staticmethod
     def _feed_pending(items: Seq[BatchItem], pending) -> Optional[tuple[mx.array, list[int], list[int]]]:
@@ -258,8 +250,7 @@ class RowResult:
     token sampled. `draft`/`verified`: the draft fed after the last token and what verification accepted.
     `prompt_logprobs`: for a request that wants them, the entries of the prompt positions this chunk predicted
     (positions start + 1 .. start + num_fed, within the prompt), unless the sequence already has them (a
-    recompute after preemption). `state`: the sequence's recurrent state after the step (None without
-    recurrent layers). `pending`: sampled on the device and not read back (the overlapped loop): (the step's
+    recompute after preemption). `pending`: sampled on the device and not read back (the overlapped loop): (the step's
     tokens, this row's index); `token` is then None."""
 
     seq: Sequence
@@ -273,7 +264,6 @@ class RowResult:
     draft: Optional[Draft] = None
     verified: Optional[Verified] = None
     prompt_logprobs: Optional[list[TokenLogprob]] = None
-    state: Any = None
     pending: Optional[tuple[mx.array, int]] = None
 
     @property
@@ -314,20 +304,20 @@ def pack_prefill(planned: list, exact: bool = False) -> list[list]:
     return groups
 
 
-def plan_row(seq: Sequence, num_tokens: int, is_prefill: bool,
-             draft: Optional[Draft]) -> tuple[RowResult, BatchItem]:
+def plan_row(seq: Sequence, num_tokens: int, is_prefill: bool, draft: Optional[Draft],
+             entries: tuple) -> tuple[RowResult, BatchItem]:
     """The batch item for `seq` in this step (`num_tokens` scheduled for it: a prefill chunk, or in a decode
-    step the last token plus room for drafts) and its result slot."""
+    step the last token plus room for drafts; `entries`: its KV in every group) and its result slot."""
     start = seq.num_computed_tokens
+    table = entries[0]
     mirror_row = None if is_prefill else seq.request_id
     if not is_prefill and seq.token_ids[start] == PENDING:  # its token is still on the device (overlapped loop)
         return (RowResult(seq, start, 1, Logits.LAST, True),
-                BatchItem(seq.block_table, start, seq.token_ids[start:], Logits.LAST, mirror_row, seq.recurrent_state,
-                          seq.window_table, seq.request_id))
+                BatchItem(table, start, seq.token_ids[start:], Logits.LAST, mirror_row, entries, seq.request_id))
     if draft is not None:  # verify: the last token and the drafts, logits at every position
         return (RowResult(seq, start, len(seq.token_ids) - start, Logits.ALL, draft=draft),
-                BatchItem(seq.block_table, start, seq.token_ids[start:] + list(draft.tokens), Logits.ALL, mirror_row,
-                          seq.recurrent_state, seq.window_table))
+                BatchItem(table, start, seq.token_ids[start:] + list(draft.tokens), Logits.ALL, mirror_row,
+                          entries))
     n = num_tokens if is_prefill else len(seq.token_ids) - start  # decode: the reserved rest is for drafts
     samples = start + n == len(seq.token_ids)
     if seq.request.sampling.prompt_logprobs is not None and start < seq.num_prompt_tokens:
@@ -335,5 +325,4 @@ def plan_row(seq: Sequence, num_tokens: int, is_prefill: bool,
     else:
         wanted = Logits.LAST if samples else Logits.NONE
     return (RowResult(seq, start, n, wanted, samples),
-            BatchItem(seq.block_table, start, seq.token_ids[start:start + n], wanted, mirror_row, seq.recurrent_state,
-                      seq.window_table))
+            BatchItem(table, start, seq.token_ids[start:start + n], wanted, mirror_row, entries))

@@ -33,6 +33,7 @@ from typing import Callable, Iterable, Optional
 from cluster.config import EngineConfig
 from cluster.grammar import consume_answer
 from cluster.connector import Connector, NoConnector
+from cluster.kv.groups import StepRequest
 from cluster.kv.manager import KVManager
 from cluster.prefix_match import PrefixMatcher
 from cluster.request import MAX_DRAFT_TOKENS, FinishReason, RequestOutput
@@ -40,7 +41,6 @@ from cluster.runner import RowResult
 from cluster.sampling import advance_key
 from cluster.sequence import PENDING, Sequence, SequenceStatus
 from cluster.speculation import Draft, NoSpeculator, Speculator, Verified
-from cluster.kv.snapshots import StateSnapshots
 from cluster.step_budget import ScheduledBatch, StepBudget
 
 
@@ -51,22 +51,17 @@ class Scheduler:
 
     `extra_key(cache_salt)` gives the first block's hash key (model, revision, KV format, salt); `eos_ids` the
     model's end-of-sequence token ids. `speculator` (how many drafts a decoding sequence wants, what
-    verification accepted) and `connector` (the role seam) are the engine's, set through it. `snapshots`:
-    for a model with recurrent layers, its state snapshots (cluster/kv/snapshots.py), which say where
-    prefill chunks end and take the snapshots after each step and as a sequence finishes; a prefix hit (cut
-    back by the pool to its last restore point) restores one. `copy_block(src, dst)`: the KV store's, for
-    prefix hits on the head of a cached block (cluster/prefix_match.py).
+    verification accepted) and `connector` (the role seam) are the engine's, set through it. The `KVManager`
+    keeps every sequence's KV by request id, in each KV cache group (cluster/kv/groups.py).
     """
 
     def __init__(self, config: EngineConfig, kv: KVManager, extra_key: Callable[[Optional[str]], int],
                  eos_ids: Iterable[int] = (), speculator: Optional[Speculator] = None,
-                 connector: Optional[Connector] = None, snapshots: Optional[StateSnapshots] = None,
-                 copy_block: Optional[Callable[[int, int], None]] = None):
+                 connector: Optional[Connector] = None):
         self.config, self.kv, self.pool, self.extra_key = config, kv, kv.pool, extra_key
         self.eos_ids = frozenset(eos_ids)
         self.speculator: Speculator = speculator or NoSpeculator()
         self.connector: Connector = connector or NoConnector()
-        self.snapshots = snapshots
         self.block_size = config.block_size
         self.sequences: dict[str, Sequence] = {}
         self.waiting: deque[Sequence] = deque()
@@ -74,7 +69,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._preempted: list[Sequence] = []
         self.num_preemptions = 0
-        self.prefix = PrefixMatcher(kv, config.block_size, extra_key, snapshots, copy_block)
+        self.prefix = PrefixMatcher(kv, config.block_size, extra_key)
         self.budget = StepBudget(config.max_num_batched_tokens or config.prefill_chunk_size,
                                  config.prefill_chunk_size, config.block_size,
                                  None if config.itl_target_ms is None else config.itl_target_ms / 1000,
@@ -121,10 +116,9 @@ class Scheduler:
                 outputs.append(self.finish_with_output(seq, FinishReason.ERROR,
                                                        "its prompt KV arrived without blocks (internal error)"))
                 continue
-            held = self.kv.adopt(seq.request_id, seq)
+            held = self.kv.adopt(seq.request_id)
             seq.token_ids.append(prefix.first_token)
             seq.num_computed_tokens, seq.num_cached_tokens = seq.num_prompt_tokens, held.num_cached_tokens
-            seq.recurrent_state = prefix.state
             # its text went out with the first token, under its grammar and reasoning: resume them
             error = consume_answer(seq.grammar, seq.reasoning, prefix.first_token)[1]
             seq.output_text.add(prefix.first_token)
@@ -191,18 +185,14 @@ class Scheduler:
             seq.token_ids.pop()
         if seq.speculation is not None:
             self.speculator.release(seq)
-        if self.snapshots is not None:
-            self.snapshots.finish(seq, reason)
         self.sequences.pop(seq.request_id, None)
         keep_blocks = self.connector.request_finished(seq, reason)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.awaiting_kv.pop(seq.request_id, None)
-        if keep_blocks and seq.block_table:
-            self.kv.hold(seq)
-        self.kv.free(seq)
+        self.awaiting_kv.pop(seq.request_id, None)  # its holding, if any, stays the role's to release
+        self.kv.finish(seq.request_id, reason is FinishReason.ERROR, keep_blocks, seq.num_cached_tokens)
         seq.status = SequenceStatus.FINISHED
 
     def finish_with_output(self, seq: Sequence, reason: FinishReason, error: Optional[str] = None) -> RequestOutput:
@@ -250,11 +240,8 @@ class Scheduler:
         if row.prompt_logprobs is not None:
             seq.prompt_logprobs.extend(row.prompt_logprobs)
         seq.num_computed_tokens += row.num_fed
-        seq.recurrent_state = row.state
         self.prefix.cache_computed_blocks(seq)
-        self.kv.release_outside_window(seq, self.block_size)
-        if self.snapshots is not None:
-            self.snapshots.save(seq)
+        self.kv.computed(seq.request_id, StepRequest(seq.num_computed_tokens, seq.block_hashes, seq.num_prompt_tokens))
 
     def _accept(self, seq: Sequence, draft: Draft, result: Verified) -> RequestOutput:
         """Append the verified tokens one by one, as plain decoding would (stopping at the first stop), and
@@ -268,7 +255,7 @@ class Scheduler:
             if outs[-1].finished:
                 break
         seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
-        self.kv.release_outside_window(seq, self.block_size)
+        self.kv.computed(seq.request_id, StepRequest(seq.num_computed_tokens, seq.block_hashes, seq.num_prompt_tokens))
         if len(outs) == 1:
             return outs[0]
         logprobs = None if outs[0].logprobs is None else tuple(lp for o in outs for lp in o.logprobs)
@@ -305,18 +292,18 @@ class Scheduler:
                        stop_string=seq.output_text.stop_string if reason == FinishReason.STOP else None,
                        reasoning=reasoning)
 
-    def _chunk(self, seq: Sequence, allowance: int, whole_room: int) -> int:
-        """Tokens of `seq` to compute in this step given `allowance` prompt tokens left (`StepBudget.chunk`);
-        with recurrent state, ending where a snapshot is due (`StateSnapshots.chunk_end`)."""
-        start = seq.num_computed_tokens
+    def _chunk(self, seq: Sequence, allowance: int, whole_room: int, start: Optional[int] = None) -> int:
+        """Tokens of `seq` to compute in this step from `start` (default: its computed tokens) given `allowance`
+        prompt tokens left (`StepBudget.chunk`), ending where a KV cache group wants it to
+        (`KVManager.chunk_end`)."""
+        start = seq.num_computed_tokens if start is None else start
         end = start + self.budget.chunk(len(seq.token_ids) - start, allowance, whole_room)
-        return (end if self.snapshots is None or end == start else self.snapshots.chunk_end(seq, start, end)) - start
+        return self.kv.chunk_end(len(seq.token_ids), start, end) - start
 
     # -- internals ---------------------------------------------------------------------------------
 
     def _blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        total = seq.num_computed_tokens + num_tokens
-        return max(0, -(-total // self.block_size) - len(seq.block_table))
+        return self.kv.blocks_needed(seq.request_id, seq.num_computed_tokens + num_tokens)
 
     def _schedule_prefill(self, allowance: int, room: int, may_preempt: bool) -> list[tuple[Sequence, int]]:
         """Prompt chunks within `allowance` tokens (`room`: the budget left, of which the step's new short
@@ -339,17 +326,22 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.token_ids[-1] == PENDING:  # preempted with its token on the device: after `resolve`
                 break
-            self.prefix.match(seq)
-            n = self._chunk(seq, allowance, whole_room)
-            if n < seq.num_uncomputed and partial:
+            hit = self.prefix.lookup(seq)  # no side effects: nothing to undo when it does not fit
+            start = seq.num_computed_tokens if hit is None else hit.num_tokens
+            n = self._chunk(seq, allowance, whole_room, start)
+            if n < len(seq.token_ids) - start and partial:
                 n = 0
-            if not n or self._blocks_needed(seq, n) > self.kv.num_free_blocks:
-                self.prefix.unmatch(seq)
-                self.kv.free(seq)
+            if hit is None:  # it holds its KV already
+                need, free = self._blocks_needed(seq, n), self.kv.num_free_blocks
+            else:
+                need, free = max(0, -(-(start + n) // self.block_size) - hit.num_blocks), self.kv.free_besides(hit)
+            if not n or need > free:
                 break
             self.waiting.popleft()
-            self._reserve(seq, n, allow_preempt=False)
-            self.prefix.fill(seq)
+            if hit is None:
+                self.kv.allocate(seq.request_id, need)
+            else:
+                self.prefix.commit(seq, hit, need)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             items.append((seq, n))
@@ -386,16 +378,15 @@ class Scheduler:
                 return False
             self._preempt(victims[-1])
         if need:
-            self.kv.allocate(seq, need)
+            self.kv.allocate(seq.request_id, need)
         return True
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.kv.free(seq)
+        self.kv.free(seq.request_id)
         seq.block_hashes = []
         self._preempted.append(seq)
         seq.num_computed_tokens = seq.num_draft_computed = 0
-        seq.recurrent_state = seq.pending_snapshot = None
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -1,4 +1,4 @@
-"""Worker-local state of one request: token ids, counters, blocks and output text.
+"""Worker-local state of one request: token ids, counters, sampling state and output text.
 
 Counters, not phases (nano-vllm): the engine computes KV for `token_ids[num_computed_tokens:]`, chunk by
 chunk; the step that feeds the last token yields the logits of the next one, which is sampled and
@@ -11,9 +11,17 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Optional
 
 from cluster.request import GenerateRequest, TokenLogprob
+
+if TYPE_CHECKING:  # the types of the sequence's state; their modules import this one
+    import mlx.core as mx
+
+    from cluster.detokenizer import OutputText
+    from cluster.grammar import GrammarMatcher
+    from cluster.reasoning_state import ReasoningState
+    from cluster.speculation import DraftState, SequenceSpeculation
 
 
 PENDING = -1  # the place of a token sampled on the device and not read back yet (the engine's overlapped loop)
@@ -32,23 +40,14 @@ class Sequence:
     """One request on one worker.
 
     token_ids: prompt then output tokens. num_computed_tokens: tokens whose KV is in the blocks.
-    block_table: block ids holding positions [i * block_size, (i + 1) * block_size).
     block_hashes: chained hashes of the full blocks of token_ids computed so far.
+    Its KV (block tables, recurrent state) is the `KVManager`'s, by request id (cluster/kv/manager.py).
     max_tokens: output tokens allowed after clamping to the context.
     speculation: speculative decoding state (`Speculator.state_for`, decode_node/speculative.py's
         SpeculationState), None when it is off.
-    num_draft_computed: tokens whose draft-model KV is in the draft pool (same block_table), at most
+    num_draft_computed: tokens whose draft-model KV is in the draft pool (same block table), at most
     num_computed_tokens after every step (the rejected drafts' KV is rolled back by lowering it).
     draft_state: the drafter's own per-sequence state (e.g. the prompt-lookup n-gram index).
-    recurrent_state: its recurrent layers' state after its num_computed_tokens tokens
-        (cluster/kv/recurrent_state.py; None before any, and always for models without recurrent layers).
-    window_table: for a model with sliding-window layers beside full ones, the blocks of its window layers
-        (`KVManager`'s window pool), index for index with block_table; 0 where a block fell out of every
-        future query's window and was released. Empty otherwise.
-    pending_snapshot: (block hash, state) at the latest block boundary reached while decoding, saved as a
-        state snapshot when the sequence finishes (cluster/kv/snapshots.py); None otherwise.
-    chunk_snapshots: (block hash, position) of the state snapshots it saved at prefill chunk ends (not its
-        prompt's last whole block), thinned when it finishes (`StateSnapshots.finish`).
     grammar: for a request with `SamplingParams.grammar`, its matcher (cluster/grammar.py's GrammarMatcher),
         which has consumed every output token; kept across preemption (the output tokens are kept too). None
         for free output.
@@ -64,21 +63,16 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
-    rng_key: Any = None
-    output_text: Any = None  # cluster.detokenizer.OutputText
+    rng_key: Optional[mx.array] = None
+    output_text: Optional[OutputText] = None
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
-    speculation: Any = None
+    speculation: Optional[SequenceSpeculation] = None
     num_draft_computed: int = 0
-    draft_state: Any = None
-    recurrent_state: Any = None
-    window_table: list[int] = field(default_factory=list)
-    pending_snapshot: Any = None
-    chunk_snapshots: list[tuple[int, int]] = field(default_factory=list)
-    grammar: Any = None
-    reasoning: Any = None
+    draft_state: Optional[DraftState] = None
+    grammar: Optional[GrammarMatcher] = None
+    reasoning: Optional[ReasoningState] = None
     remote_decode: bool = False
     arrival: float = field(default_factory=time.monotonic)
 

@@ -25,6 +25,23 @@ from cluster.request import GenerateRequest, TokenLogprob
 from cluster.sequence import Sequence
 
 
+
+class SequenceSpeculation(Protocol):
+    """One sequence's speculative-decoding state, as the speculator keeps it (decode_node/speculative.py's
+    `SpeculationState`): its method and its adaptive draft length."""
+
+    method: str
+
+    def num_draft_tokens(self, cost_per_token: float) -> int: ...
+
+    def update(self, proposed: int, accepted: int) -> None: ...
+
+
+class DraftState(Protocol):
+    """A drafter's own per-sequence state (e.g. decode_node/drafters.py's prompt-lookup n-gram index)."""
+
+    def propose(self, tokens: list[int], k: int) -> list[int]: ...
+
 @dataclass(frozen=True)
 class Draft:
     """The draft tokens proposed for one sequence in one step.

@@ -1,5 +1,5 @@
 """One engine step's work (`ScheduledBatch`) and its token budget: how many prompt tokens may run beside the
-decode tokens (`StepBudget`), and the running batch's size when it follows the KV budget (`auto_max_num_seqs`).
+decode tokens (`StepBudget`).
 
 Every step carries one token (plus its drafts) for every decoding sequence first; prompt chunks fill the rest
 of `max_num_batched_tokens` (vLLM's token budget). While sequences are decoding, the prompt tokens of a step are
@@ -116,17 +116,3 @@ class StepBudget:
 
 def _ema(old: Optional[float], new: float) -> float:
     return new if old is None else (1 - _EMA) * old + _EMA * new
-
-
-AUTO_TOKENS_PER_SEQ = 256  # KV tokens of the pool per running sequence when max_num_seqs follows the budget
-AUTO_MIN_SEQS, AUTO_MAX_SEQS = 16, 256
-
-
-def auto_max_num_seqs(budget_bytes: int, block_bytes: int, block_size: int, state_bytes: int = 0) -> int:
-    """`max_num_seqs` when it follows the KV budget: one running sequence per `AUTO_TOKENS_PER_SEQ` tokens of
-    the pool, each also holding its recurrent state (`state_bytes`, 0 without recurrent layers), within
-    [`AUTO_MIN_SEQS`, `AUTO_MAX_SEQS`] (vLLM's default batch is 256 sequences). `budget_bytes`: bytes for blocks
-    and running states; `block_bytes`: one block's KV over every layer and group, for `block_size` tokens.
-    A sequence that outgrows its share takes free blocks; when none are left, recompute preemption applies."""
-    per_seq = -(-AUTO_TOKENS_PER_SEQ // block_size) * block_bytes + state_bytes
-    return int(min(AUTO_MAX_SEQS, max(AUTO_MIN_SEQS, budget_bytes // max(1, per_seq))))

@@ -283,14 +283,13 @@ class Worker:
 
     def _window_snapshot(self) -> dict:
         """The window pool's part of a prefix-index snapshot (models with window layers beside full ones)."""
-        window = self.engine.kv.window
-        if window is None:
-            return {}
-        return {"window": window.window, "window_hashes": window.pool.cached_hashes()}
+        for group in self.engine.kv.block_groups[1:]:
+            return {"window": group.reach_tokens + 1, "window_hashes": group.pool.cached_hashes()}
+        return {}
 
     def _snapshot_stats(self) -> dict:
         """The recurrent-state snapshots of a model with recurrent layers (none for other models)."""
-        snaps = self.engine.scheduler.snapshots
+        snaps = next((getattr(g, "snapshots") for g in self.engine.kv.groups if hasattr(g, "snapshots")), None)
         if snaps is None:
             return {}
         return {"state_snapshots": len(snaps), "state_snapshot_bytes": snaps.nbytes,

@@ -30,6 +30,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from cluster.kv.plan import mirror_budget_bytes
 from cluster.kv.store import KVStore, kv_bytes_per_block
 from cluster.model import ModelSpec, load_draft_model
 from cluster.model_families import verify_model
@@ -146,13 +147,14 @@ class DraftModelDrafter:
         check_same_tokenizer(engine.tokenizer, tokenizer)
         cfg = engine.config
         per_block = kv_bytes_per_block(spec, cfg.block_size, cfg.dtype, cfg.kv_bits, cfg.kv_group_size)
-        mirror = engine._mirror_budget(cfg, engine.pool.num_blocks * per_block)
+        mirror = mirror_budget_bytes(cfg, engine.pool.num_blocks * per_block)
         verified = verify_model(model)
         # the draft's KV belongs to the target engine's thread, like the target's (cluster/ownership.py)
         self.store = KVStore(spec, engine.pool.num_blocks, cfg.block_size, cfg.dtype, cfg.kv_bits,
                              cfg.kv_group_size, mirror_budget_bytes=mirror,
                              dequantize_for_attention=None if verified.reads_quantized_kv else True, owner=engine.owner)
         self.runner = ModelRunner(model, self.store, verified)
+        self.kv = engine.kv  # the target's block tables, which the draft's KV follows
         self.block_size, self.chunk, self.vocab_size = cfg.block_size, cfg.prefill_chunk_size, engine.spec.vocab_size
         self.valid: dict[int, int] = {}  # block id -> the block hash its draft KV was computed for
         self.grammars = engine.grammars  # constrained sequences draft under their grammar's mask
@@ -186,7 +188,8 @@ class DraftModelDrafter:
                 seq = seqs[b]
                 feed = tokens[b][-1:] or seq.token_ids[seq.num_draft_computed:]
                 self._forget(seq, seq.num_draft_computed, len(feed))
-                items.append(BatchItem(seq.block_table, seq.num_draft_computed, feed, Logits.LAST, mirror_row=seq.request_id))
+                items.append(BatchItem(self.kv.block_table(seq.request_id), seq.num_draft_computed, feed, Logits.LAST,
+                                       mirror_row=seq.request_id))
             logits = self.runner.forward(items)
             for b, item, (token, q) in zip(rows, items, self._choose([seqs[b] for b in rows],
                                                                      [tokens[b] for b in rows], logits)):
@@ -231,12 +234,13 @@ class DraftModelDrafter:
 
     def _record(self, seq: Sequence, num_valid: int) -> None:
         """Remember the hashed blocks within the first `num_valid` positions as holding valid draft KV."""
+        table = self.kv.block_table(seq.request_id)
         for i in range(min(num_valid // self.block_size, len(seq.block_hashes))):
-            self.valid[seq.block_table[i]] = seq.block_hashes[i]
+            self.valid[table[i]] = seq.block_hashes[i]
 
     def _reuse_cached(self, seq: Sequence) -> None:
         """Record the blocks whose draft KV is complete; skip leading blocks whose draft KV is valid."""
-        B, table, hashes = self.block_size, seq.block_table, seq.block_hashes
+        B, table, hashes = self.block_size, self.kv.block_table(seq.request_id), seq.block_hashes
         self._record(seq, seq.num_draft_computed)
         done = seq.num_draft_computed
         while done % B == 0 and done // B < len(hashes) and self.valid.get(table[done // B]) == hashes[done // B]:
@@ -249,15 +253,17 @@ class DraftModelDrafter:
         while lag > self.catch_up_inline and budget > 0:
             start, n = seq.num_draft_computed, min(lag, budget)
             self._forget(seq, start, n)
-            self.runner.forward([BatchItem(seq.block_table, start, seq.token_ids[start:start + n], Logits.NONE)])
+            self.runner.forward([BatchItem(self.kv.block_table(seq.request_id), start, seq.token_ids[start:start + n],
+                                           Logits.NONE)])
             seq.num_draft_computed += n
             budget, lag = budget - n, lag - n
         return budget
 
     def _forget(self, seq: Sequence, start: int, n: int) -> None:
         """The draft is about to write positions [start, start + n): those blocks are no longer known valid."""
+        table = self.kv.block_table(seq.request_id)
         for i in range(start // self.block_size, (start + n - 1) // self.block_size + 1):
-            self.valid.pop(seq.block_table[i], None)
+            self.valid.pop(table[i], None)
 
 
 def build_drafters(engine, target_source: Optional[str] = None) -> dict[str, Drafter]:

@@ -53,8 +53,7 @@ class DecodeWorker(Worker):
         if self.spec.kv_port is None:
             return None  # single-node: nothing arrives from a prefill worker
         fmt = KVFormat.of_engine(e)
-        self.receiver = KVReceiver(fmt, e.kv, e.store, max_prompt_len=e.max_model_len, window_store=e.window_store,
-                                   config=self.topology.transfer,
+        self.receiver = KVReceiver(fmt, e.kv, max_prompt_len=e.max_model_len, config=self.topology.transfer,
                                    host=self.spec.host, port=self.spec.kv_port, keys=self.keys, ctx=self.ctx,
                                    metrics=TransferMetrics("receive", self.registry))
         # a prefilled request waits for its transfer to start as long as the slowest prefill worker's queue

@@ -86,7 +86,7 @@ class KVFormat(BaseModel):
     def of_engine(cls, engine) -> "KVFormat":
         """The format of the blocks and state of a `cluster.engine.EngineCore` (its model, config, layers)."""
         return cls.of(engine.spec, engine.config, layer_kinds=engine.runner.verified.layer_kind_names,
-                      state_shapes=engine.runner.state_shapes)
+                      state_shapes=engine.kv.state_shapes())
 
     def mismatches(self, other: "KVFormat") -> list[str]:
         """Human-readable differences, e.g. ["kv_bits: sender 4, receiver 8"] (self = the receiver)."""
@@ -109,15 +109,18 @@ class KVFormat(BaseModel):
 
 @dataclass(frozen=True)
 class Reservation:
-    """Blocks a receiver set aside for one prompt: `block_table` covers every prompt position; its first
-    `num_cached_blocks` entries already hold the right KV (prefix-cache hits, referenced). With window
-    layers (cluster/kv/manager.py), `window_table` holds their blocks from `window_first` on (the first block
-    the decode worker's next query can see; 0 before it): nothing older is sent."""
+    """Blocks a receiver set aside for one prompt, in every KV cache group with blocks (`tables`, by group
+    index, each covering every prompt position; the first group's is `block_table`): the first
+    `num_cached_blocks` entries already hold the right KV (prefix-cache hits, referenced), and group g is sent
+    from block `first_sent[g]` on (0 before it: out of every later query's reach, never sent)."""
 
-    block_table: list[int]
+    tables: tuple[tuple[int, ...], ...]
     num_cached_blocks: int
-    window_table: list[int] = ()
-    window_first: int = 0
+    first_sent: tuple[int, ...]
+
+    @property
+    def block_table(self) -> tuple[int, ...]:
+        return self.tables[0]
 
 
 @dataclass(frozen=True)
@@ -151,18 +154,17 @@ def reserve(kv: KVManager, request_id: str, fmt: KVFormat, offered: KVFormat, to
         return Refusal("the prompt is empty")
     if n >= max_prompt_len:
         return Refusal(f"the prompt has {n} tokens but the receiver's context limit is {max_prompt_len}")
-    if kv.held(request_id) is not None:
+    if kv.has(request_id):
         return Refusal(f"request_id {request_id!r} already holds KV here (a finished transfer awaits its request)")
     pool = kv.pool
     needed = -(-n // fmt.block_size)
     if needed > pool.num_usable_blocks:
         return Refusal(f"the prompt needs {needed} KV blocks but the receiver's pool has "
                        f"{pool.num_usable_blocks}")
-    cached = pool.find_cached_prefix(hashes, token_ids, fmt.block_size, restorable_only=False)
-    k, window_cached = kv.window_hit(hashes, token_ids, fmt.block_size, len(cached))
-    cached = cached[:k]  # with window layers: as far as their blocks in the last window are cached too
-    if kv.free_besides(cached, window_cached) < needed - len(cached) + watermark_blocks:
+    hit = kv.lookup(hashes, token_ids, len(hashes), state_shipped=True)  # the state comes with the blocks
+    if kv.free_besides(hit) < needed - hit.num_blocks + watermark_blocks:
         return Busy(retry_after_s())
-    first = kv.window.first_block(n, fmt.block_size) if kv.window is not None else 0
-    held = kv.reserve(request_id, cached, needed - len(cached), len(cached) * fmt.block_size, window_cached, first)
-    return Reservation(list(held.block_table), len(cached), list(held.window_table), first)
+    held = kv.reserve(request_id, hit, needed, n)
+    first = tuple(max(hit.num_blocks, g.first_to_ship(n, needed)) if g.pool is not None else needed
+                  for g in kv.groups)
+    return Reservation(held.tables, hit.num_blocks, first)

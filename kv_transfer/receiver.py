@@ -24,16 +24,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 import zmq
 
 from cluster.config import TransferConfig
 from cluster.kv.manager import KVManager
-from cluster.kv.store import KVStore
 from cluster.transport import LOOPBACK, CurveKeys, server_socket
-from kv_transfer.handshake import Busy, KVFormat, Refusal, reserve
+from kv_transfer.handshake import Busy, KVFormat, Refusal, Reservation, reserve
 from kv_transfer.metrics import TransferMetrics
 from kv_transfer.wire import (Abort, Ack, Blocks, BusyAnswer, Done, Message, Offer, Refused, Reserved, WireError,
                               decode_arrays, decode_header, encode, state_from_frames, state_specs)
@@ -50,12 +49,11 @@ class ReceivedSequence:
 
     request_id: str
     token_ids: list[int]
-    block_table: list[int]
+    block_table: Sequence[int]
     num_cached_tokens: int
     first_token: int
     first_logprob: Optional[float]
     cache_salt: Optional[str]
-    state: Any = None  # the recurrent state after the prompt (models with recurrent layers), else None
 
 
 @dataclass(frozen=True)
@@ -76,46 +74,49 @@ class _Incoming:
     offer: Offer
     identity: bytes
     epoch: int
-    block_table: list[int]
-    num_cached_blocks: int
+    reservation: Reservation
     hashes: list[int]
     started: float
     deadline: float
-    window_table: list[int]
-    window_first: int  # window layers: blocks before this one are not sent (out of every later window)
-    layers_per_group: tuple[int, ...]
+    layers_per_group: tuple[int, ...]  # by KV cache group index: its layers (0: a group without blocks)
     received: list[np.ndarray] = field(init=False)  # per KV cache group, bool [num_blocks, its layers]
 
     def __post_init__(self) -> None:
         self.received = [np.zeros((len(self.block_table), n), dtype=bool) for n in self.layers_per_group]
-        self.received[0][:self.num_cached_blocks] = True
-        for r in self.received[1:]:
-            r[:self.first_sent(1)] = True
+        for g, r in enumerate(self.received):
+            r[:self.first_sent(g)] = True
+
+    @property
+    def block_table(self) -> Sequence[int]:
+        return self.reservation.block_table
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.reservation.num_cached_blocks
 
     def first_sent(self, group: int) -> int:
         """The first block of `group` the sender sends."""
-        return self.num_cached_blocks if group == 0 else max(self.window_first, self.num_cached_blocks)
+        return self.reservation.first_sent[group]
 
-    def table(self, group: int) -> list[int]:
-        return self.block_table if group == 0 else self.window_table
+    def table(self, group: int) -> Sequence[int]:
+        return self.reservation.tables[group]
 
 
 class KVReceiver:
-    """Receives KV blocks into `store`, in blocks reserved through `kv` (both owned by the caller's thread;
-    call every method from it).
+    """Receives KV blocks into the stores of `kv`'s KV cache groups, in blocks reserved through `kv` (owned by
+    the caller's thread; call every method from it).
 
     `fmt` is this worker's KV format; offers in any other format are refused naming the difference.
-    `max_prompt_len`: offers of this many tokens or more are refused (the context limit). `window_store`: the
-    window layers' store of a model with two KV cache groups (cluster/kv/groups.py; `kv` has the window pool).
+    `max_prompt_len`: offers of this many tokens or more are refused (the context limit).
     """
 
-    def __init__(self, fmt: KVFormat, kv: KVManager, store: KVStore, *, max_prompt_len: int,
-                 window_store: Optional[KVStore] = None,
+    def __init__(self, fmt: KVFormat, kv: KVManager, *, max_prompt_len: int,
                  config: TransferConfig = TransferConfig(), host: str = LOOPBACK, port: int = 0,
                  keys: Optional[CurveKeys] = None, ctx: Optional[zmq.Context] = None,
                  metrics: Optional[TransferMetrics] = None, clock: Callable[[], float] = time.monotonic):
-        self.fmt, self.kv, self.pool, self.store, self.config = fmt, kv, kv.pool, store, config
-        self.stores = [store] + ([window_store] if window_store is not None else [])
+        self.fmt, self.kv, self.pool, self.config = fmt, kv, kv.pool, config
+        # by KV cache group index: its store (None: a group without blocks)
+        self.stores = [g.store if g.pool is not None else None for g in kv.groups]
         self.max_prompt_len, self.clock = max_prompt_len, clock
         self.metrics = metrics or TransferMetrics("receive")
         self.ctx = ctx or zmq.Context.instance()
@@ -226,17 +227,17 @@ class KVReceiver:
         else:
             self._epoch += 1
             now = self.clock()
-            self.live[rid] = _Incoming(offer, identity, self._epoch, got.block_table, got.num_cached_blocks,
-                                       hashes, now, now + self.config.timeout_s, got.window_table, got.window_first,
-                                       tuple(s.spec.num_layers for s in self.stores))
+            self.live[rid] = _Incoming(offer, identity, self._epoch, got, hashes, now, now + self.config.timeout_s,
+                                       tuple(s.spec.num_layers if s is not None else 0 for s in self.stores))
             answer(Reserved(request_id=rid, epoch=self._epoch, num_cached_blocks=got.num_cached_blocks,
                             num_blocks=len(got.block_table)), "reserved")
 
     def _on_blocks(self, t: _Incoming, msg: Blocks, payload: list) -> None:
         start, stop = msg.block_start, msg.block_start + msg.num_blocks
         layers = range(msg.layer_start, msg.layer_start + msg.num_layers)
-        if msg.group >= len(self.stores):
-            raise WireError(f"blocks of KV cache group {msg.group}, but this model has {len(self.stores)}")
+        if msg.group >= len(self.stores) or self.stores[msg.group] is None:
+            raise WireError(f"blocks of KV cache group {msg.group}, but this model's groups with blocks are "
+                            f"{[g for g, s in enumerate(self.stores) if s is not None]}")
         store, first = self.stores[msg.group], t.first_sent(msg.group)
         if start < first or stop > len(t.block_table) or layers.stop > store.spec.num_layers:
             raise WireError(f"blocks [{start}, {stop}) x layers [{layers.start}, {layers.stop}) of group {msg.group} "
@@ -270,17 +271,15 @@ class KVReceiver:
             self.metrics.moved_state(sum(a.nbytes for a in msg.arrays))
         bs, tokens = self.fmt.block_size, t.offer.token_ids
         root = self.fmt.extra_key(t.offer.cache_salt)  # block 0's parent, for head hits (cluster/prefix_match.py)
-        for i in range(t.num_cached_blocks, len(t.hashes)):
-            self.pool.cache_block(t.block_table[i], t.hashes[i], tokens[i * bs:(i + 1) * bs],
-                                  t.hashes[i - 1] if i else root)
-        for i in range(t.first_sent(1), len(t.hashes) if self.kv.window is not None else 0):
-            self.kv.window.pool.cache_block(t.window_table[i], t.hashes[i], tokens[i * bs:(i + 1) * bs])
+        rid = t.offer.request_id
+        self.kv.cache_blocks(rid, t.num_cached_blocks, t.hashes, tokens, root)  # the one registration
+        self.kv.receive_state(rid, state)
         del self.live[t.offer.request_id]
         self._send(t.identity, Ack(request_id=t.offer.request_id, epoch=t.epoch))
         self.metrics.completed(self.clock() - t.started)
         self._events.append(ReceivedSequence(t.offer.request_id, list(tokens), t.block_table,
                                              t.num_cached_blocks * bs, msg.first_token, msg.first_logprob,
-                                             t.offer.cache_salt, state))
+                                             t.offer.cache_salt))
 
     def _fail(self, t: _Incoming, kind: str, reason: str, notify: bool = True) -> None:
         del self.live[t.offer.request_id]

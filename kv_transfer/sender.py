@@ -24,12 +24,14 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import zmq
 
 from cluster.config import TransferConfig
-from cluster.kv.groups import window_first_block
+from cluster.kv.attention_groups import FullAttentionGroup
+from cluster.kv.groups import KVCacheGroup
+from cluster.kv.manager import KVManager
 from cluster.kv.store import KVStore
 from cluster.transport import CurveKeys, client_socket
 from kv_transfer.handshake import KVFormat
@@ -72,11 +74,10 @@ class _Outgoing:
     epoch: int = -1
     num_cached_blocks: int = 0
     next_block: int = 0
-    block_table: Sequence[int] = ()
-    window_table: Sequence[int] = ()
+    tables: Sequence[Sequence[int]] = ()  # by KV cache group index
     num_ready_tokens: int = 0
     first: Optional[tuple[int, Optional[float]]] = None
-    recurrent_state: Any = None  # the state after the prompt (models with recurrent layers)
+    request_state: Any = None  # what the groups ship besides blocks (`KVManager.shipped_state`), after the prompt
     retry_at: float = 0.0
     backoff_s: float = 0.02
 
@@ -90,17 +91,19 @@ class _Peer:
 
 
 class KVSender:
-    """Sends KV blocks of `store` (owned by the caller's thread; call every method from it) in format `fmt`;
-    for a model with sliding-window layers beside full ones, also those of `window_store` (the window
-    layers', cluster/kv/groups.py, with the largest window `window` in positions), only from the first
-    block the decode worker's next query can see."""
+    """Sends the KV blocks of every KV cache group of `kv` (a `KVManager`, or one `KVStore` of full attention;
+    owned by the caller's thread; call every method from it) in format `fmt`, each group's from the first block
+    the decode worker's next query needs (`KVCacheGroup.first_to_ship`)."""
 
-    def __init__(self, fmt: KVFormat, store: KVStore, *, window_store: Optional[KVStore] = None,
-                 window: Optional[int] = None, config: TransferConfig = TransferConfig(),
+    def __init__(self, fmt: KVFormat, kv: Union[KVManager, KVStore], *, config: TransferConfig = TransferConfig(),
                  keys: Optional[CurveKeys] = None, ctx: Optional[zmq.Context] = None,
                  metrics: Optional[TransferMetrics] = None, clock: Callable[[], float] = time.monotonic):
-        self.fmt, self.store, self.config, self.keys, self.clock = fmt, store, config, keys, clock
-        self.window_store, self.window = window_store, window
+        groups = [FullAttentionGroup(None, kv, range(kv.spec.num_layers))] if isinstance(kv, KVStore) \
+            else [g for g in kv.groups if g.pool is not None]
+        self.groups: list[tuple[int, KVCacheGroup]] = [(i if isinstance(kv, KVStore) else g.index, g)
+                                                       for i, g in enumerate(groups)]
+        self.store = groups[0].store
+        self.fmt, self.config, self.keys, self.clock = fmt, config, keys, clock
         self.metrics = metrics or TransferMetrics("send")
         self.ctx = ctx or zmq.Context.instance()
         self.peers: dict[str, _Peer] = {}
@@ -158,25 +161,28 @@ class KVSender:
         self.transfers[request_id] = t
         self._enqueue(t.peer, encode(offer))
 
-    def blocks_ready(self, request_id: str, block_table: Sequence[int], num_computed_tokens: int,
-                     window_table: Sequence[int] = ()) -> None:
-        """Record that positions [0, num_computed_tokens) are computed into `block_table` (and the window
-        layers' `window_table`; sent on poll)."""
+    def blocks_ready(self, request_id: str, tables: Sequence[Sequence[int]], num_computed_tokens: int) -> None:
+        """Record that positions [0, num_computed_tokens) are computed into `tables` (each KV cache group's
+        block table, by group index: `KVManager.tables`; a sender over one store takes its block table alone;
+        sent on poll)."""
         t = self.transfers.get(request_id)
+        if tables and not isinstance(tables[0], (list, tuple)):
+            tables = (tables,)
         if t is not None:
-            t.block_table, t.num_ready_tokens, t.window_table = block_table, num_computed_tokens, window_table
+            t.tables, t.num_ready_tokens = tables, num_computed_tokens
 
     def finish(self, request_id: str, first_token: int, first_logprob: Optional[float] = None,
                state: Any = None) -> None:
         """The prompt is fully computed and `first_token` sampled: `done` follows the last block, carrying
-        `state`, the recurrent state after the prompt (per recurrent layer a tuple of MLX arrays [1, *shape]),
-        which a format with recurrent layers requires. Raises ValueError when it is missing there."""
+        `state`, what the groups ship besides blocks after the prompt (`KVManager.shipped_state`: per layer a
+        tuple of MLX arrays [1, *shape]), which a format that lists such a state requires. Raises ValueError when
+        it is missing there."""
         t = self.transfers.get(request_id)
         if t is not None:
             if bool(self.fmt.state) != (state is not None):
                 raise ValueError(f"the transfer of {request_id!r} needs {'a' if self.fmt.state else 'no'} "
-                                 "recurrent state")
-            t.first, t.recurrent_state = (first_token, first_logprob), state
+                                 "state beside its blocks")
+            t.first, t.request_state = (first_token, first_logprob), state
 
     def abort(self, request_id: str, reason: str = "aborted by the prefill worker") -> bool:
         """Stop a transfer (e.g. its client left): the receiver is told and frees its blocks."""
@@ -278,16 +284,15 @@ class KVSender:
         """Queue `blocks` messages for ready blocks (while the peer's queue has room), then `done`."""
         bs, n = self.fmt.block_size, len(t.offer.token_ids)
         ready = t.num_blocks if t.num_ready_tokens >= n else min(t.num_ready_tokens // bs, t.num_blocks)
-        window_first = (window_first_block(n, self.window, bs) if self.window_store is not None else t.num_blocks)
         while t.next_block < ready and len(t.peer.queue) < _SNDHWM:
             start, stop = t.next_block, min(ready, t.next_block + self.blocks_per_message)
-            self._send_blocks(t, 0, self.store, start, list(t.block_table[start:stop]))
-            first = max(start, window_first)
-            if first < stop:  # window layers: only what the decode worker's next query can see
-                self._send_blocks(t, 1, self.window_store, first, list(t.window_table[first:stop]))
+            for index, group in self.groups:  # each group from the first block the next query needs
+                first = max(start, group.first_to_ship(n, t.num_blocks))
+                if first < stop:
+                    self._send_blocks(t, index, group.store, first, list(t.tables[index][first:stop]))
             t.next_block = stop
         if t.next_block >= t.num_blocks and t.first is not None:
-            arrays = state_frames(t.recurrent_state) if t.recurrent_state is not None else []
+            arrays = state_frames(t.request_state) if t.request_state is not None else []
             specs = state_specs(self.fmt) if arrays else []
             self._enqueue(t.peer, encode(Done(request_id=t.request_id, epoch=t.epoch, first_token=t.first[0],
                                               first_logprob=t.first[1], arrays=specs), arrays))

@@ -30,6 +30,7 @@ from typing import Callable, Optional, Sequence as Seq
 from cluster.connector import ExternalPrefix
 from cluster.request import FinishReason, RequestOutput
 from cluster.sequence import Sequence
+from cluster.kv.manager import KVManager
 from kv_transfer.sender import KVSender
 
 logger = logging.getLogger(__name__)
@@ -54,8 +55,9 @@ class PrefillHandoffs:
     stops one still computing (the engine's `release` / `abort`, called outside its step only).
     """
 
-    def __init__(self, sender: KVSender, release: Callable[[str], object], abort: Callable[[str], object]):
-        self.sender, self._release, self._abort = sender, release, abort
+    def __init__(self, sender: KVSender, kv: KVManager, release: Callable[[str], object],
+                 abort: Callable[[str], object]):
+        self.sender, self.kv, self._release, self._abort = sender, kv, release, abort
         self.requests: dict[str, _Handoff] = {}
         self.ttft_s: deque[float] = deque(maxlen=256)  # arrival to first token out, the last 256 requests
         self._failed: list[RequestOutput] = []  # transfers that could not open, answered after the step
@@ -98,7 +100,7 @@ class PrefillHandoffs:
             if h.state is HandoffState.PENDING and seq.num_computed_tokens > 0 and not self._open(seq, h):
                 continue
             if h.state is HandoffState.OFFERED:  # also a preempted one: an empty table, 0 computed
-                self.sender.blocks_ready(seq.request_id, seq.block_table, seq.num_computed_tokens, seq.window_table)
+                self.sender.blocks_ready(seq.request_id, self.kv.tables(seq.request_id), seq.num_computed_tokens)
 
     def request_finished(self, seq: Sequence, reason: Optional[FinishReason]) -> bool:
         rid = seq.request_id
@@ -113,8 +115,8 @@ class PrefillHandoffs:
         if h.state is HandoffState.PENDING and not self._open(seq, h):
             return False
         h.state = HandoffState.HANDED_OFF
-        self.sender.blocks_ready(rid, seq.block_table, seq.num_computed_tokens, seq.window_table)
-        self.sender.finish(rid, seq.token_ids[-1], state=seq.recurrent_state)
+        self.sender.blocks_ready(rid, self.kv.tables(rid), seq.num_computed_tokens)
+        self.sender.finish(rid, seq.token_ids[-1], state=self.kv.shipped_state(rid))
         self.ttft_s.append(time.monotonic() - seq.arrival)
         return True  # the blocks stay until the transfer ends (_on_release)
 

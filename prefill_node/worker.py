@@ -33,10 +33,10 @@ class PrefillWorker(Worker):
     def _setup(self) -> Optional[str]:
         fmt = KVFormat.of_engine(self.engine)
         transfer = self.topology.transfer.for_prefill_worker(self.spec.engine.queue_timeout_s)
-        self.sender = KVSender(fmt, self.engine.store, window_store=self.engine.window_store,
-                               window=self.engine.groups.window, config=transfer, keys=self.keys, ctx=self.ctx,
+        self.sender = KVSender(fmt, self.engine.kv, config=transfer, keys=self.keys, ctx=self.ctx,
                                metrics=TransferMetrics("send", self.registry))
-        self.handoffs = PrefillHandoffs(self.sender, release=self.engine.release, abort=self.engine.abort)
+        self.handoffs = PrefillHandoffs(self.sender, self.engine.kv, release=self.engine.release,
+                                        abort=self.engine.abort)
         self.engine.connector = self.handoffs
         return None
 

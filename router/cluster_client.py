@@ -33,7 +33,7 @@ from cluster.kv.hashing import first_block_key
 from cluster.protocol import (PROTOCOL_VERSION, TO_ROUTER, AbortRequest, Generate, Pong, ProtocolError, Rejected,
                               ResetDone, ResetPrefixCache, Snapshot, pack, unpack)
 from cluster.request import FinishReason, GenerateRequest, RequestOutput
-from cluster.step_budget import AUTO_MAX_SEQS
+from cluster.kv.plan import AUTO_MAX_SEQS
 from cluster.topology import TopologySpec
 from cluster.transport import CurveKeys, client_socket
 from router.cluster_liveness import ClusterLiveness
@@ -86,7 +86,7 @@ class ClusterEngineClient(ClusterLiveness):
         self.keys = keys
         self.ctx = zmq.asyncio.Context()
         self.workers = [WorkerState(spec) for spec in topology.workers]
-        # a worker whose max_num_seqs follows its KV budget runs at most AUTO_MAX_SEQS (cluster/step_budget.py)
+        # a worker whose max_num_seqs follows its KV budget runs at most AUTO_MAX_SEQS (cluster/kv/plan.py)
         capacity = {role: sum((w.engine.max_num_seqs or AUTO_MAX_SEQS) + w.engine.max_waiting
                               for w in topology.workers if w.role == role) for role in ("prefill", "decode")}
         self.max_sequences = min(c for c in capacity.values() if c) if any(capacity.values()) else None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.prefix_match import MIN_PARTIAL_TOKENS
+from cluster.kv.manager import MIN_PARTIAL_TOKENS
 from tests.engine_helpers import chat_prompt, fast_model, greedy, make_engine, real_model, run
 
 B = 32

@@ -9,7 +9,8 @@ import pytest
 
 from cluster.config import EngineConfig
 from cluster.runner import MAX_PADDING, pack_prefill
-from cluster.step_budget import AUTO_MAX_SEQS, AUTO_MIN_SEQS, StepBudget, auto_max_num_seqs
+from cluster.kv.plan import AUTO_MAX_SEQS, AUTO_MIN_SEQS, auto_max_num_seqs
+from cluster.step_budget import StepBudget
 from tests.engine_helpers import fast_model, greedy, make_engine
 
 

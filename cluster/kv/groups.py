@@ -1,66 +1,196 @@
-"""KV cache groups: which KV layers keep their blocks in which pool, and how the KV budget is split.
+"""KV cache groups: each kind of layer keeps its KV behind one interface (`KVCacheGroup`).
 
-A model whose KV layers are all full attention (or all one kind) has one group: every layer's K/V lives in
-the pool's blocks for as long as the sequence does. A model with sliding-window layers beside full-attention
-ones (gemma3_text, gpt_oss, llama with sliding `layer_types`) has two: the full layers in the main pool, the
-window layers in a window pool whose blocks are released once they fall out of every future query's window
-(cluster/kv/manager.py, vLLM v1's KV cache groups with a sliding-window manager). Both stores are indexed by
-their own block ids; a sequence's `block_table` and `window_table` map its positions into each.
+A group serves some of the model's cache slots (`layers`) and answers, for every request, the same questions
+whatever its kind: what one block or state costs, what to hold while a request runs (`allocate`, `free`), what
+a prefix hit can reuse (`longest_hit`, `hit`, `take`), what a computed block leaves cached (`cache_block`), what
+to let go of after a step (`computed`) and when a request finishes (`finish`), the mlx-lm cache objects a step's
+layers run over (`views`, `collect`), and what to ship to a decode worker (`first_to_ship`). The manager
+(cluster/kv/manager.py) drives every group the same way, keeping one per-request entry per group (vLLM v1's
+`KVCacheBlocks` and its coordinator over single-type managers); nothing outside this package names a kind.
 
-The split of `kv_cache_gb` (`pool_sizes`): a running sequence needs at most `window_blocks_per_sequence`
-window blocks at once (its window, a prefill chunk, a draft run and partial blocks), so the window pool gets
-room for twice that per running sequence (the other half keeps recently released window blocks findable for
-prefix hits and holds transfers), and the main pool the rest. When that is no smaller than an even split
-(a window as long as the context), both get the same number of blocks and nothing is saved.
+The kinds (each in its own module):
+- full attention (`FullAttentionGroup`, cluster/kv/attention_groups.py): every position's K/V in the pool's
+  blocks for as long as the request holds them; MLA is full attention with other shapes;
+- sliding window (`SlidingWindowGroup`, the same module): its own pool, whose blocks are released once they fall
+  out of every future query's window;
+- recurrent state (`RecurrentStateGroup`, cluster/kv/state_group.py): one fixed-size state per request, and
+  snapshots of it at block boundaries that make a prefix hit restorable.
+
+Entries: a block group's entry is the request's block table (a list of block ids, 0 where a block was released);
+the state group's is a `StateEntry`. A `PrefixHit` carries each group's share of a hit (`GroupHit`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
 
-from cluster.model import ModelSpec
+from cluster.kv.block_pool import BlockPool
 
 
 @dataclass(frozen=True)
-class KVGroups:
-    """`full_layers` / `window_layers`: the KV layer indices (as the model's body counts its KV layers) in
-    the main and the window store; `window`: the largest sliding window in positions (None: one group)."""
+class StepRequest:
+    """What a group needs to know of one request after a step (`KVCacheGroup.computed`): tokens whose KV is
+    computed, the chained hashes of its full computed blocks, and its prompt length."""
 
-    full_layers: tuple[int, ...]
-    window_layers: tuple[int, ...] = ()
-    window: Optional[int] = None
+    num_computed_tokens: int
+    block_hashes: Sequence[int]
+    num_prompt_tokens: int
 
-    @classmethod
-    def of(cls, layer_windows: Sequence[Optional[int]]) -> "KVGroups":
-        """Groups from each KV layer's window (None: full attention). Two groups only when both kinds are
-        present; a model of window layers alone keeps them in one group (every block kept)."""
-        full = tuple(i for i, w in enumerate(layer_windows) if w is None)
-        window = tuple(i for i, w in enumerate(layer_windows) if w is not None)
-        if not full or not window:
-            return cls(tuple(range(len(layer_windows))))
-        return cls(full, window, max(w for w in layer_windows if w is not None))
 
-    def num_blocks(self, config, budget_bytes: int, main_block_bytes: int,
-                   window_block_bytes: int) -> tuple[int, int]:
-        """(main pool blocks, window pool blocks; 0 without a window group), each with its null block, for an
-        `EngineConfig` and the bytes left for blocks: `config.num_blocks` for both when set, else the split
-        of `pool_sizes` (one pool: the whole budget)."""
-        if self.window is None:
-            return config.num_blocks or 1 + budget_bytes // main_block_bytes, 0
-        if config.num_blocks:
-            return config.num_blocks, config.num_blocks
-        need = window_blocks_per_sequence(self.window, config.block_size, config.prefill_chunk_size)
-        main, window = pool_sizes(budget_bytes, main_block_bytes, window_block_bytes, need, config.max_num_seqs)
-        return 1 + main, 1 + window
+@dataclass(frozen=True)
+class GroupHit:
+    """One group's share of a prefix hit: `blocks`, the cached blocks its entry starts with (0 where nothing is
+    needed), or `state` for a group that restores a state instead, kept under the block hash `key`."""
 
-    def specs(self, spec: ModelSpec) -> tuple[ModelSpec, Optional[ModelSpec]]:
-        """The model spec of each store (the same geometry, its own number of layers)."""
-        main = dataclasses.replace(spec, num_layers=len(self.full_layers))
-        if self.window is None:
-            return main, None
-        return main, dataclasses.replace(spec, num_layers=len(self.window_layers))
+    blocks: tuple[int, ...] = ()
+    state: Any = None
+    key: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """A prefix hit found without side effects (`KVManager.lookup`): `num_blocks` whole blocks, one `GroupHit`
+    per group, and optionally the head of one more block (`head`: (cached source block, tokens it covers)),
+    copied into the request's own block when the hit is taken. `num_tokens` is what the request need not
+    compute."""
+
+    num_blocks: int
+    groups: tuple[GroupHit, ...]
+    block_size: int
+    head: Optional[tuple[int, int]] = None
+    hashes: tuple[int, ...] = ()  # the hashes of the hit's whole blocks
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size + (self.head[1] if self.head else 0)
+
+
+class KVCacheGroup:
+    """One kind of layer's KV (see the module docstring). Subclasses override what their kind needs; the defaults
+    are those of a group that holds nothing per block.
+
+    `name`: the kind's name in stats and logs; `layers`: the cache slots it serves, numbered in `layer_space`
+    ("kv": the model's KV layers; "state": its recurrent layers, `VerifiedModel.caches`); `pool`: its block
+    pool (None: no blocks); `reach_tokens`: positions before a hit's end that the group must still hold for the
+    hit to be usable (None: all of them, from position 0); `index`: its place in the manager's groups."""
+
+    name = "group"
+    layer_space = "kv"
+    layers: tuple[int, ...] = ()
+    pool: Optional[BlockPool] = None
+    reach_tokens: Optional[int] = None
+    index: int = 0
+    # the state a transfer ships with the last message (None: nothing beyond blocks)
+    ships_state = False
+
+    # -- sizes -------------------------------------------------------------------------------------------------
+
+    def bytes_per_block(self) -> int:
+        """Bytes one more block of a request costs in this group (0: none)."""
+        return 0
+
+    def bytes_per_request(self) -> int:
+        """Bytes a running request holds in this group besides blocks (its state; 0: none)."""
+        return 0
+
+    # -- a request's entry -------------------------------------------------------------------------------------
+
+    def new_entry(self) -> Any:
+        """A new request's (empty) entry."""
+        return None
+
+    def num_free_blocks(self) -> Optional[int]:
+        """Blocks `allocate` can hand out now; None when the group has no blocks."""
+        return None if self.pool is None else self.pool.num_free_blocks
+
+    def free_besides(self, hit: GroupHit) -> Optional[int]:
+        """Blocks still free once `hit`'s cached blocks are referenced (a free cached block leaves the free list
+        when it is taken); None without blocks."""
+        if self.pool is None:
+            return None
+        pool = self.pool
+        return pool.num_free_blocks - sum(1 for b in hit.blocks if b and pool.blocks[b].ref_cnt == 0)
+
+    def allocate(self, entry: Any, n: int) -> Any:
+        """Append `n` new blocks to `entry` (the manager checks `num_free_blocks` first); returns the entry."""
+        return entry
+
+    def free(self, entry: Any) -> Any:
+        """Drop the entry's references (cached blocks stay findable); returns the emptied entry. Idempotent."""
+        return self.new_entry()
+
+    def finish(self, entry: Any, failed: bool) -> None:
+        """The request finishes (`failed`: with an error): keep what it leaves cached. `free` follows."""
+
+    def table(self, entry: Any) -> Sequence[int]:
+        """The entry's block ids by block index (empty without blocks)."""
+        return ()
+
+    # -- the prefix cache --------------------------------------------------------------------------------------
+
+    def longest_hit(self, hashes: Sequence[int], token_ids: Sequence[int], k: int, state_shipped: bool) -> int:
+        """The largest k' <= k such that a prefix hit of k' blocks is usable for this group (`hashes`: the
+        prompt's chained block hashes). `state_shipped`: the state after the prompt arrives with a transfer."""
+        return k
+
+    def hit(self, hashes: Sequence[int], token_ids: Sequence[int], k: int, state_shipped: bool) -> GroupHit:
+        """This group's share of a usable hit of `k` blocks (`longest_hit` said so), without side effects."""
+        return GroupHit()
+
+    def take(self, entry: Any, hit: GroupHit) -> Any:
+        """Make `hit` the start of the empty `entry` (referencing its blocks); returns the entry."""
+        return entry
+
+    def cache_block(self, entry: Any, i: int, block_hash: int, token_ids: Sequence[int], parent: int) -> None:
+        """Register the entry's full, computed block `i` under `block_hash` (chained from `parent`)."""
+
+    def computed(self, entry: Any, step: StepRequest) -> None:
+        """After a step computed up to `step.num_computed_tokens`: let go of what no later query needs, keep
+        what a later prefix hit can use."""
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached entry; returns how many."""
+        return 0
+
+    def chunk_end(self, num_tokens: int, start: int, end: int) -> int:
+        """Where a prefill chunk from `start` of a request of `num_tokens` tokens, which the token budget would
+        end at `end`, ends for this group (a group that keeps something at certain positions ends it there)."""
+        return end
+
+    # -- a step ------------------------------------------------------------------------------------------------
+
+    def views(self, entries: Sequence[Any], starts: Sequence[int], num_new: Sequence[int], mask_rank: int,
+              mirror_rows: Optional[Sequence[str]]) -> list:
+        """The mlx-lm cache objects of this group's layers (one per `layers` entry) for a step over B rows:
+        row b writes positions [starts[b], starts[b] + num_new[b]). `mirror_rows`: the rows' names on a decode
+        step that may use the decode mirror, else None."""
+        return []
+
+    def collect(self, entries: Sequence[Any], views: list) -> None:
+        """After the step's forward: write what the layers left in `views` back into the rows' entries."""
+
+    def arrays(self) -> list:
+        """The group's arrays a step writes (evaluated together with a forward's logits)."""
+        return []
+
+    # -- transfer ----------------------------------------------------------------------------------------------
+
+    def first_to_ship(self, num_tokens: int, num_blocks: int) -> int:
+        """The first block of a prompt of `num_tokens` tokens in `num_blocks` blocks that a decode worker needs
+        (`num_blocks`: none)."""
+        return num_blocks
+
+    def state_shapes(self) -> tuple:
+        """Per layer, the (shape without the batch axis, dtype) of each array of the state it ships."""
+        return ()
+
+    def shipped_state(self, entry: Any) -> Any:
+        """The state a transfer ships for `entry` (`ships_state` groups), else None."""
+        return None
+
+    def receive_state(self, entry: Any, state: Any) -> None:
+        """Set the state a transfer brought (`ships_state` groups)."""
 
 
 def window_first_block(num_computed: int, window: int, block_size: int) -> int:
@@ -70,18 +200,26 @@ def window_first_block(num_computed: int, window: int, block_size: int) -> int:
     return max(0, (num_computed - window + 1) // block_size)
 
 
-def window_blocks_per_sequence(window: int, block_size: int, prefill_chunk_size: int, max_draft: int = 16) -> int:
-    """Window blocks one running sequence can hold at once: its window's, a prefill chunk's (or a draft
-    run's, `max_draft` tokens), and two partial blocks."""
-    return -(-(window + max(prefill_chunk_size, max_draft)) // block_size) + 2
+def first_needed_block(num_tokens: int, reach_tokens: Optional[int], block_size: int) -> int:
+    """The first block a group of reach `reach_tokens` needs for a prefix of `num_tokens` tokens (0: all)."""
+    return 0 if reach_tokens is None else max(0, (num_tokens - reach_tokens) // block_size)
 
 
-def pool_sizes(budget_bytes: int, main_block_bytes: int, window_block_bytes: int, window_need: int,
-               max_num_seqs: int) -> tuple[int, int]:
-    """(main blocks, window blocks) within `budget_bytes` (see the module docstring); each count excludes the
-    null block."""
-    even = budget_bytes // (main_block_bytes + window_block_bytes)
-    window = 2 * max_num_seqs * window_need
-    if window >= even:
-        return even, even
-    return (budget_bytes - window * window_block_bytes) // main_block_bytes, window
+@dataclass
+class StateEntry:
+    """A request's entry in a state group: its state after its computed tokens (None: none computed yet),
+    the state at the latest block boundary reached while decoding (block hash, state), saved when it finishes,
+    and the (block hash, position) of the snapshots it saved at prefill chunk ends, thinned when it finishes."""
+
+    state: Any = None
+    pending: Optional[tuple[int, Any]] = None
+    chunk_snapshots: list[tuple[int, int]] = field(default_factory=list)
+
+
+def reserve_blocks(group: KVCacheGroup, entry, num_blocks: int, first: int):
+    """Fill `entry` (already holding its cached start) up to `num_blocks` blocks: 0 before block `first` (never
+    shipped, out of every later query's reach), new blocks from there on. Returns the entry."""
+    table = group.table(entry)
+    if len(table) < first:
+        table.extend([0] * (first - len(table)))
+    return group.allocate(entry, num_blocks - len(table))

@@ -1,229 +1,304 @@
-"""KVManager: the one owner that hands out and frees KV blocks.
+"""KVManager: the one owner of every request's KV, one entry per KV cache group, by request id.
 
-Every block a worker uses is held by one request, in exactly one of two places:
+Every block a worker uses is held by one request id, in the entries the manager keeps for it (one per group,
+cluster/kv/groups.py: a block table for an attention group, a state for the recurrent group). A request's KV is
+either *running* (the engine's sequence of that id computes into it) or *held* (a holding): kept under the id
+outside any sequence. The decode worker's receiver reserves a holding when it accepts a transfer (the request may
+not have arrived yet); the prefill worker's engine turns a finished sequence's KV into a holding when its first
+token is out, so the blocks stay while they are shipped; a holding becomes a sequence's KV again when the request
+is admitted (`adopt`).
 
-- a sequence's `block_table` (the scheduler's running and waiting sequences), or
-- a *holding*: blocks kept under a request id outside any sequence. The decode worker's receiver reserves a
-  holding when it accepts a transfer (the request may not have arrived yet); the prefill worker's engine
-  turns a sequence into a holding when its first token is out, so the blocks stay while they are shipped.
+Nothing else frees blocks: the scheduler frees a request's KV (`free`, on preemption) or finishes it (`finish`,
+which keeps it as a holding when the role asks), and a role ends a holding by id (`release`). No caller hands
+this class a table to free, so a block is freed exactly once (vLLM v1's `KVCacheManager` frees by request the
+same way; its connector delays the free with `request_finished`, which holdings express). Call it from the
+engine's owner thread only.
 
-Besides, a cached block can be *pinned* for a moment: the source of a prefix hit on a block's head
-(cluster/prefix_match.py), held from the match until the copy so that no allocation evicts it (`pin`,
-`unpin`).
-
-Nothing else frees blocks: the scheduler frees a sequence (`free`), a role ends a holding by request id
-(`release`), and a holding becomes a sequence's table when the request is admitted (`adopt`). No caller hands
-this class a block table to free, so a block is freed exactly once, by the owner of the request that holds it
-(vLLM v1 frees through its `KVCacheManager` by request the same way; its connector delays the free with
-`request_finished`, which our holdings express). Call it from the engine's owner thread only.
-
-Two groups of layers (`WindowGroup`): a model with sliding-window layers beside full-attention ones keeps its
-window layers' KV in a second pool (`window_pool`), in blocks listed by the sequence's `window_table`, index
-for index with its `block_table` (vLLM v1's KV cache groups, with a sliding-window manager). Every new block
-is allocated in both pools (new tokens are inside every window); after each step, a window block whose
-positions all lie before the window of the sequence's next query is released (`release_outside_window`) and
-its entry set to 0, the null block, which the window mask never shows. Freed window blocks stay in the window
-pool's prefix cache (same hashes) until evicted; a prefix hit of k blocks is valid only where the window
-blocks before position k * block_size are still there (`window_hit`).
+A prefix hit is two calls: `lookup` finds it without side effects (the longest prefix every group can reuse, and
+the head of one more block when the full-attention group allows it); once the scheduler knows the request fits,
+`commit` takes it, allocates the new blocks and copies a head hit's tokens, in one call. A request that does not
+fit changes nothing. Computed and received blocks are registered by one function, `cache_blocks`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence as Seq
+from typing import Any, Callable, Optional, Sequence
 
 from cluster.kv.block_pool import BlockPool
-from cluster.kv.groups import window_first_block
-from cluster.sequence import Sequence
+from cluster.kv.groups import GroupHit, KVCacheGroup, PrefixHit, StepRequest, reserve_blocks
 
-
-@dataclass(frozen=True)
-class WindowGroup:
-    """The window layers' pool and their (largest) sliding window in positions."""
-
-    pool: BlockPool
-    window: int
-
-    def first_block(self, num_computed: int, block_size: int) -> int:
-        """The first block the next query (at position `num_computed`) can see (`window_first_block`)."""
-        return window_first_block(num_computed, self.window, block_size)
+# the fewest tokens a head hit must cover, for 32-token blocks (scaled with the block size): a head hit costs a
+# block copy and, with the overlapped loop, one wait for the device; a few tokens of prompt cost less
+MIN_PARTIAL_TOKENS = 8
 
 
 @dataclass(frozen=True)
 class Holding:
-    """Blocks held for `request_id` outside a sequence: `block_table` covers positions from 0; its first
-    `num_cached_tokens` tokens came from the prefix cache; `window_table` as a sequence's (window groups)."""
+    """KV held for `request_id` outside a sequence: `tables`, each block group's table (by group index; empty
+    for a group without blocks), covering positions from 0; its first `num_cached_tokens` tokens came from the
+    prefix cache."""
 
     request_id: str
-    block_table: tuple[int, ...]
+    tables: tuple[tuple[int, ...], ...]
     num_cached_tokens: int = 0
-    window_table: tuple[int, ...] = ()
+
+    @property
+    def block_table(self) -> tuple[int, ...]:
+        """The first group's table (every group has as many blocks)."""
+        return self.tables[0]
 
 
 class KVManager:
-    """Allocation and freeing of `pool`'s blocks (and `window`'s, see the module docstring), by sequence or by
-    request id."""
+    """The entries of every request in every group of `groups` (the first one with blocks is the anchor: its
+    pool's events and capacity are the worker's), by request id. `copy_block(src, dst)`: the anchor store's
+    block copy, which enables prefix hits on a block's head (when every group allows them)."""
 
-    def __init__(self, pool: BlockPool, window: Optional[WindowGroup] = None):
-        self.pool, self.window = pool, window
+    @classmethod
+    def over(cls, pool: BlockPool, store) -> "KVManager":
+        """A manager of one full-attention group: `pool`'s blocks over `store` (a `KVStore`; tools and tests)."""
+        from cluster.kv.attention_groups import FullAttentionGroup
+        return cls([FullAttentionGroup(pool, store, range(store.spec.num_layers))], store.block_size, store.copy_block)
+
+    def __init__(self, groups: Sequence[KVCacheGroup], block_size: int,
+                 copy_block: Optional[Callable[[int, int], None]] = None):
+        self.groups = tuple(groups)
+        for i, group in enumerate(self.groups):
+            group.index = i
+        self.block_groups = tuple(g for g in self.groups if g.pool is not None)
+        self.pool: BlockPool = self.block_groups[0].pool
+        self.block_size = block_size
+        # token-granular hits copy the anchor's block: only where the anchor is the only group
+        self.head_hits = copy_block is not None and len(self.groups) == 1
+        self.copy_block = copy_block
+        self.min_partial = max(1, round(MIN_PARTIAL_TOKENS * block_size / 32))
+        self._entries: dict[str, list[Any]] = {}
         self._held: dict[str, Holding] = {}
-        self._pinned: dict[int, int] = {}  # block id -> pins
+
+    # -- sizes -------------------------------------------------------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks `allocate` can hand out now: a new block is taken in every group."""
-        free = self.pool.num_free_blocks
-        return free if self.window is None else min(free, self.window.pool.num_free_blocks)
+        """Blocks `allocate` can hand out now: a new block is taken in every block group."""
+        return min(g.num_free_blocks() for g in self.block_groups)
 
-    # -- sequences ---------------------------------------------------------------------------------------------
+    def blocks_needed(self, request_id: str, num_tokens: int) -> int:
+        """New blocks the request needs to hold `num_tokens` positions."""
+        return max(0, -(-num_tokens // self.block_size) - self.num_blocks(request_id))
 
-    def allocate(self, seq: Sequence, n: int) -> None:
-        """Append `n` free blocks to `seq.block_table` (and its window table). Raises ValueError when fewer are
+    # -- a request's entries -----------------------------------------------------------------------------------
+
+    def _entry(self, request_id: str) -> list[Any]:
+        entries = self._entries.get(request_id)
+        if entries is None:
+            entries = self._entries[request_id] = [g.new_entry() for g in self.groups]
+        return entries
+
+    def has(self, request_id: str) -> bool:
+        """True when the request holds KV here (running or held)."""
+        return request_id in self._entries
+
+    def state_shapes(self) -> tuple:
+        """Per layer of every group that ships a state, its arrays' (shape, dtype), in shipping order."""
+        return tuple(layer for g in self.groups if g.ships_state for layer in g.state_shapes())
+
+    def entries(self, request_id: str) -> tuple[Any, ...]:
+        """The request's entry in every group (what a step's views are built from)."""
+        return tuple(self._entry(request_id))
+
+    def block_table(self, request_id: str) -> list[int]:
+        """The anchor group's block table of the request (empty when it holds none)."""
+        entries = self._entries.get(request_id)
+        return [] if entries is None else self.block_groups[0].table(entries[self.block_groups[0].index])
+
+    def tables(self, request_id: str) -> tuple[tuple[int, ...], ...]:
+        """Every group's block table of the request, by group index (empty for groups without blocks)."""
+        entries = self._entry(request_id)
+        return tuple(tuple(g.table(e)) for g, e in zip(self.groups, entries))
+
+    def num_blocks(self, request_id: str) -> int:
+        """Blocks the request holds (in each block group)."""
+        return len(self.block_table(request_id))
+
+    def allocate(self, request_id: str, n: int) -> None:
+        """Append `n` free blocks to the request's tables in every block group. Raises ValueError when fewer are
         free (callers check `num_free_blocks` first)."""
         if n > self.num_free_blocks:  # checked in every group before any allocates
             raise ValueError(f"cannot allocate {n} blocks: only {self.num_free_blocks} free")
-        if self.window is not None:
-            seq.window_table.extend(self.window.pool.allocate(n))
-        seq.block_table.extend(self.pool.allocate(n))
+        entries = self._entry(request_id)
+        for g in self.block_groups:
+            entries[g.index] = g.allocate(entries[g.index], n)
 
-    def take_prefix(self, seq: Sequence, block_ids: Seq[int], window_ids: Seq[int] = ()) -> None:
-        """Make the cached blocks `block_ids` (a prefix-cache hit) the start of `seq`'s empty block table, and
-        `window_ids` (`window_hit`'s, 0 before the window) the start of its window table."""
-        assert not seq.block_table, "a prefix is taken into an empty block table only"
-        self.pool.touch(block_ids)
-        seq.block_table = list(block_ids)
-        if self.window is not None:
-            self.window.pool.touch([b for b in window_ids if b])
-            seq.window_table = list(window_ids)
+    def free(self, request_id: str) -> None:
+        """Drop the request's references (cached blocks stay findable) and empty its entries, as on preemption
+        (idempotent; a holding is not touched)."""
+        entries = self._entries.get(request_id)
+        if entries is not None and request_id not in self._held:
+            for i, g in enumerate(self.groups):
+                entries[i] = g.free(entries[i])
 
-    def free(self, seq: Sequence) -> None:
-        """Drop `seq`'s references to its blocks (cached ones stay findable) and empty its tables (idempotent)."""
-        self.pool.free(seq.block_table)
-        seq.block_table = []
-        if self.window is not None:
-            self.window.pool.free([b for b in seq.window_table if b])
-            seq.window_table = []
+    def finish(self, request_id: str, failed: bool = False, keep: bool = False,
+               num_cached_tokens: int = 0) -> Optional[Holding]:
+        """The request's sequence leaves: every group keeps what it leaves cached (`failed`: it ended in an
+        error), then its KV is freed, or, with `keep` and blocks to keep, held under its id until `release`
+        (returned; `num_cached_tokens` of it came from the prefix cache)."""
+        entries = self._entries.get(request_id)
+        if entries is None or request_id in self._held:  # a holding stays the role's until `release`
+            return None
+        for g, e in zip(self.groups, entries):
+            g.finish(e, failed)
+        if keep and self.num_blocks(request_id):
+            return self.hold(request_id, num_cached_tokens)
+        self.free(request_id)
+        del self._entries[request_id]
+        return None
 
-    def cache_block(self, seq: Sequence, i: int, block_hash: int, token_ids: Seq[int],
-                    parent: Optional[int] = None) -> None:
-        """Register `seq`'s full, computed block `i` under `block_hash` (chained from `parent`,
-        `BlockPool.cache_block`) in every group's prefix cache."""
-        self.pool.cache_block(seq.block_table[i], block_hash, token_ids, parent)
-        if self.window is not None and seq.window_table[i]:
-            self.window.pool.cache_block(seq.window_table[i], block_hash, token_ids, parent)
+    def computed(self, request_id: str, step: StepRequest) -> None:
+        """After a step: every group lets go of what no later query needs and keeps what a later hit can use."""
+        entries = self._entry(request_id)
+        for g, e in zip(self.groups, entries):
+            g.computed(e, step)
 
-    def pin(self, block_id: int) -> None:
-        """Reference the cached block `block_id` (taking it off the free queue) until `unpin`: a head hit's
-        source, which the sequence's own block is copied from once it is admitted."""
-        self.pool.touch([block_id])
-        self._pinned[block_id] = self._pinned.get(block_id, 0) + 1
+    def chunk_end(self, num_tokens: int, start: int, end: int) -> int:
+        """Where a prefill chunk from `start` that the budget would end at `end` ends (a group may end it where
+        it keeps something, `KVCacheGroup.chunk_end`)."""
+        for g in self.groups:
+            end = g.chunk_end(num_tokens, start, end)
+        return end
 
-    def unpin(self, block_id: int) -> None:
-        """Drop one `pin` of `block_id`. Raises KeyError when it is not pinned."""
-        left = self._pinned.pop(block_id) - 1
-        if left:
-            self._pinned[block_id] = left
-        self.pool.free([block_id])
+    def shipped_state(self, request_id: str) -> Optional[tuple]:
+        """What a transfer ships for the request besides blocks: the layers of every group that ships a state,
+        in `state_shapes` order (each layer a tuple of arrays [1, *shape]); None when no group ships one."""
+        entries = self._entry(request_id)
+        shipping = [g for g in self.groups if g.ships_state]
+        if not shipping:
+            return None
+        return tuple(layer for g in shipping for layer in g.shipped_state(entries[g.index]))
 
-    def release_outside_window(self, seq: Sequence, block_size: int) -> None:
-        """Free the window blocks of `seq` that no later query can see (`WindowGroup.first_block`). The
-        released entries are always a prefix of the table, so this walks back from the window's first block
-        over the newly released ones only (called after every step of every sequence)."""
-        if self.window is None:
+    def receive_state(self, request_id: str, state: Optional[tuple]) -> None:
+        """Set what a transfer brought (`shipped_state`'s layers) in the groups that ship a state."""
+        if state is None:
             return
-        table = seq.window_table
-        i = min(self.window.first_block(seq.num_computed_tokens, block_size), len(table)) - 1
-        released = []
-        while i >= 0 and table[i]:
-            released.append(table[i])
-            table[i] = 0
-            i -= 1
-        if released:
-            self.window.pool.free(released)
+        entries, at = self._entry(request_id), 0
+        for g in self.groups:
+            if g.ships_state:
+                n = len(g.state_shapes())
+                g.receive_state(entries[g.index], tuple(state[at:at + n]))
+                at += n
 
-    def window_hit(self, hashes: Seq[int], token_ids: Seq[int], block_size: int,
-                   num_blocks: int) -> tuple[int, list[int]]:
-        """The longest prefix of at most `num_blocks` cached blocks whose window blocks are cached too, as
-        (k, the window table for it: 0 before the window of position k * block_size, then the cached window
-        blocks). Without a window group: (num_blocks, [])."""
-        if self.window is None:
-            return num_blocks, []
-        for k in range(num_blocks, 0, -1):
-            first = self.window.first_block(k * block_size, block_size)
-            ids = [self.window.pool.lookup(hashes[i], token_ids[i * block_size:(i + 1) * block_size])
-                   for i in range(first, k)]
-            if all(b is not None for b in ids):
-                return k, [0] * first + ids
-        return 0, []
+    # -- the prefix cache --------------------------------------------------------------------------------------
+
+    def lookup(self, hashes: Sequence[int], token_ids: Sequence[int], max_blocks: int,
+               state_shipped: bool = False, head_until: int = 0, root: Optional[int] = None) -> PrefixHit:
+        """The longest prefix of at most `max_blocks` whole blocks of `token_ids` (chained `hashes`, from the
+        first-block key `root`) that every group can reuse, and, past it, the head of one more cached block
+        covering at least `min_partial` of the next tokens and none from position `head_until` on (when head
+        hits are on:
+        token-granular reuse, as SGLang's radix cache and mlx-lm's prompt cache do). Changes nothing.
+        `state_shipped`: the state after the prompt arrives with a transfer (a group that restores state need
+        not)."""
+        k = min(max_blocks, len(hashes))
+        while True:  # each group cuts k back to what it can reuse, until all agree
+            cut = k
+            for g in self.groups:
+                cut = g.longest_hit(hashes, token_ids, cut, state_shipped)
+            if cut == k:
+                break
+            k = cut
+        hits = tuple(g.hit(hashes, token_ids, k, state_shipped) for g in self.groups)
+        head = None
+        parent = hashes[k - 1] if k else root
+        start = k * self.block_size
+        limit = min(self.block_size, head_until - start)
+        if self.head_hits and limit >= self.min_partial and parent is not None:
+            found = self.pool.find_partial(parent, token_ids[start:start + limit])
+            if found is not None and found[1] >= self.min_partial:
+                head = (found[0], min(found[1], self.block_size - 1))  # a whole equal block would have hit
+        return PrefixHit(k, hits, self.block_size, head, tuple(hashes[:k]))
+
+    def free_besides(self, hit: PrefixHit) -> int:
+        """Blocks `allocate` could still hand out once `hit` is taken."""
+        return min(g.free_besides(h) for g, h in zip(self.groups, hit.groups) if g.pool is not None)
+
+    def commit(self, request_id: str, hit: PrefixHit, num_new_blocks: int) -> None:
+        """Take `hit` as the start of the request's empty entries, allocate `num_new_blocks` more and copy a head
+        hit's cached block into the request's block that holds its first position to compute. Raises ValueError
+        when fewer than `num_new_blocks` blocks are free besides the hit (checked before anything changes)."""
+        if num_new_blocks > self.free_besides(hit):
+            raise ValueError(f"cannot allocate {num_new_blocks} blocks: only {self.free_besides(hit)} free")
+        entries = self._entry(request_id)
+        assert not self.num_blocks(request_id), "a prefix is taken into empty entries only"
+        for g, h in zip(self.groups, hit.groups):
+            entries[g.index] = g.take(entries[g.index], h)
+        if hit.head is None:
+            self.allocate(request_id, num_new_blocks)
+            return
+        source = hit.head[0]
+        self.pool.touch([source])  # no allocation may evict it before the copy
+        self.allocate(request_id, num_new_blocks)
+        self.copy_block(source, self.block_table(request_id)[hit.num_blocks])
+        self.pool.free([source])
+
+    def cache_blocks(self, request_id: str, start: int, hashes: Sequence[int], token_ids: Sequence[int],
+                     root: int) -> None:
+        """Register the request's full, computed blocks `start`.. (`hashes[start:]`, chained from `root`, the
+        first-block key, for block 0) in every group's prefix cache: the one registration of computed and of
+        received blocks."""
+        entries = self._entry(request_id)
+        bs = self.block_size
+        for i in range(start, len(hashes)):
+            parent = hashes[i - 1] if i else root
+            for g in self.groups:
+                g.cache_block(entries[g.index], i, hashes[i], token_ids[i * bs:(i + 1) * bs], parent)
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached hash in every group's pool; returns how many the main pool forgot."""
-        if self.window is not None:
-            self.window.pool.reset_prefix_cache()
-        return self.pool.reset_prefix_cache()
+        """Forget every cached hash in every group; returns how many the anchor pool forgot."""
+        counts = [g.reset_prefix_cache() for g in self.groups]
+        return counts[self.block_groups[0].index]
 
     # -- holdings ----------------------------------------------------------------------------------------------
 
-    def reserve(self, request_id: str, cached: Seq[int], num_new: int, num_cached_tokens: int,
-                window_cached: Seq[int] = (), window_first: int = 0) -> Holding:
-        """Hold the cached blocks `cached` (referenced) plus `num_new` fresh ones for `request_id`; with a window
-        group, its window table is 0 before block `window_first`, then the cached window blocks
-        `window_cached` (`window_hit`'s, from `window_first` on; 0 entries are skipped) and fresh ones for every
-        block after the cached prefix. Raises ValueError when the request already holds blocks or fewer than
-        `num_new` are free."""
+    def reserve(self, request_id: str, hit: PrefixHit, num_blocks: int, num_tokens: int) -> Holding:
+        """Hold `hit`'s cached blocks (referenced) plus fresh ones up to `num_blocks` for `request_id`, whose KV of
+        `num_tokens` positions arrives by transfer: in each group, blocks before the first it needs
+        (`first_to_ship`) stay 0. Raises ValueError when the request already holds KV or too few blocks are
+        free."""
+        if request_id in self._entries:
+            raise ValueError(f"request {request_id!r} already holds KV blocks")
+        num_new = num_blocks - hit.num_blocks
+        if num_new > self.free_besides(hit):
+            raise ValueError(f"cannot hold {num_new} new blocks: only {self.num_free_blocks} free")
+        entries = self._entry(request_id)
+        for g, h in zip(self.groups, hit.groups):
+            first = g.first_to_ship(num_tokens, num_blocks) if g.pool is not None else 0
+            kept = GroupHit(tuple(b if i >= first else 0 for i, b in enumerate(h.blocks)), h.state, h.key)
+            entries[g.index] = g.take(entries[g.index], kept)
+            if g.pool is not None:
+                entries[g.index] = reserve_blocks(g, entries[g.index], num_blocks, first)
+        return self.hold(request_id, hit.num_blocks * self.block_size)
+
+    def hold(self, request_id: str, num_cached_tokens: Optional[int] = None) -> Holding:
+        """Keep the request's KV under its id outside any sequence (a transfer still reads it). Raises
+        ValueError when it is held already."""
         if request_id in self._held:
             raise ValueError(f"request {request_id!r} already holds KV blocks")
-        if num_new > self.free_besides(cached, window_cached):
-            raise ValueError(f"cannot hold {num_new} new blocks: only {self.num_free_blocks} free")
-        self.pool.touch(cached)
-        window_table: tuple[int, ...] = ()
-        if self.window is not None:
-            kept = list(window_cached[window_first:len(cached)])
-            self.window.pool.touch([b for b in kept if b])
-            fresh = len(cached) + num_new - max(window_first, len(cached))
-            window_table = tuple([0] * window_first + kept + self.window.pool.allocate(fresh))
-        held = Holding(request_id, tuple(cached) + tuple(self.pool.allocate(num_new)), num_cached_tokens,
-                       window_table)
+        held = Holding(request_id, self.tables(request_id), num_cached_tokens or 0)
         self._held[request_id] = held
-        return held
-
-    def free_besides(self, cached: Seq[int], window_cached: Seq[int] = ()) -> int:
-        """Blocks `allocate` could still hand out once the cached blocks `cached` (and `window_cached`) are
-        referenced (a free cached block leaves the free list when it is taken)."""
-        free = self.pool.num_free_blocks - sum(1 for b in cached if self.pool.blocks[b].ref_cnt == 0)
-        if self.window is None:
-            return free
-        wp = self.window.pool
-        return min(free, wp.num_free_blocks - sum(1 for b in window_cached if b and wp.blocks[b].ref_cnt == 0))
-
-    def hold(self, seq: Sequence) -> Holding:
-        """Move `seq`'s blocks into a holding under its request id (the sequence leaves the engine, its KV
-        stays: a transfer still reads it). `seq.block_table` (and window table) are emptied."""
-        if seq.request_id in self._held:
-            raise ValueError(f"request {seq.request_id!r} already holds KV blocks")
-        held = Holding(seq.request_id, tuple(seq.block_table), seq.num_cached_tokens, tuple(seq.window_table))
-        self._held[seq.request_id] = held
-        seq.block_table, seq.window_table = [], []
         return held
 
     def held(self, request_id: str) -> Optional[Holding]:
         """The holding of `request_id`, or None."""
         return self._held.get(request_id)
 
-    def adopt(self, request_id: str, seq: Sequence) -> Holding:
-        """Make the holding of `request_id` the block table of `seq` (whose table is empty); the holding ends.
-        Raises KeyError when there is none."""
-        assert not seq.block_table, "a holding is adopted into an empty block table only"
-        held = self._held.pop(request_id)
-        seq.block_table, seq.window_table = list(held.block_table), list(held.window_table)
-        return held
+    def adopt(self, request_id: str) -> Holding:
+        """The holding of `request_id` becomes the KV of its sequence; the holding ends. Raises KeyError when
+        there is none."""
+        return self._held.pop(request_id)
 
     def release(self, request_id: str) -> bool:
-        """End the holding of `request_id`, freeing its blocks; False when it holds none."""
-        held = self._held.pop(request_id, None)
-        if held is None:
+        """End the holding of `request_id`, freeing its KV; False when it holds none."""
+        if self._held.pop(request_id, None) is None:
             return False
-        self.pool.free(held.block_table)
-        if self.window is not None:
-            self.window.pool.free([b for b in held.window_table if b])
+        self.free(request_id)
+        del self._entries[request_id]
         return True

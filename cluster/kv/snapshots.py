@@ -7,7 +7,7 @@ block that ends there (cluster/kv/hashing.py), and a hit is cut back to the long
 snapshot: the state is restored from it and the rest computed (llama.cpp's context checkpoints and mlx-lm's
 server prompt cache do the same with whole caches).
 
-Where snapshots are taken (`chunk_end`, `save` and `finish`, which the scheduler calls): every
+Where snapshots are taken (`chunk_end`, `save` and `finish`, which the recurrent-state group calls, cluster/kv/state_group.py): every
 `state_snapshot_interval` tokens and at every other block-aligned end of a prefill chunk, at the prompt's last
 whole block and its end when that is a block boundary, and, when a sequence finishes, at the latest block
 boundary it reached (prompt plus answer: where the next turn of a conversation continues). The chunk-end ones
@@ -28,9 +28,8 @@ from collections import OrderedDict
 from typing import Optional
 
 from cluster.kv.block_pool import BlockPool
+from cluster.kv.groups import StateEntry, StepRequest
 from cluster.kv.recurrent_state import State
-from cluster.request import FinishReason
-from cluster.sequence import Sequence
 
 
 def state_bytes(state: State) -> int:
@@ -67,47 +66,47 @@ class StateSnapshots:
 
     # -- where snapshots are taken (the scheduler's calls) ---------------------------------------------------
 
-    def chunk_end(self, seq: Sequence, start: int, end: int) -> int:
-        """Where a prefill chunk of `seq` from `start` that the token budget would end at `end` ends instead: at
-        the next multiple of the snapshot interval; on a block boundary inside it when it does not finish the
-        sequence's tokens; at the prompt's last whole block when it would pass it; so each of those positions
-        gets a snapshot."""
-        bs, total = self.block_size, len(seq.token_ids)
+    def chunk_end(self, num_tokens: int, start: int, end: int) -> int:
+        """Where a prefill chunk from `start` of a request of `num_tokens` tokens that the token budget would end
+        at `end` ends instead: at the next multiple of the snapshot interval; on a block boundary inside it when
+        it does not finish the request's tokens; at the prompt's last whole block when it would pass it; so each
+        of those positions gets a snapshot."""
+        bs, total = self.block_size, num_tokens
         end = min(end, (start // self.interval + 1) * self.interval)
         if end < total and end // bs * bs > start:
             end = end // bs * bs
         last = (total - 1) // bs * bs  # the longest prefix a later prompt can restore from this one
         return last if start < last < end else end
 
-    def save(self, seq: Sequence) -> None:
-        """After a step, at a block boundary, keep `seq`'s state as the snapshot of the block ending there: at
-        once while the prompt is computed (a chunk end is remembered for thinning; the prompt's last whole
+    def save(self, entry: StateEntry, step: StepRequest) -> None:
+        """After a step, at a block boundary, keep the entry's state as the snapshot of the block ending there:
+        at once while the prompt is computed (a chunk end is remembered for thinning; the prompt's last whole
         block, where a repeat of it restores, and its end when that is a block boundary, where its next turn
         restores, are not), else as its pending snapshot (the latest replaces the one before, so a long answer
         holds one, kept when it finishes)."""
-        done, bs = seq.num_computed_tokens, self.block_size
-        if done == 0 or done % bs or len(seq.block_hashes) < done // bs:
+        done, bs = step.num_computed_tokens, self.block_size
+        if done == 0 or done % bs or len(step.block_hashes) < done // bs:
             return
-        block_hash = seq.block_hashes[done // bs - 1]
-        if done > seq.num_prompt_tokens:
-            seq.pending_snapshot = (block_hash, seq.recurrent_state)
+        block_hash = step.block_hashes[done // bs - 1]
+        if done > step.num_prompt_tokens:
+            entry.pending = (block_hash, entry.state)
         elif block_hash in self:
             self.get(block_hash)  # the same tokens' state is kept already: mark it used
-        elif self.put(block_hash, seq.recurrent_state) and done < (seq.num_prompt_tokens - 1) // bs * bs:
-            seq.chunk_snapshots.append((block_hash, done))
+        elif self.put(block_hash, entry.state) and done < (step.num_prompt_tokens - 1) // bs * bs:
+            entry.chunk_snapshots.append((block_hash, done))
 
-    def finish(self, seq: Sequence, reason: Optional[FinishReason]) -> None:
-        """As `seq` finishes: keep its pending snapshot (prompt + answer: where the next turn of a conversation
-        continues) unless it failed, and thin the chunk-end snapshots it made while its prompt was computed:
-        those at 1, 2, 4, 8, ... intervals stay (so a conversation holds O(log length) of them, the same ones
-        turn after turn, as its prefix repeats), the rest go."""
-        if seq.pending_snapshot is not None and reason is not FinishReason.ERROR:
-            self.put(*seq.pending_snapshot)
-        for block_hash, position in seq.chunk_snapshots:
+    def finish(self, entry: StateEntry, failed: bool) -> None:
+        """As a request finishes: keep its pending snapshot (prompt + answer: where the next turn of a
+        conversation continues) unless it `failed`, and thin the chunk-end snapshots it made while its prompt
+        was computed: those at 1, 2, 4, 8, ... intervals stay (so a conversation holds O(log length) of them,
+        the same ones turn after turn, as its prefix repeats), the rest go."""
+        if entry.pending is not None and not failed:
+            self.put(*entry.pending)
+        for block_hash, position in entry.chunk_snapshots:
             multiple, rest = divmod(position, self.interval)
             if rest or multiple & (multiple - 1):
                 self.drop(block_hash)
-        seq.pending_snapshot, seq.chunk_snapshots = None, []
+        entry.pending, entry.chunk_snapshots = None, []
 
     # -- the store ---------------------------------------------------------------------------------------------
 
@@ -127,6 +126,11 @@ class StateSnapshots:
         self.nbytes += size
         self.num_saved += 1
         return True
+
+    def peek(self, block_hash: int) -> Optional[State]:
+        """The state after block `block_hash`, or None; changes nothing (a prefix lookup)."""
+        entry = self._by_hash.get(block_hash)
+        return None if entry is None else entry[0]
 
     def get(self, block_hash: int) -> Optional[State]:
         """The state after block `block_hash` (now the most recently used), or None."""
