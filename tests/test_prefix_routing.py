@@ -177,7 +177,8 @@ def test_the_router_counts_what_a_worker_with_a_window_pool_or_restore_points_wo
 
     idx = PrefixIndex(["w"])
     groups = _snapshot_over_the_wire(kv, 0)
-    assert [(g, reach) for g, reach, _ in groups] == {"window": [(0, None), (1, 9)], "restore": [(0, None), (2, 1)]}[kind]
+    reaches = {"window": [(0, None), (1, 9)], "restore": [(0, None), (2, 1)]}  # window 10: reach 9
+    assert [(g, reach) for g, reach, _ in groups] == reaches[kind]
     idx.apply_snapshot("w", "boot", pool.last_event_seq, groups)
     checked = 0
     for step in range(300):
