@@ -61,9 +61,11 @@ def rss_mib() -> float:
 
 
 def index_bytes(index) -> int:
-    """Bytes of the objects a PrefixIndex owns: the holders dict, its keys and masks, the per-worker sets."""
-    size = sys.getsizeof(index.holders) + sum(sys.getsizeof(h) + sys.getsizeof(m) for h, m in index.holders.items())
-    return size + sum(sys.getsizeof(w.hashes) for w in index.workers.values())
+    """Bytes of the objects a PrefixIndex owns: the holders dicts, their keys and masks, the per-worker sets."""
+    size = sys.getsizeof(index.holders) + sum(
+        sys.getsizeof(held) + sum(sys.getsizeof(h) + sys.getsizeof(m) for h, m in held.items())
+        for held in index.holders.values())
+    return size + sum(sys.getsizeof(g.hashes) for w in index.workers.values() for g in w.groups.values())
 
 
 class Synthetic:
@@ -128,7 +130,7 @@ def build_index(syn: Synthetic, batch: int):
 
     index = PrefixIndex(syn.names)
     for name in syn.names:
-        index.apply_snapshot(name, "boot", 0, [])
+        index.apply_snapshot(name, "boot", 0, [(0, None, [])])  # one group, every block
     seqs = [0] * len(syn.names)
     pending: dict[int, list] = {}
     spent, events = 0.0, 0
@@ -252,7 +254,7 @@ def run(args, log=None) -> dict:
     log(f"index: {build['distinct_blocks']} distinct blocks from {build['events']} events in {build['wall_s']:.0f} s "
         f"(apply {build['seconds']:.1f} s)")
     memory = {"index_objects_mib": index_bytes(index) / 2**20, "rss_growth_mib": rss_mib() - rss0,
-              "held_blocks": sum(len(w.hashes) for w in index.workers.values())}
+              "held_blocks": sum(index.num_blocks(name) for name in index.workers)}
     wire = wire_throughput(syn, index, args.batch)
     placement = place_many(syn, index, args.placements)
     result = {"kind": "routing-sim", "machine": machine_info(), "args": {k: v for k, v in vars(args).items()

@@ -18,14 +18,13 @@ Worker -> router:
                                                        503: not now); nothing of it is left on the worker
     pong      {seq, stats}
     reset_done {seq, count}
-    kv_snapshot_reply {seq, boot_id, last_event_seq, block_hashes, restore_points?}
-              restore_points: for a model with recurrent layers, the cached blocks that have a state
-              snapshot (a prefix is restorable only up to one); absent otherwise
-              window, window_hashes: for a model with window layers beside full ones, the window (positions)
-              and the window pool's cached blocks (a prefix is usable only where its last window is there)
+    kv_snapshot_reply {seq, boot_id, last_event_seq, groups: [{group, reach_tokens, block_hashes}, ...]}
+              every KV cache group of the worker's prefix cache (cluster/kv/index_view.py), the main pool's
+              as group 0: its number, its reach (positions before a prefix hit's end it must hold for the hit
+              to be usable; null: every position) and the block hashes it holds
 Worker -> anyone subscribed (its PUB socket, `events_port`):
-    kv_events {worker, boot_id, events: [{seq, kind, block_hashes}, ...]}   kind: stored | removed | cleared
-              | restorable | unrestorable (restore points, with recurrent layers); group 1: the window pool
+    kv_events {worker, boot_id, events: [{seq, kind, block_hashes, group}, ...]}   kind: stored | removed |
+              cleared, each of one group's cached set (`group` as in the snapshot reply)
               sequence numbers are consecutive per boot; a gap or a new boot_id means resync from a snapshot
 
 `generate.request` is a `GenerateRequest`, `output.output` a `RequestOutput` and `pong.stats` a `WorkerStats`: typed
@@ -43,6 +42,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, TypeAdapter, ValidationError
+from pydantic import field_validator
 from typing_extensions import TypedDict
 
 from cluster.engine_client import EngineError
@@ -312,15 +312,36 @@ class SnapshotRequest(_Message):
     seq: int = Field(ge=0)
 
 
-class Snapshot(_Message):
+MAX_KV_GROUPS = 16
+
+
+class CacheGroupEntries(BaseModel):
+    """One KV cache group of a worker's prefix cache in a `PrefixIndexSnapshot`: its number (the `group` of
+    its KV events), its reach (positions before a prefix hit's end it must hold for the hit to be usable;
+    None: every position from 0) and the block hashes it holds (cluster/kv/index_view.py)."""
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
+
+    group: int = Field(ge=0, lt=MAX_KV_GROUPS)
+    reach_tokens: Optional[int] = Field(ge=0)
+    block_hashes: list[Annotated[int, Field(ge=0, lt=2**64)]]
+
+
+class PrefixIndexSnapshot(_Message):
+    """Every block hash a worker's prefix cache holds, by KV cache group, as of its event `last_event_seq`."""
+
     type: Literal["kv_snapshot_reply"] = "kv_snapshot_reply"
     seq: int = Field(ge=0)
     boot_id: str = Field(max_length=64)
     last_event_seq: int = Field(ge=0)
-    block_hashes: list[Annotated[int, Field(ge=0, lt=2**64)]]
-    restore_points: Optional[list[Annotated[int, Field(ge=0, lt=2**64)]]] = None
-    window: Optional[int] = Field(default=None, ge=1)
-    window_hashes: Optional[list[Annotated[int, Field(ge=0, lt=2**64)]]] = None
+    groups: list[CacheGroupEntries] = Field(max_length=MAX_KV_GROUPS)
+
+    @field_validator("groups")
+    @classmethod
+    def _distinct_groups(cls, groups: list[CacheGroupEntries]) -> list[CacheGroupEntries]:
+        if len({g.group for g in groups}) != len(groups):
+            raise ValueError("a KV cache group is listed twice")
+        return groups
 
 
 class KVEvent(BaseModel):
@@ -329,9 +350,9 @@ class KVEvent(BaseModel):
     model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
 
     seq: int = Field(ge=1)
-    kind: Literal["stored", "removed", "cleared", "restorable", "unrestorable"]
+    kind: Literal["stored", "removed", "cleared"]
     block_hashes: list[Annotated[int, Field(ge=0, lt=2**64)]] = []
-    group: int = Field(default=0, ge=0, le=1)
+    group: int = Field(default=0, ge=0, lt=MAX_KV_GROUPS)
 
 
 class KVEvents(_Message):
@@ -342,7 +363,7 @@ class KVEvents(_Message):
 
 
 ToWorker = Union[Generate, AbortRequest, Ping, ResetPrefixCache, SnapshotRequest]
-ToRouter = Union[Output, Rejected, Pong, ResetDone, Snapshot]
+ToRouter = Union[Output, Rejected, Pong, ResetDone, PrefixIndexSnapshot]
 TO_WORKER: TypeAdapter = TypeAdapter(Annotated[ToWorker, Field(discriminator="type")])
 TO_ROUTER: TypeAdapter = TypeAdapter(Annotated[ToRouter, Field(discriminator="type")])
 KV_EVENTS: TypeAdapter = TypeAdapter(KVEvents)

@@ -37,8 +37,10 @@ from cluster.control import ControlChannel, ZmqControl
 from cluster.engine import EngineCore
 from cluster.engine_client import EngineError
 from cluster.owner_threads import OwnerThread, start_owner_thread
-from cluster.protocol import (AbortRequest, Generate, KVEvent, KVEvents, Ping, Pong, Rejected,
-                              ResetDone, ResetPrefixCache, Snapshot, SnapshotRequest, WorkerStats, pack)
+from cluster.kv.index_view import prefix_index_groups
+from cluster.protocol import (AbortRequest, CacheGroupEntries, Generate, KVEvent, KVEvents, Ping, Pong,
+                              PrefixIndexSnapshot, Rejected, ResetDone, ResetPrefixCache, SnapshotRequest,
+                              WorkerStats, pack)
 from cluster.request import GenerateRequest, RequestOutput
 from cluster.topology import TopologySpec, WorkerSpec
 from cluster.transport import CurveKeys, close_context, server_socket
@@ -228,10 +230,10 @@ class Worker:
             self._publish_events()
         elif isinstance(msg, SnapshotRequest):
             self._publish_events()  # so the snapshot's last_event_seq covers everything published
-            pool = self.engine.pool
-            self._send(peer, Snapshot(seq=msg.seq, boot_id=self.boot_id, last_event_seq=pool.last_event_seq,
-                                          block_hashes=pool.cached_hashes(),
-                                          restore_points=pool.restorable_hashes(), **self._window_snapshot()))
+            groups = [CacheGroupEntries(group=g.group, reach_tokens=g.reach_tokens, block_hashes=g.hashes)
+                      for g in prefix_index_groups(self.engine.kv)]
+            self._send(peer, PrefixIndexSnapshot(seq=msg.seq, boot_id=self.boot_id,
+                                                 last_event_seq=self.engine.pool.last_event_seq, groups=groups))
 
     # -- to the router ---------------------------------------------------------------------------------------
 
@@ -280,12 +282,6 @@ class Worker:
             **self._role_stats(),
         }
         self._stats_at = time.monotonic()
-
-    def _window_snapshot(self) -> dict:
-        """The window pool's part of a prefix-index snapshot (models with window layers beside full ones)."""
-        for group in self.engine.kv.block_groups[1:]:
-            return {"window": group.reach_tokens + 1, "window_hashes": group.pool.cached_hashes()}
-        return {}
 
     def _snapshot_stats(self) -> dict:
         """The recurrent-state snapshots of a model with recurrent layers (none for other models)."""

@@ -31,7 +31,7 @@ import zmq.asyncio
 from cluster.engine_client import EngineError, EngineStats
 from cluster.kv.hashing import first_block_key
 from cluster.protocol import (PROTOCOL_VERSION, TO_ROUTER, AbortRequest, Generate, Pong, ProtocolError, Rejected,
-                              ResetDone, ResetPrefixCache, Snapshot, pack, unpack)
+                              PrefixIndexSnapshot, ResetDone, ResetPrefixCache, pack, unpack)
 from cluster.request import FinishReason, GenerateRequest, RequestOutput
 from cluster.kv.plan import AUTO_MAX_SEQS
 from cluster.topology import TopologySpec
@@ -275,9 +275,9 @@ class ClusterEngineClient(ClusterLiveness):
                 logger.info("worker %s is alive", w.spec.actor_name)
             w.alive = True
             return
-        if isinstance(msg, Snapshot):
-            self.index.apply_snapshot(w.spec.name, msg.boot_id, msg.last_event_seq, msg.block_hashes,
-                                      msg.restore_points, msg.window, msg.window_hashes or ())
+        if isinstance(msg, PrefixIndexSnapshot):
+            self.index.apply_snapshot(w.spec.name, msg.boot_id, msg.last_event_seq,
+                                      [(g.group, g.reach_tokens, g.block_hashes) for g in msg.groups])
             w.snapshot_asked = 0.0
             return
         if isinstance(msg, ResetDone):

@@ -1,20 +1,20 @@
 """PrefixIndex: which worker's prefix cache holds which block hashes, fed by the workers' KV events.
 
-Layout: `holders[block_hash]` is a bitmask of worker slots (bit i = worker i holds it), plus each worker's own
-set of hashes (to clear or replace it at once). `match(hashes)` walks the prompt's chained hashes in order,
-AND-ing the masks, and gives every worker the number of leading blocks it holds: O(prompt blocks), whatever
-the number of workers or indexed blocks. Example: workers 0 and 1 hold blocks [a, b] and [a] of a prompt
-[a, b, c]: masks a=0b11, b=0b01, c=0 -> worker 0 matches 2 blocks, worker 1 matches 1.
+Layout: `holders[group][block_hash]` is a bitmask of worker slots (bit i = worker i holds it in that KV cache
+group), plus each worker's own set of hashes per group (to clear or replace it at once). `match(hashes,
+block_size)` walks the prompt's chained hashes in order, AND-ing the masks, and gives every worker the number
+of leading blocks it holds: O(prompt blocks), whatever the number of workers or indexed blocks. Example:
+workers 0 and 1 hold blocks [a, b] and [a] of a prompt [a, b, c]: masks a=0b11, b=0b01, c=0 -> worker 0
+matches 2 blocks, worker 1 matches 1.
 
-Restore points: a worker serving a model with recurrent layers can restore a prefix only up to a block with a
-state snapshot (cluster/kv/snapshots.py). Its snapshot reply lists those blocks (`restore_points`) and its
-events add and drop them ("restorable" / "unrestorable"; a removed block is none either); `match` cuts such a
-worker's count back to its last restore point, so routing counts only prefixes the worker can restore.
-Window layers: a worker serving a model with sliding-window layers beside full ones (cluster/kv/groups.py)
-keeps their blocks in a second pool, and a prefix of k blocks is usable there only where the window blocks
-before position k x block_size are cached too. Its snapshot reply names its window and those blocks, its
-events of group 1 follow them, and `match_prompt` cuts its count back to the longest prefix whose last window
-is intact (`cluster.kv.groups.window_first_block`).
+KV cache groups: a worker's prefix cache is one or more KV cache groups (cluster/kv/index_view.py), each
+with its own set of cached blocks and its reach: how many positions before the end of a prefix hit the group
+must still hold (None: every position from 0). A hit of k blocks is usable on a worker when, for every group,
+every block from `first_needed_block(k, block_size, reach)` to k - 1 is in that group's set. The worker's
+snapshot reply lists its groups and their blocks, and each of its events changes one group's set. `match`
+walks the groups that need every block with the bitmasks above, then cuts a worker that has groups of a
+bounded reach back to the longest prefix they allow. Example (block size 4): a group of reach 7 needs, for a
+hit of 5 blocks (20 positions), blocks (20 - 7) // 4 = 3 and 4; a group of reach 1 only block 4.
 
 Consistency: each worker numbers its events consecutively per boot (`boot_id`). A batch from a new boot, or
 one whose first sequence number is not the next expected, marks the worker stale: its entries stay until a
@@ -30,36 +30,49 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
 from cluster.kv.hashing import block_hashes
-from cluster.kv.groups import window_first_block
+
+
+def first_needed_block(num_blocks: int, block_size: int, reach_tokens: Optional[int]) -> int:
+    """The first block a KV cache group of reach `reach_tokens` (None: every block) must hold for a prefix hit
+    of `num_blocks` blocks of `block_size` tokens to be usable."""
+    if reach_tokens is None:
+        return 0
+    return max(0, (num_blocks * block_size - reach_tokens) // block_size)
+
+
+@dataclass
+class _Group:
+    reach: Optional[int]  # positions before a hit's end this group must hold; None: every one
+    hashes: set = field(default_factory=set)
 
 
 @dataclass
 class _WorkerEntries:
     slot: int
-    hashes: set = field(default_factory=set)
+    groups: dict[int, _Group] = field(default_factory=dict)  # its KV cache groups, by number
     boot_id: str = ""
     last_seq: int = 0
     stale: bool = True  # nothing trustworthy yet: ask for a snapshot
-    restore_points: set = field(default_factory=set)  # used only when the worker needs them
-    window: Optional[int] = None  # window layers beside full ones: their window, in positions
-    window_hashes: set = field(default_factory=set)  # the blocks its window pool holds
 
 
 class PrefixIndex:
-    """Block hash -> workers holding it, for placement. Not thread-safe (the router's event loop owns it)."""
+    """Block hash -> workers holding it, per KV cache group, for placement. Not thread-safe (the router's event
+    loop owns it)."""
 
     def __init__(self, workers: Sequence[str]):
         self.workers = {name: _WorkerEntries(i) for i, name in enumerate(workers)}
-        self.holders: dict[int, int] = defaultdict(int)
-        self.restorers: dict[int, int] = defaultdict(int)  # block hash -> workers with a restore point there
-        self.needs_restore = 0  # bitmask of the workers whose prefixes need a restore point
+        self.holders: dict[int, dict[int, int]] = defaultdict(dict)  # group -> block hash -> workers' bitmask
+        self.whole: dict[int, int] = {}  # group -> the workers for whom it needs every block (reach None)
+        self.bounded = 0  # the workers with a group of bounded reach
+        self.indexed = 0  # the workers with at least one group
         self.names = list(workers)
 
     # -- updates -------------------------------------------------------------------------------------------------
 
     def apply_events(self, worker: str, boot_id: str, events: Iterable) -> bool:
-        """Apply one batch of events ((seq, kind, hashes) objects with those attributes). Returns False (and
-        marks the worker stale) on a new boot or a gap in sequence numbers; the batch is then not applied."""
+        """Apply one batch of events ((seq, kind, hashes, group) objects with those attributes; no `group`:
+        group 0). Returns False (and marks the worker stale) on a new boot or a gap in sequence numbers; the
+        batch is then not applied. Events of a group the worker's snapshot did not list change nothing."""
         w = self.workers.get(worker)
         if w is None:
             return True
@@ -69,52 +82,31 @@ class PrefixIndex:
         if boot_id != w.boot_id or events[0].seq != w.last_seq + 1 or w.stale:
             w.stale = True
             return False
-        bit = 1 << w.slot
         for e in events:
-            if getattr(e, "group", 0) == 1:  # the window pool's blocks
-                if e.kind == "stored":
-                    w.window_hashes.update(e.block_hashes)
-                elif e.kind == "removed":
-                    w.window_hashes.difference_update(e.block_hashes)
-                elif e.kind == "cleared":
-                    w.window_hashes.clear()
-            elif e.kind == "stored":
+            number = getattr(e, "group", 0)
+            g = w.groups.get(number)
+            if g is not None and e.kind == "stored":
+                self._add(w, number, g, e.block_hashes)
+            elif g is not None and e.kind == "removed":
                 for h in e.block_hashes:
-                    if h not in w.hashes:
-                        w.hashes.add(h)
-                        self.holders[h] |= bit
-            elif e.kind == "removed":
-                for h in e.block_hashes:
-                    self._drop(w, h)
-            elif e.kind == "restorable":
-                for h in e.block_hashes:
-                    self._add_restore_point(w, h)
-            elif e.kind == "unrestorable":
-                for h in e.block_hashes:
-                    self._drop_restore_point(w, h)
-            else:  # cleared
-                self._clear(w)
+                    self._drop(w, number, g, h)
+            elif g is not None:  # cleared
+                self._clear_group(w, number, g)
             w.last_seq = e.seq
         return True
 
-    def apply_snapshot(self, worker: str, boot_id: str, last_event_seq: int, hashes: Iterable[int],
-                       restore_points: Optional[Iterable[int]] = None, window: Optional[int] = None,
-                       window_hashes: Iterable[int] = ()) -> None:
-        """Replace a worker's entries with a snapshot taken at `last_event_seq` of boot `boot_id`;
-        `restore_points` (None: the worker needs none) are the blocks its prefixes can be restored up to;
-        `window` (None: no window pool) and `window_hashes` the window layers' window and cached blocks."""
+    def apply_snapshot(self, worker: str, boot_id: str, last_event_seq: int,
+                       groups: Iterable[tuple[int, Optional[int], Iterable[int]]]) -> None:
+        """Replace a worker's entries with a snapshot taken at `last_event_seq` of boot `boot_id`: its KV cache
+        groups as (group number, reach in positions or None for every block, the block hashes it holds)."""
         w = self.workers.get(worker)
         if w is None:
             return
         self._clear(w)
-        bit = 1 << w.slot
-        for h in hashes:
-            w.hashes.add(h)
-            self.holders[h] |= bit
-        self.needs_restore = self.needs_restore & ~bit if restore_points is None else self.needs_restore | bit
-        for h in restore_points or ():
-            self._add_restore_point(w, h)
-        w.window, w.window_hashes = window, set(window_hashes)
+        for number, reach, hashes in groups:
+            g = w.groups[number] = _Group(reach)
+            self._add(w, number, g, hashes)
+        self._set_masks(w)
         w.boot_id, w.last_seq, w.stale = boot_id, last_event_seq, False
 
     def forget(self, worker: str) -> None:
@@ -122,52 +114,58 @@ class PrefixIndex:
         w = self.workers.get(worker)
         if w is not None:
             self._clear(w)
+            self._set_masks(w)
             w.stale, w.boot_id, w.last_seq = True, "", 0
 
     def needs_snapshot(self) -> list[str]:
+        """The workers whose entries are not trusted (never synced, a gap or a new boot): ask them for one."""
         return [name for name, w in self.workers.items() if w.stale]
 
     # -- queries -------------------------------------------------------------------------------------------------
 
-    def match(self, hashes: Sequence[int]) -> dict[str, int]:
-        """Leading blocks of `hashes` each worker holds (only workers with at least one); for a worker that
-        needs restore points, up to the last held block that is one."""
+    def match(self, hashes: Sequence[int], block_size: int) -> dict[str, int]:
+        """The longest usable prefix of `hashes` (blocks of `block_size` tokens) on each worker, in blocks (only
+        workers with at least one): its leading blocks that every group needing every block holds, cut back to
+        where its groups of bounded reach hold what they need."""
         out: dict[str, int] = {}
-        alive = (1 << len(self.names)) - 1
+        alive = self.indexed
+        whole = [(self.holders.get(number, {}), need) for number, need in self.whole.items()]
         for i, h in enumerate(hashes):
-            mask = alive & self.holders.get(h, 0)
-            dropped = alive & ~mask & ~self.needs_restore
+            mask = alive
+            for held, need in whole:
+                mask &= held.get(h, 0) | ~need
+            dropped = alive & ~mask
             if dropped and i:
                 self._credit(out, dropped, i)
             alive = mask
             if not alive:
-                return out
-            restorable = alive & self.needs_restore & self.restorers.get(h, 0)
-            if restorable:
-                self._credit(out, restorable, i + 1)
-        self._credit(out, alive & ~self.needs_restore, len(hashes))
+                break
+        else:
+            self._credit(out, alive, len(hashes))
+        if self.bounded:
+            for name, k in list(out.items()):
+                w = self.workers[name]
+                if self.bounded >> w.slot & 1:
+                    k = self._usable(w, hashes, k, block_size)
+                    if k:
+                        out[name] = k
+                    else:
+                        del out[name]
         return out
 
     def match_prompt(self, token_ids: Sequence[int], block_size: int, first_key: int) -> dict[str, int]:
-        """Leading blocks of a prompt each worker holds: its full blocks hashed as the workers hash them
+        """Leading blocks of a prompt each worker can use: its full blocks hashed as the workers hash them
         (`first_key` from cluster.kv.hashing.first_block_key), then `match`."""
-        hashes = block_hashes(token_ids, block_size, first_key)
-        out = self.match(hashes)
-        for name, k in list(out.items()):
-            w = self.workers[name]
-            if w.window is not None:
-                k = self._window_intact(w, hashes, k, block_size)
-                if k:
-                    out[name] = k
-                else:
-                    del out[name]
-        return out
+        return self.match(block_hashes(token_ids, block_size, first_key), block_size)
 
-    def num_blocks(self, worker: str) -> int:
-        return len(self.workers[worker].hashes)
+    def num_blocks(self, worker: str, group: int = 0) -> int:
+        """The blocks a worker's KV cache group (0: the first) holds, as indexed."""
+        g = self.workers[worker].groups.get(group)
+        return 0 if g is None else len(g.hashes)
 
     def __len__(self) -> int:
-        return len(self.holders)
+        """Indexed (group, block hash) entries, over every worker."""
+        return sum(len(held) for held in self.holders.values())
 
     # -- internals -----------------------------------------------------------------------------------------------
 
@@ -178,40 +176,66 @@ class PrefixIndex:
             mask ^= low
 
     @staticmethod
-    def _window_intact(w: _WorkerEntries, hashes: Sequence[int], k: int, block_size: int) -> int:
-        """The longest prefix of at most `k` blocks whose last window's blocks `w`'s window pool holds."""
-        while k and not all(h in w.window_hashes
-                            for h in hashes[window_first_block(k * block_size, w.window, block_size):k]):
-            k -= 1
-        return k
+    def _usable(w: _WorkerEntries, hashes: Sequence[int], k: int, block_size: int) -> int:
+        """The longest prefix of at most `k` blocks that `w`'s groups of bounded reach allow. A block j missing
+        from a group rules out every k' in (j, k] (each needs j there too), so the search jumps to k' = j."""
+        bounded = [g for g in w.groups.values() if g.reach is not None]
+        while k:
+            missing = -1
+            for g in bounded:
+                for j in range(k - 1, first_needed_block(k, block_size, g.reach) - 1, -1):
+                    if hashes[j] not in g.hashes:
+                        missing = max(missing, j)
+                        break
+            if missing < 0:
+                return k
+            k = missing
+        return 0
 
-    def _add_restore_point(self, w: _WorkerEntries, h: int) -> None:
-        w.restore_points.add(h)
-        self.restorers[h] |= 1 << w.slot
+    def _set_masks(self, w: _WorkerEntries) -> None:
+        """Record which of `w`'s groups need every block, and whether it has groups of bounded reach."""
+        bit = 1 << w.slot
+        for number in list(self.whole):
+            self.whole[number] &= ~bit
+            if not self.whole[number]:
+                del self.whole[number]
+        for number, g in w.groups.items():
+            if g.reach is None:
+                self.whole[number] = self.whole.get(number, 0) | bit
+        bounded = any(g.reach is not None for g in w.groups.values())
+        self.bounded = self.bounded | bit if bounded else self.bounded & ~bit
+        self.indexed = self.indexed | bit if w.groups else self.indexed & ~bit
 
-    def _drop_restore_point(self, w: _WorkerEntries, h: int) -> None:
-        if h in w.restore_points:
-            w.restore_points.discard(h)
-            _unset(self.restorers, h, 1 << w.slot)
+    def _add(self, w: _WorkerEntries, number: int, g: _Group, hashes: Iterable[int]) -> None:
+        held, bit = self.holders[number], 1 << w.slot
+        for h in hashes:
+            if h not in g.hashes:
+                g.hashes.add(h)
+                held[h] = held.get(h, 0) | bit
 
-    def _drop(self, w: _WorkerEntries, h: int) -> None:
-        self._drop_restore_point(w, h)
-        if h in w.hashes:
-            w.hashes.discard(h)
-            _unset(self.holders, h, 1 << w.slot)
+    def _drop(self, w: _WorkerEntries, number: int, g: _Group, h: int) -> None:
+        if h in g.hashes:
+            g.hashes.discard(h)
+            _unset(self.holders, number, h, 1 << w.slot)
+
+    def _clear_group(self, w: _WorkerEntries, number: int, g: _Group) -> None:
+        for h in list(g.hashes):
+            self._drop(w, number, g, h)
 
     def _clear(self, w: _WorkerEntries) -> None:
-        for h in list(w.hashes):
-            self._drop(w, h)
-        for h in list(w.restore_points):
-            self._drop_restore_point(w, h)
-        w.window_hashes.clear()
+        for number, g in w.groups.items():
+            self._clear_group(w, number, g)
+        w.groups = {}
 
 
-def _unset(masks: dict[int, int], h: int, bit: int) -> None:
-    """Clear `bit` in `masks[h]`, dropping the entry when no bit is left (the index stays bounded)."""
+def _unset(holders: dict[int, dict[int, int]], number: int, h: int, bit: int) -> None:
+    """Clear `bit` in `holders[number][h]`, dropping the entry (and an empty group) when no bit is left (the
+    index stays bounded)."""
+    masks = holders[number]
     left = masks[h] & ~bit
     if left:
         masks[h] = left
     else:
         del masks[h]
+        if not masks:
+            del holders[number]

@@ -246,16 +246,16 @@ def test_simulated_index_holds_the_blocks_and_matches_prompts():
     syn = routing_sim.Synthetic(sim_args())
     index, build = routing_sim.build_index(syn, batch=16)
     assert build["distinct_blocks"] == len(index) == 3000
-    assert build["events"] == sum(len(w.hashes) for w in index.workers.values()) > 3000  # tenants on 2 workers
+    assert build["events"] == sum(index.num_blocks(name) for name in index.workers) > 3000  # tenants on 2 workers
     from cluster.kv.hashing import block_hashes
 
     toks, hashes, holders = syn.tenants[0]
-    match = index.match(block_hashes(syn.prompt("cold")[:256], syn.bs, syn.key))
+    match = index.match(block_hashes(syn.prompt("cold")[:256], syn.bs, syn.key), syn.bs)
     assert match == {}
-    got = index.match(hashes + [12345])
+    got = index.match(hashes + [12345], syn.bs)
     assert {syn.names[w] for w in holders} <= set(got) and all(got[syn.names[w]] == 8 for w in holders)
     conv = syn.sample[0]
-    deep = index.match(block_hashes(conv, syn.bs, syn.key))
+    deep = index.match(block_hashes(conv, syn.bs, syn.key), syn.bs)
     assert max(deep.values()) == len(conv) // syn.bs
     assert routing_sim.index_bytes(index) > 0
 

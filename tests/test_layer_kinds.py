@@ -237,12 +237,13 @@ def test_other_layer_kinds_through_a_1p1d_transfer_match_mlx_lm(model_type, tmp_
         if e.window_store is not None:  # window layers: only the blocks the next query can see (4 and 5) move
             assert workers["prefill-0"].stats()["kv_bytes_sent"] == 6 * per_block[0] + 2 * per_block[1]
             # the router follows each worker's window pool (its snapshot, then its events of group 1)
-            index = client.index.workers
+            index = client.index
             deadline = time.monotonic() + 30
-            while len(index["decode-0"].window_hashes) < 2 and time.monotonic() < deadline:
+            while index.num_blocks("decode-0", 1) < 2 and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert index["decode-0"].window == index["prefill-0"].window == WINDOW
-            assert len(index["decode-0"].window_hashes) == 2  # block 4 as received, block 5 filled by decoding
+            reach = {name: index.workers[name].groups[1].reach for name in ("decode-0", "prefill-0")}
+            assert reach == {"decode-0": WINDOW - 1, "prefill-0": WINDOW - 1}  # a window's reach: window - 1
+            assert index.num_blocks("decode-0", 1) == 2  # block 4 as received, block 5 filled by decoding
         sent = workers["prefill-0"].stats()["kv_bytes_sent"]
         complete_and_check()  # again: the decode worker holds the first five blocks (and their window)
         assert blocks_sent(7) == 7

@@ -16,44 +16,52 @@ from router.placement import WorkerState, place
 from router.prefix_index import PrefixIndex
 
 
-def ev(seq, kind, *hashes):
-    return E(seq=seq, kind=kind, block_hashes=list(hashes))
+def ev(seq, kind, *hashes, group=0):
+    return E(seq=seq, kind=kind, block_hashes=list(hashes), group=group)
+
+
+def whole(hashes):
+    """A snapshot's groups for a worker with one KV cache group that needs every block (full attention)."""
+    return [(0, None, hashes)]
 
 
 def test_match_counts_leading_blocks_per_worker():
     idx = PrefixIndex(["w0", "w1", "w2"])
     for name in ("w0", "w1", "w2"):
-        idx.apply_snapshot(name, "boot", 0, [])
+        idx.apply_snapshot(name, "boot", 0, whole([]))
     assert idx.apply_events("w0", "boot", [ev(1, "stored", 10, 11, 12)])
     assert idx.apply_events("w1", "boot", [ev(1, "stored", 10), ev(2, "stored", 12)])  # 12 without 11: no run
-    assert idx.match([10, 11, 12, 13]) == {"w0": 3, "w1": 1}
-    assert idx.match([11, 12]) == {"w0": 2}
-    assert idx.match([99]) == {}
+    assert idx.match([10, 11, 12, 13], 4) == {"w0": 3, "w1": 1}
+    assert idx.match([11, 12], 4) == {"w0": 2}
+    assert idx.match([99], 4) == {}
     assert idx.apply_events("w0", "boot", [ev(2, "removed", 11)])
-    assert idx.match([10, 11, 12]) == {"w0": 1, "w1": 1}
+    assert idx.match([10, 11, 12], 4) == {"w0": 1, "w1": 1}
     assert idx.apply_events("w1", "boot", [ev(3, "cleared")])
-    assert idx.match([10, 11, 12]) == {"w0": 1} and len(idx) == 2  # 10 and 12 of w0; nothing of w1 left
+    assert idx.match([10, 11, 12], 4) == {"w0": 1} and len(idx) == 2  # 10 and 12 of w0; nothing of w1 left
 
 
 def test_a_worker_with_recurrent_state_counts_only_prefixes_it_can_restore():
     """A hybrid-model worker holds blocks 10-13 with state snapshots after 11 and (later) 13, beside a plain
     worker holding 10-12: the hybrid one matches 2 blocks, then 4; when the snapshot after 13 is dropped it
     is back to 2, and when block 11 is evicted (its snapshot goes with it) to none, while the plain worker
-    keeps counting every held block."""
+    keeps counting every held block. The snapshots are a KV cache group of reach 1 (a hit's last block
+    must be one), whose events the pool emits beside the main pool's."""
+    from cluster.kv.block_pool import RESTORE_POINT_GROUP as R
+
     idx = PrefixIndex(["hybrid", "plain"])
-    idx.apply_snapshot("hybrid", "boot", 2, [10, 11, 12, 13], restore_points=[11])
-    idx.apply_snapshot("plain", "boot", 0, [10, 11, 12])
-    assert idx.match([10, 11, 12, 13]) == {"hybrid": 2, "plain": 3}
-    assert idx.apply_events("hybrid", "boot", [ev(3, "restorable", 13)])
-    assert idx.match([10, 11, 12, 13]) == {"hybrid": 4, "plain": 3}
-    assert idx.match([10, 11, 12]) == {"hybrid": 2, "plain": 3}
-    assert idx.apply_events("hybrid", "boot", [ev(4, "unrestorable", 13)])
-    assert idx.match([10, 11, 12, 13]) == {"hybrid": 2, "plain": 3}
-    assert idx.apply_events("hybrid", "boot", [ev(5, "removed", 11)])
-    assert idx.match([10, 11, 12, 13]) == {"plain": 3}
-    assert idx.restorers == {}  # nothing left behind by the dropped restore points
-    idx.apply_snapshot("hybrid", "boot2", 0, [10, 11])  # a restart serving an attention-only model
-    assert idx.match([10, 11]) == {"hybrid": 2, "plain": 2}
+    idx.apply_snapshot("hybrid", "boot", 2, [(0, None, [10, 11, 12, 13]), (R, 1, [11])])
+    idx.apply_snapshot("plain", "boot", 0, whole([10, 11, 12]))
+    assert idx.match([10, 11, 12, 13], 4) == {"hybrid": 2, "plain": 3}
+    assert idx.apply_events("hybrid", "boot", [ev(3, "stored", 13, group=R)])
+    assert idx.match([10, 11, 12, 13], 4) == {"hybrid": 4, "plain": 3}
+    assert idx.match([10, 11, 12], 4) == {"hybrid": 2, "plain": 3}
+    assert idx.apply_events("hybrid", "boot", [ev(4, "removed", 13, group=R)])
+    assert idx.match([10, 11, 12, 13], 4) == {"hybrid": 2, "plain": 3}
+    assert idx.apply_events("hybrid", "boot", [ev(5, "removed", 11, group=R), ev(6, "removed", 11)])
+    assert idx.match([10, 11, 12, 13], 4) == {"plain": 3}
+    assert set(idx.holders) == {0}  # nothing left behind by the dropped snapshots
+    idx.apply_snapshot("hybrid", "boot2", 0, whole([10, 11]))  # a restart serving an attention-only model
+    assert idx.match([10, 11], 4) == {"hybrid": 2, "plain": 2}
 
 
 def test_a_worker_with_window_layers_counts_only_prefixes_whose_last_window_it_still_holds():
@@ -61,14 +69,14 @@ def test_a_worker_with_window_layers_counts_only_prefixes_whose_last_window_it_s
     the window blocks of the last window (3 and 4) matches five; once its window pool drops block 3 no
     prefix has an intact window (each needs the blocks of its own last window) and it matches none, while a
     plain worker holding the same blocks still matches five; storing window blocks 0 and 1 again makes the
-    two-block prefix usable."""
+    two-block prefix usable. The window pool is a KV cache group of reach 7 (window - 1 positions)."""
     from cluster.kv.hashing import block_hashes
 
     tokens, key = list(range(20)), 7
     h = block_hashes(tokens, 4, key)
     idx = PrefixIndex(["win", "plain"])
-    idx.apply_snapshot("win", "boot", 0, h, window=8, window_hashes=h[3:])
-    idx.apply_snapshot("plain", "boot", 0, h)
+    idx.apply_snapshot("win", "boot", 0, [(0, None, h), (1, 7, h[3:])])
+    idx.apply_snapshot("plain", "boot", 0, whole(h))
     assert idx.match_prompt(tokens, 4, key) == {"win": 5, "plain": 5}
     assert idx.apply_events("win", "boot", [E(seq=1, kind="removed", block_hashes=[h[3]], group=1)])
     assert idx.match_prompt(tokens, 4, key) == {"plain": 5}
@@ -76,6 +84,134 @@ def test_a_worker_with_window_layers_counts_only_prefixes_whose_last_window_it_s
     assert idx.match_prompt(tokens, 4, key) == {"win": 2, "plain": 5}
     assert idx.apply_events("win", "boot", [E(seq=3, kind="cleared", block_hashes=[], group=1)])
     assert idx.match_prompt(tokens, 4, key) == {"plain": 5}
+
+
+def test_a_reach_in_positions_asks_exactly_for_the_blocks_a_window_or_a_restore_point_needs():
+    """The router's one rule for every KV cache group (the first block a hit of k blocks needs from a group of
+    reach r is max(0, (k x block_size - r) // block_size)) gives, for a sliding window of w positions as reach
+    w - 1, the first block the worker's window pool must hold (cluster.kv.groups.window_first_block at the
+    hit's end), and for reach 1 the hit's last block alone; a reach of None needs every block."""
+    from cluster.kv.groups import window_first_block
+    from router.prefix_index import first_needed_block
+
+    for bs in (1, 2, 3, 4, 8, 16, 32):
+        for window in list(range(1, 80)) + [127, 128, 129, 512, 4096]:
+            for k in range(0, 70):
+                assert first_needed_block(k, bs, window - 1) == window_first_block(k * bs, window, bs), (bs, window, k)
+        for k in range(1, 70):
+            assert first_needed_block(k, bs, 1) == k - 1 and first_needed_block(k, bs, None) == 0
+
+
+def _worker_pools(kind, num_blocks=24):
+    """A KVManager over bare pools as an engine builds them: `kind` "window" adds a window pool (window 10),
+    "restore" makes the main pool keep restore points."""
+    from cluster.kv.block_pool import BlockPool
+    from cluster.kv.manager import KVManager, WindowGroup
+
+    pool = BlockPool(num_blocks, needs_restore_points=kind == "restore")
+    window = WindowGroup(BlockPool(num_blocks, event_log=pool.event_log, group=1), 10) if kind == "window" else None
+    return KVManager(pool, window)
+
+
+def _snapshot_over_the_wire(kv, seq):
+    """The worker's snapshot reply, packed and read back as the router reads it."""
+    from cluster.kv.index_view import prefix_index_groups
+    from cluster.protocol import (PROTOCOL_VERSION, TO_ROUTER, CacheGroupEntries, PrefixIndexSnapshot, pack,
+                                  unpack)
+
+    groups = [CacheGroupEntries(group=g.group, reach_tokens=g.reach_tokens, block_hashes=g.hashes)
+              for g in prefix_index_groups(kv)]
+    msg = unpack(pack(PrefixIndexSnapshot(seq=seq, boot_id="boot", last_event_seq=kv.pool.last_event_seq,
+                                          groups=groups)), TO_ROUTER, PROTOCOL_VERSION)
+    return [(g.group, g.reach_tokens, g.block_hashes) for g in msg.groups]
+
+
+def _events_over_the_wire(kv):
+    """The worker's drained KV events, packed and read back as the router reads them."""
+    from cluster.protocol import KV_EVENTS, PROTOCOL_VERSION, KVEvent, KVEvents, pack, unpack
+
+    events = [KVEvent(seq=e.seq, kind=e.kind, block_hashes=list(e.block_hashes), group=e.group)
+              for e in kv.pool.drain_events()]
+    return unpack(pack(KVEvents(worker="w", boot_id="boot", events=events)), KV_EVENTS, PROTOCOL_VERSION).events
+
+
+@pytest.mark.parametrize("kind", ["window", "restore"])
+def test_the_router_counts_what_a_worker_with_a_window_pool_or_restore_points_would_hit(kind):
+    """A worker whose pools see random traffic (prompts cached in both pools or with state snapshots kept and
+    dropped, evictions, a cache reset), followed by the router through its snapshot reply and KV events on
+    the wire: for every prompt the router's count equals the hit the worker's own lookup gives (main pool,
+    cut back to a restore point or to an intact last window), the routing of before the groups were generic."""
+    import random
+
+    from cluster.kv.hashing import block_hashes
+
+    bs, key, rng = 4, 5, random.Random(7)
+    kv = _worker_pools(kind)
+    pool = kv.pool
+    heads = [[rng.randrange(1000) for _ in range(8 * bs)] for _ in range(3)]
+    prompts = [head[:n * bs] + [rng.randrange(1000) for _ in range(rng.randrange(0, 3) * bs)]
+               for head in heads for n in range(1, 9, 2)]
+
+    def worker_hit(tokens):
+        hashes = block_hashes(tokens, bs, key)
+        k = len(pool.find_cached_prefix(hashes, tokens, bs))
+        return kv.window_hit(hashes, tokens, bs, k)[0]
+
+    def run(tokens):
+        hashes = block_hashes(tokens, bs, key)
+        n = min(len(hashes), pool.num_free_blocks - 1)
+        main = pool.allocate(n)
+        window = kv.window.pool.allocate(n) if kv.window else []
+        for i in range(n):
+            parent = hashes[i - 1] if i else key
+            pool.cache_block(main[i], hashes[i], tokens[i * bs:(i + 1) * bs], parent)
+            if window and rng.random() < 0.7:  # a window block released before it was filled is never cached
+                kv.window.pool.cache_block(window[i], hashes[i], tokens[i * bs:(i + 1) * bs], parent)
+            if pool.needs_restore_points and rng.random() < 0.3:
+                pool.mark_restorable(hashes[i])
+        if pool.needs_restore_points and n and rng.random() < 0.3:
+            pool.unmark_restorable(hashes[rng.randrange(n)])
+        pool.free(main)
+        if window:
+            kv.window.pool.free(window)
+
+    idx = PrefixIndex(["w"])
+    groups = _snapshot_over_the_wire(kv, 0)
+    reaches = {"window": [(0, None), (1, 9)], "restore": [(0, None), (2, 1)]}  # window 10: reach 9
+    assert [(g, reach) for g, reach, _ in groups] == reaches[kind]
+    idx.apply_snapshot("w", "boot", pool.last_event_seq, groups)
+    checked = 0
+    for step in range(300):
+        run(rng.choice(prompts))
+        if step == 150:
+            kv.reset_prefix_cache()
+        if step % 7 == 0:
+            assert idx.apply_events("w", "boot", _events_over_the_wire(kv))
+            if step % 70 == 0:  # a resync replaces what the events built, to the same effect
+                idx.apply_snapshot("w", "boot", pool.last_event_seq, _snapshot_over_the_wire(kv, step))
+            for tokens in prompts:
+                want = worker_hit(tokens)
+                assert idx.match_prompt(tokens, bs, key).get("w", 0) == want, (step, tokens)
+                checked += want > 0
+    assert checked > 50  # hits were there to count, not only misses
+
+
+def test_the_snapshot_reply_lists_each_group_once_and_events_name_no_other_kinds():
+    """The wire codec keeps to the generic form: a reply listing a group twice and an event of a kind other
+    than stored / removed / cleared are protocol errors."""
+    from cluster.protocol import (KV_EVENTS, PROTOCOL_VERSION, TO_ROUTER, CacheGroupEntries, KVEvent, KVEvents,
+                                  PrefixIndexSnapshot, ProtocolError, pack, unpack)
+
+    twice = [CacheGroupEntries(group=0, reach_tokens=None, block_hashes=[1]),
+             CacheGroupEntries(group=0, reach_tokens=3, block_hashes=[])]
+    with pytest.raises(ValueError):
+        PrefixIndexSnapshot(seq=0, boot_id="b", last_event_seq=0, groups=twice)
+    frame = pack(KVEvents(worker="w", boot_id="b", events=[KVEvent(seq=1, kind="stored", block_hashes=[1], group=2)]))
+    assert unpack(frame, KV_EVENTS, PROTOCOL_VERSION).events[0].group == 2
+    with pytest.raises(ProtocolError):
+        unpack(frame.replace(b"stored", b"unknow"), KV_EVENTS, PROTOCOL_VERSION)
+    ok = PrefixIndexSnapshot(seq=0, boot_id="b", last_event_seq=0, groups=twice[:1])
+    assert unpack(pack(ok), TO_ROUTER, PROTOCOL_VERSION) == ok
 
 
 def test_the_router_and_the_transfer_handshake_key_a_prompt_as_one_function_does():
@@ -90,38 +226,38 @@ def test_the_router_and_the_transfer_handshake_key_a_prompt_as_one_function_does
     assert fmt.extra_key("tenant") == key != first_block_key("m", "r", "bfloat16", 8, 32, 4, "tenant")
     prompt = list(range(10))  # two full blocks
     idx = PrefixIndex(["w0"])
-    idx.apply_snapshot("w0", "boot", 0, fmt.block_hashes(prompt, "tenant")[:1])
-    assert idx.match_prompt(prompt, 4, key) == {"w0": 1} == idx.match(block_hashes(prompt, 4, key))
+    idx.apply_snapshot("w0", "boot", 0, whole(fmt.block_hashes(prompt, "tenant")[:1]))
+    assert idx.match_prompt(prompt, 4, key) == {"w0": 1} == idx.match(block_hashes(prompt, 4, key), 4)
     assert idx.match_prompt(prompt, 4, first_block_key("m", "r", "bfloat16", 4, 32, 4)) == {}  # another tenant
 
 
 def test_a_gap_or_a_new_boot_marks_the_worker_stale_until_a_snapshot():
     idx = PrefixIndex(["w0"])
     assert idx.needs_snapshot() == ["w0"]  # nothing is trusted before the first snapshot
-    idx.apply_snapshot("w0", "b1", 5, [1, 2])
-    assert idx.needs_snapshot() == [] and idx.match([1, 2]) == {"w0": 2}
+    idx.apply_snapshot("w0", "b1", 5, whole([1, 2]))
+    assert idx.needs_snapshot() == [] and idx.match([1, 2], 4) == {"w0": 2}
     assert idx.apply_events("w0", "b1", [ev(4, "stored", 7), ev(5, "stored", 8)])  # already in the snapshot
-    assert idx.match([7]) == {}
+    assert idx.match([7], 4) == {}
     assert not idx.apply_events("w0", "b1", [ev(7, "stored", 3)])  # event 6 was lost
     assert idx.needs_snapshot() == ["w0"]
     assert not idx.apply_events("w0", "b1", [ev(8, "stored", 4)])  # stays stale: nothing applied
-    idx.apply_snapshot("w0", "b1", 8, [1, 3, 4])
-    assert idx.match([1, 2]) == {"w0": 1} and idx.match([3, 4]) == {"w0": 2}
+    idx.apply_snapshot("w0", "b1", 8, whole([1, 3, 4]))
+    assert idx.match([1, 2], 4) == {"w0": 1} and idx.match([3, 4], 4) == {"w0": 2}
     assert not idx.apply_events("w0", "b2", [ev(1, "stored", 9)])  # a restart: new boot id
-    idx.apply_snapshot("w0", "b2", 1, [9])  # the restarted worker holds only what it computed since
-    assert idx.match([1]) == {} and idx.match([9]) == {"w0": 1} and len(idx) == 1
+    idx.apply_snapshot("w0", "b2", 1, whole([9]))  # the restarted worker holds only what it computed since
+    assert idx.match([1], 4) == {} and idx.match([9], 4) == {"w0": 1} and len(idx) == 1
 
 
 def test_forget_drops_a_dead_worker_and_the_index_stays_bounded():
     idx = PrefixIndex(["w0", "w1"])
-    idx.apply_snapshot("w0", "b", 0, range(1000))
-    idx.apply_snapshot("w1", "b", 0, range(500, 1500))
+    idx.apply_snapshot("w0", "b", 0, whole(range(1000)))
+    idx.apply_snapshot("w1", "b", 0, whole(range(500, 1500)))
     assert len(idx) == 1500
     for seq in range(1, 101):  # churn: each store evicts an older block, as a full pool does
         assert idx.apply_events("w0", "b", [ev(seq, "stored", 10_000 + seq), ev(seq, "removed", seq - 1)][:1])
         idx.apply_events("w0", "b", [])
     idx.forget("w1")
-    assert idx.match(list(range(500, 510))) == {"w0": 10} and len(idx) == 1100
+    assert idx.match(list(range(500, 510)), 4) == {"w0": 10} and len(idx) == 1100
     assert idx.needs_snapshot() == ["w1"]
 
 

@@ -105,7 +105,9 @@ def _pool_with_snapshots(budget: int, num_blocks: int = 8):
 def test_snapshots_are_evicted_least_recently_used_within_a_byte_budget():
     """The budget is bytes, not a count: a fourth snapshot of 1 KiB in a 3 KiB budget evicts the least
     recently used (not the oldest one just read), and one larger than the budget is not kept; the pool's
-    restore points follow, so an evicted snapshot is never counted on."""
+    restore points follow (events of their own KV cache group), so an evicted snapshot is never counted on."""
+    from cluster.kv.block_pool import RESTORE_POINT_GROUP
+
     pool, snaps = _pool_with_snapshots(3 * 1024)
     blocks = pool.allocate(5)
     for i, block_id in enumerate(blocks, start=1):
@@ -119,8 +121,8 @@ def test_snapshots_are_evicted_least_recently_used_within_a_byte_budget():
     assert sorted(pool.restorable_hashes()) == [1, 3, 4]
     assert not snaps.put(5, _state(4)) and 5 not in snaps and snaps.nbytes == 3 * 1024
     assert not snaps.put(99, _state(1)), "a snapshot needs its block in the prefix cache"
-    kinds = [(e.kind, e.block_hashes) for e in pool.drain_events() if e.kind.endswith("restorable")]
-    assert ("unrestorable", (2,)) in kinds and ("restorable", (4,)) in kinds
+    kinds = [(e.kind, e.block_hashes) for e in pool.drain_events() if e.group == RESTORE_POINT_GROUP]
+    assert ("removed", (2,)) in kinds and ("stored", (4,)) in kinds
 
 
 def test_a_prefix_hit_is_cut_back_to_the_last_block_with_a_snapshot_and_dies_with_its_block():

@@ -22,7 +22,9 @@ the snapshot's owner drops the state with it.
 
 Every change to the set of cached hashes (and of restore points) is recorded as a KV event with a
 monotonically increasing sequence number, for the router's prefix index; at most 65536 undrained events are
-kept (a consumer that falls behind sees a gap in `seq` and resyncs).
+kept (a consumer that falls behind sees a gap in `seq` and resyncs). The restore points are a KV cache group
+of their own there (`RESTORE_POINT_GROUP`): a restore point kept or ended is a "stored" or "removed" event of
+that group, and a reset clears it with a "cleared" event.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
+
+# The KV cache group number of a pool's restore points in its KV events: after the main pool's 0 and a window
+# pool's 1 (cluster/kv/index_view.py lists every group of a worker)
+RESTORE_POINT_GROUP = 2
 
 
 @dataclass
@@ -45,9 +51,10 @@ class Block:
 
 @dataclass(frozen=True)
 class KVEvent:
-    """A change to the cached set: `kind` is "stored", "removed", "cleared" (all blocks dropped), or, in a
-    pool with restore points, "restorable" / "unrestorable" (a block's state snapshot kept / dropped).
-    `group`: the KV cache group whose pool changed (0: the main pool, 1: a window pool, cluster/kv/groups.py)."""
+    """A change to the cached set: `kind` is "stored", "removed" or "cleared" (all blocks dropped).
+    `group`: the KV cache group whose cached set changed (0: the main pool, 1: a window pool,
+    cluster/kv/groups.py; `RESTORE_POINT_GROUP`: the blocks with a state snapshot, in a pool with restore
+    points)."""
 
     seq: int
     kind: str
@@ -175,14 +182,14 @@ class BlockPool:
             return False
         if block_hash not in self._restorable:
             self._restorable.add(block_hash)
-            self._emit("restorable", (block_hash,))
+            self.event_log.emit("stored", (block_hash,), RESTORE_POINT_GROUP)
         return True
 
     def unmark_restorable(self, block_hash: int) -> None:
         """End the restore point `block_hash`, if any (its snapshot was dropped)."""
         if block_hash in self._restorable:
             self._restorable.discard(block_hash)
-            self._emit("unrestorable", (block_hash,))
+            self.event_log.emit("removed", (block_hash,), RESTORE_POINT_GROUP)
 
     def restorable_hashes(self) -> Optional[list[int]]:
         """Every restore point (for a consumer that lost events); None in a pool without restore points."""
@@ -242,6 +249,8 @@ class BlockPool:
         self._children.clear()
         lost, self._restorable = self._restorable, set()
         self._emit("cleared", ())
+        if self.needs_restore_points:
+            self.event_log.emit("cleared", (), RESTORE_POINT_GROUP)
         for block_hash in lost:
             self._lose_restore_point(block_hash)
         return n
@@ -264,10 +273,11 @@ class BlockPool:
     def _evict(self, block: Block) -> None:
         if block.block_hash is not None:
             del self._cached[block.block_hash]
-            if block.block_hash in self._restorable:
+            if block.block_hash in self._restorable:  # a removed block is no restore point either
                 self._restorable.discard(block.block_hash)
+                self.event_log.emit("removed", (block.block_hash,), RESTORE_POINT_GROUP)
                 self._lose_restore_point(block.block_hash)
-            self._emit("removed", (block.block_hash,))  # a removed block is no restore point either
+            self._emit("removed", (block.block_hash,))
             if block.parent is not None:
                 siblings = self._children[block.parent]
                 del siblings[block.block_id]

@@ -153,6 +153,11 @@ class KVCacheGroup:
         """Forget every cached entry; returns how many."""
         return 0
 
+    def index_entry(self) -> Optional[tuple[int, list[int]]]:
+        """What the router's prefix index learns of this group (cluster/kv/index_view.py): (its number in the KV
+        events, the block hashes it holds), or None when it tells nothing."""
+        return None if self.pool is None else (self.pool.group, self.pool.cached_hashes())
+
     def chunk_end(self, num_tokens: int, start: int, end: int) -> int:
         """Where a prefill chunk from `start` of a request of `num_tokens` tokens, which the token budget would
         end at `end`, ends for this group (a group that keeps something at certain positions ends it there)."""

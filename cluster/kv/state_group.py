@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-from cluster.kv.block_pool import BlockPool
+from cluster.kv.block_pool import RESTORE_POINT_GROUP, BlockPool
 from cluster.kv.groups import GroupHit, KVCacheGroup, StateEntry, StepRequest
 from cluster.kv.recurrent_state import StateShapes, split_states, stack_states, state_nbytes
 from cluster.kv.snapshots import StateSnapshots
@@ -75,6 +75,11 @@ class RecurrentStateGroup(KVCacheGroup):
     def computed(self, entry: StateEntry, step: StepRequest) -> None:
         if self.snapshots is not None:
             self.snapshots.save(entry, step)
+
+    def index_entry(self):
+        """The restore points (blocks with a snapshot), as the anchor pool's events number them."""
+        hashes = self.anchor.restorable_hashes()
+        return None if hashes is None else (RESTORE_POINT_GROUP, hashes)
 
     def chunk_end(self, num_tokens: int, start: int, end: int) -> int:
         return end if self.snapshots is None or end == start else self.snapshots.chunk_end(num_tokens, start, end)
