@@ -147,7 +147,8 @@ def test_kv_group_stats_reads_the_pools_and_the_saved_states():
         KVGroupStats("full", blocks_total=10, blocks_free=4),
         KVGroupStats("sliding_window", blocks_total=6, blocks_free=6),
         KVGroupStats("recurrent", entries=3, bytes_used=300, budget_bytes=1000, restores=2, bytes_sent=128.0))
-    plain = SimpleNamespace(pool=pool(10, 10), kv=SimpleNamespace(window=None), scheduler=SimpleNamespace(snapshots=None))
+    plain = SimpleNamespace(pool=pool(10, 10), kv=SimpleNamespace(window=None),
+                            scheduler=SimpleNamespace(snapshots=None))
     assert kv_group_stats(plain) == (KVGroupStats("full", blocks_total=10, blocks_free=10),)
 
 
@@ -155,7 +156,8 @@ def test_the_table_names_every_figure_once():
     """Every figure of the stats has exactly one metric, and no two metrics share a name."""
     specs = [*METRICS, *GROUP_METRICS]
     assert len({s.name for s in specs}) == len(specs)
-    assert len({s.field for s in METRICS}) == len(METRICS) and len({s.field for s in GROUP_METRICS}) == len(GROUP_METRICS)
+    assert len({s.field for s in METRICS}) == len(METRICS)
+    assert len({s.field for s in GROUP_METRICS}) == len(GROUP_METRICS)
     figures = {f for f in EngineStats.__dataclass_fields__} - {"kv_groups"}
     assert figures <= {s.field for s in METRICS}
     assert {f for f in KVGroupStats.__dataclass_fields__} - {"group"} <= {s.field for s in GROUP_METRICS}
