@@ -23,7 +23,7 @@ four requests of a turn go in ABBA order over the turns. Reported per turn: TTFT
 `--last-turns` (4) turns.
 
 **snapshots**: the server's state snapshots (kept, bytes, budget, restores) are read from its `/metrics`
-(`mlxpd_router_engine_state_snapshot*`) after every turn of the turns phase and every conversation of the rss
+(`mlx_pd_kv_group_*{group="recurrent"}`) after every turn of the turns phase and every conversation of the rss
 phase. Beside that, an in-process engine (`cluster.engine.EngineCore`, the same code `mlx-pd serve` runs, with
 `EngineConfig` defaults) replays mlx-pd's conversation — the same messages, token for token as the router renders
 them — and reads `scheduler.snapshots` after each turn: count, bytes held, budget, saved, evicted, restored
@@ -76,8 +76,8 @@ from benchmarks.workloads import ChatTokens, Conversation
 PHASES = ("turns", "snapshots", "rss")
 SYSTEM = "[{tag}] You are a patient assistant. The user sends notes in parts; keep them in mind and reply briefly."
 # /metrics of a hybrid model's server: its state snapshots (kept, bytes, budget; restores so far)
-SNAPSHOT_METRICS = ("mlxpd_router_engine_state_snapshots", "mlxpd_router_engine_state_snapshot_bytes",
-                    "mlxpd_router_engine_state_snapshot_budget_bytes", "mlxpd_router_engine_state_snapshots_restored")
+SNAPSHOT_METRICS = tuple(f'mlx_pd_kv_group_{m}{{group="recurrent"}}' for m in ("entries", "bytes", "budget_bytes",
+                                                                               "restores_total"))
 
 
 def snapshot_metrics(url: str) -> dict[str, Optional[float]]:

@@ -12,7 +12,7 @@ the textbook layers x 2 x kv_heads x head_dim x bytes. Then the engine's pool fo
 `--seq-len`-token sequences fit in it at once.
 
 **--engine-check** starts `mlx-pd serve --kv-cache-gb G --dtype D [--kv-bits B]` for each format and
-reads the engine's own pool size from ``GET /metrics`` (``mlxpd_router_kv_blocks_total``: usable blocks),
+reads the engine's own pool size from ``GET /metrics`` (``mlx_pd_kv_group_blocks_total{group="full"}``: usable blocks),
 so the table's block counts are the engine's, not a copy of its arithmetic.
 
 **--decode** starts two servers, unquantized and `--decode-kv-bits` (default 8), and runs the same
@@ -36,6 +36,7 @@ from benchmarks.prefix_bench import interleave, prom_counters, running_servers
 from benchmarks.servers import mlx_pd_command
 from benchmarks.stats import merge_rounds
 
+POOL_BLOCKS = 'mlx_pd_kv_group_blocks_total{group="full"}'  # the engine's usable blocks (GET /metrics)
 # (label, dtype of values / scales, kv_bits)
 FORMATS = (("float32", "float32", None), ("bfloat16", "bfloat16", None), ("float16", "float16", None),
            ("8-bit (f32 scales)", "float32", 8), ("4-bit (f32 scales)", "float32", 4),
@@ -94,8 +95,8 @@ def engine_check(rows: list[dict], model_dir: str, *, group_size: int, kv_cache_
         flags = _serve_flags(r["dtype"], r["kv_bits"], group_size, kv_cache_gb, block_size)
         argv = {r["label"]: lambda port, d=r["dtype"], f=flags: mlx_pd_command(port, model_dir, d) + f}
         with running_servers(argv, log=log) as servers:
-            got = prom_counters(servers[r["label"]].url, ["mlxpd_router_kv_blocks_total"])
-        r["engine_usable_blocks"] = got["mlxpd_router_kv_blocks_total"]
+            got = prom_counters(servers[r["label"]].url, [POOL_BLOCKS])
+        r["engine_usable_blocks"] = got[POOL_BLOCKS]
 
 
 async def _decode(urls: dict[str, str], *, num_requests: int, concurrency: int, max_tokens: int, rounds: int,
@@ -126,8 +127,7 @@ def decode_run(model_dir: str, *, kv_bits: int, group_size: int, kv_cache_gb: fl
                                                                                      kv_cache_gb, block_size)}
     with running_servers(argvs, log=log) as servers:
         urls = {n: s.url for n, s in servers.items()}
-        blocks = {n: prom_counters(u, ["mlxpd_router_kv_blocks_total"])["mlxpd_router_kv_blocks_total"]
-                  for n, u in urls.items()}
+        blocks = {n: prom_counters(u, [POOL_BLOCKS])[POOL_BLOCKS] for n, u in urls.items()}
         load_start = os.getloadavg()
         out = asyncio.run(_decode(urls, num_requests=num_requests, concurrency=concurrency, max_tokens=max_tokens,
                                   rounds=rounds, seed=seed, suppress=eos_token_ids(model_dir), log=log))

@@ -77,7 +77,7 @@ def prom_counters(url: str, names: Sequence[str]) -> dict[str, Optional[float]]:
     return out
 
 
-PREFIX_COUNTERS = ("mlxpd_router_engine_prefix_cache_queries", "mlxpd_router_engine_prefix_cache_hits")
+PREFIX_COUNTERS = ("mlx_pd_prefix_cache_query_tokens", "mlx_pd_prefix_cache_hit_tokens")
 
 
 def _delta(before: dict, after: dict) -> dict:

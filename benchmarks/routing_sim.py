@@ -189,6 +189,7 @@ def wire_throughput(syn: Synthetic, index, batch: int, blocks: int = 100_000) ->
 def place_many(syn: Synthetic, index, n: int) -> dict:
     """Time `n` placements (hashing + match, place) and the garbage collections that ran meanwhile."""
     from cluster.request import GenerateRequest
+    from cluster.stats import KVGroupStats, WorkerStats
     from cluster.topology import RoutingSection, WorkerSpec
     from router.placement import WorkerState, place
 
@@ -198,7 +199,7 @@ def place_many(syn: Synthetic, index, n: int) -> dict:
     for i, name in enumerate(syn.names):
         role = "prefill" if name.startswith("prefill") else "decode"
         w = WorkerState(WorkerSpec(name, role, 10000 + i, kv_port=20000 + i if role == "decode" else None))
-        w.alive, w.stats = True, {"kv_blocks_free": rnd.randrange(0, 5000)}
+        w.alive, w.stats = True, WorkerStats(kv_groups=(KVGroupStats("full", 5000, rnd.randrange(0, 5000)),))
         w.inflight = {f"x{i}-{k}" for k in range(rnd.randrange(0, 9))}
         workers.append(w)
     kinds = ("tenant", "conversation", "cold")

@@ -34,7 +34,7 @@ from benchmarks.servers import ServerProcess, free_port, mlx_pd_command
 from benchmarks.stats import merge_rounds
 
 MODES = ("plain", "prompt_lookup", "draft_model")
-DRAFT_COUNTERS = ("mlxpd_router_engine_draft_tokens", "mlxpd_router_engine_draft_accepted_tokens")
+DRAFT_COUNTERS = ("mlx_pd_draft_tokens", "mlx_pd_draft_accepted_tokens")
 
 PARAGRAPHS = (
     "The old lighthouse stood at the edge of the cliff for more than two hundred years. Every night its keeper "

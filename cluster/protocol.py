@@ -27,9 +27,9 @@ Worker -> anyone subscribed (its PUB socket, `events_port`):
               cleared, each of one group's cached set (`group` as in the snapshot reply)
               sequence numbers are consecutive per boot; a gap or a new boot_id means resync from a snapshot
 
-`generate.request` is a `GenerateRequest`, `output.output` a `RequestOutput` and `pong.stats` a `WorkerStats`: typed
-in the message models, validated with the message in one pass (`from_wire`, exact types) and packed as maps of
-built-in values (`to_wire`). In-process (single-node mode) the same models carry the objects unconverted.
+`generate.request` is a `GenerateRequest`, `output.output` a `RequestOutput` and `pong.stats` a `WorkerStats`
+(cluster/stats.py; its KV cache groups a list of records): typed in the message models, validated with the
+message in one pass (`from_wire`, exact types) and packed as maps of built-in values (`to_wire`). In-process (single-node mode) the same models carry the objects unconverted.
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ from typing import Annotated, Any, Literal, Optional, Union
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, TypeAdapter, ValidationError
 from pydantic import field_validator
-from typing_extensions import TypedDict
 
 from cluster.engine_client import EngineError
 from cluster.request import GenerateRequest, RequestOutput
+from cluster.stats import WorkerStats
 
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 16 * 2**20
@@ -181,55 +181,7 @@ def _typed(cls: type):
 
 WireRequest = _typed(GenerateRequest)
 WireOutput = _typed(RequestOutput)
-
-
-class WorkerStats(TypedDict, total=False):
-    """A worker's report (`cluster.worker.Worker.stats`, `Pong.stats`): its identity, engine load and KV pool
-    (blocks, tokens per block), prefix-cache counters (tokens), what it sent, and its role's keys (a
-    prefill worker's transfers and handoffs, a decode worker's transfers, admissions and speculation counters),
-    and for a model with recurrent layers its state snapshots and the state bytes its transfers moved, and
-    its constrained decoding (requests with a grammar, seconds spent computing grammar masks).
-    Counts are ints; byte and block totals from Prometheus counters and `ttft_p50_s` (seconds) are floats."""
-
-    __pydantic_config__ = ConfigDict(strict=True, extra="forbid")  # type: ignore[misc]
-
-    name: str
-    actor: str
-    role: str
-    host: str
-    num_running: int
-    num_waiting: int
-    kv_blocks_total: int
-    kv_blocks_free: int
-    kv_block_size: int
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    prefix_cache_hit_rate: float
-    tokens_out: int
-    requests: int
-    num_draft_tokens: int
-    num_accepted_tokens: int
-    transfers_inflight: int
-    awaiting_kv: int
-    orphans: int
-    handed_off: int
-    transfers_pending: int
-    kv_bytes_received: float
-    kv_blocks_received: float
-    kv_bytes_sent: float
-    kv_blocks_sent: float
-    transfer_timeouts: float
-    reservations_busy: float
-    ttft_p50_s: Optional[float]
-    state_snapshots: int
-    state_snapshot_bytes: int
-    state_snapshot_budget_bytes: int
-    state_snapshots_restored: int
-    state_bytes_sent: float
-    state_bytes_received: float
-    constrained_requests: int
-    grammar_mask_seconds: float
+WireStats = _typed(WorkerStats)
 
 
 def generate_request_id(frame) -> Optional[str]:
@@ -298,7 +250,7 @@ class Rejected(_Message):
 class Pong(_Message):
     type: Literal["pong"] = "pong"
     seq: int = Field(ge=0)
-    stats: WorkerStats
+    stats: WireStats
 
 
 class ResetDone(_Message):

@@ -23,6 +23,7 @@ Roles implement `_on_generate`, `_on_abort`, `_poll_transfers`, `_after_step` an
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -40,8 +41,9 @@ from cluster.owner_threads import OwnerThread, start_owner_thread
 from cluster.kv.index_view import prefix_index_groups
 from cluster.protocol import (AbortRequest, CacheGroupEntries, Generate, KVEvent, KVEvents, Ping, Pong,
                               PrefixIndexSnapshot, Rejected, ResetDone, ResetPrefixCache, SnapshotRequest,
-                              WorkerStats, pack)
+                              pack)
 from cluster.request import GenerateRequest, RequestOutput
+from cluster.stats import WorkerStats
 from cluster.topology import TopologySpec, WorkerSpec
 from cluster.transport import CurveKeys, close_context, server_socket
 
@@ -72,7 +74,7 @@ class Worker:
         self._thread: Optional[OwnerThread] = None
         self._stop = threading.Event()
         self._calls: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()  # see call()
-        self._stats: WorkerStats = {}
+        self._stats = WorkerStats()
         self._stats_at = 0.0
         self.endpoints: dict = {}
         self.tokens_out = 0
@@ -143,9 +145,9 @@ class Worker:
         self._calls.put((fn, fut))
         return fut.result(timeout=timeout_s)
 
-    def stats(self) -> dict:
-        """The latest snapshot (refreshed by the loop every 0.5 s): JSON-able counters and gauges."""
-        return dict(self._stats, healthy=self.healthy)
+    def stats(self) -> WorkerStats:
+        """The latest report (refreshed by the loop every 0.5 s), with `healthy` as of now."""
+        return dataclasses.replace(self._stats, healthy=self.healthy)
 
     # -- the loop --------------------------------------------------------------------------------------------
 
@@ -269,27 +271,16 @@ class Worker:
 
     def _refresh_stats(self) -> None:
         e = self.engine
-        pool, sched = e.pool, e.scheduler
-        self._stats = {
-            "name": self.spec.name, "actor": self.spec.actor_name, "role": self.role, "host": self.spec.host,
-            "num_running": len(sched.running), "num_waiting": len(sched.waiting),
-            "kv_blocks_total": pool.num_usable_blocks, "kv_blocks_free": pool.num_free_blocks,
-            "kv_block_size": e.block_size, "num_preemptions": sched.num_preemptions,
-            "prefix_cache_queries": sched.prefix_queries, "prefix_cache_hits": sched.prefix_hits,
-            "prefix_cache_hit_rate": sched.prefix_hits / sched.prefix_queries if sched.prefix_queries else 0.0,
-            "tokens_out": self.tokens_out, "requests": len(self.routes), **self._snapshot_stats(),
-            "constrained_requests": e.grammars.num_constrained, "grammar_mask_seconds": e.grammars.mask_seconds,
-            **self._role_stats(),
-        }
+        sched = e.scheduler
+        self._stats = WorkerStats(
+            name=self.spec.name, actor=self.spec.actor_name, role=self.role, host=self.spec.host,
+            num_running=len(sched.running), num_waiting=len(sched.waiting), kv_block_size=e.block_size,
+            num_preemptions=sched.num_preemptions, prefix_cache_queries=sched.prefix_queries,
+            prefix_cache_hits=sched.prefix_hits, tokens_out=self.tokens_out, requests=len(self.routes),
+            constrained_requests=e.grammars.num_constrained, grammar_mask_seconds=e.grammars.mask_seconds,
+            kv_groups=e.kv.group_stats(self._transfer_metrics()), **self._role_stats())
         self._stats_at = time.monotonic()
 
-    def _snapshot_stats(self) -> dict:
-        """The recurrent-state snapshots of a model with recurrent layers (none for other models)."""
-        snaps = next((getattr(g, "snapshots") for g in self.engine.kv.groups if hasattr(g, "snapshots")), None)
-        if snaps is None:
-            return {}
-        return {"state_snapshots": len(snaps), "state_snapshot_bytes": snaps.nbytes,
-                "state_snapshot_budget_bytes": snaps.budget_bytes, "state_snapshots_restored": snaps.num_restored}
 
     # -- role hooks --------------------------------------------------------------------------------------------
 
@@ -324,7 +315,12 @@ class Worker:
             self.emit(out)
 
     def _role_stats(self) -> dict:
+        """The role's `WorkerStats` fields (transfers, handoffs, speculation), by field name."""
         return {}
+
+    def _transfer_metrics(self):
+        """The role's KV transfer metrics (`kv_transfer.metrics.TransferMetrics`), None without transfers."""
+        return None
 
     def _teardown(self) -> None:
         pass

@@ -114,8 +114,10 @@ class DecodeWorker(Worker):
         return {**drafts, "transfers_inflight": len(self.receiver.live), "awaiting_kv": len(self.admissions.awaiting),
                 "orphans": len(self.admissions.orphans), "kv_bytes_received": m.value("bytes_total"),
                 "kv_blocks_received": m.value("blocks_total"), "transfer_timeouts": m.value("timeouts_total"),
-                "state_bytes_received": m.value("state_bytes_total"),
                 "reservations_busy": m.value("reservations_total", outcome="busy")}
+
+    def _transfer_metrics(self):
+        return None if self.receiver is None else self.receiver.metrics
 
     def _teardown(self) -> None:
         if self.receiver is not None:

@@ -75,9 +75,11 @@ class PrefillWorker(Worker):
                 "handed_off": self.handoffs.count(HandoffState.HANDED_OFF),
                 "transfers_pending": self.handoffs.count(HandoffState.PENDING),
                 "kv_bytes_sent": m.value("bytes_total"), "kv_blocks_sent": m.value("blocks_total"),
-                "state_bytes_sent": m.value("state_bytes_total"),
                 "transfer_timeouts": m.value("timeouts_total"),
                 "ttft_p50_s": recent[len(recent) // 2] if recent else None}
+
+    def _transfer_metrics(self):
+        return self.sender.metrics
 
     def _teardown(self) -> None:
         self.sender.close()

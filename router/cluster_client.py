@@ -173,7 +173,7 @@ class ClusterEngineClient(ClusterLiveness):
             self._end(stream, abort=True)
 
     def stats(self) -> EngineStats:
-        return EngineStats.from_reports(w.stats for w in self.workers if w.alive and w.stats)
+        return EngineStats.from_reports(w.stats for w in self.workers if w.alive and w.stats is not None)
 
     def is_healthy(self) -> bool:
         self._ensure_started()  # the first /health starts the heartbeats on the server's event loop
@@ -205,8 +205,10 @@ class ClusterEngineClient(ClusterLiveness):
         return self.index.match_prompt(request.prompt_token_ids, self.block_size, key)
 
     def worker_stats(self) -> list[dict]:
-        """Each worker's last reported stats plus the router's view (alive, requests in flight)."""
-        return [dict(w.stats, name=w.spec.name, role=w.spec.role, alive=w.alive, inflight=len(w.inflight))
+        """Each worker's last report (`WorkerStats.report`, empty before its first) plus the router's view
+        (alive, requests in flight)."""
+        return [dict(w.stats.report() if w.stats is not None else {}, name=w.spec.name, role=w.spec.role,
+                     alive=w.alive, inflight=len(w.inflight))
                 for w in self.workers]
 
     # -- internals -------------------------------------------------------------------------------------------

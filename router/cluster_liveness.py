@@ -83,7 +83,7 @@ class ClusterLiveness:
 
     def _mark_dead(self, w: WorkerState) -> None:
         logger.warning("worker %s is gone (connection lost or silent); routing around it", w.spec.actor_name)
-        w.alive, w.stats = False, {}
+        w.alive, w.stats = False, None
         self.index.forget(w.spec.name)
         for rid in list(w.inflight):
             stream = self.streams.get(rid)

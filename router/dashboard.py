@@ -15,7 +15,9 @@ and the router's own history (router/dashboard_history.py). The page polls it ev
                    (sequences), kv_blocks_total / kv_blocks_used / kv_blocks_free, kv_block_size (tokens),
                    prefix_cache_hit_rate (0..1, prompt tokens served from its prefix cache), tokens_out,
                    kv_bytes_sent / kv_bytes_received (counters since it started), transfers_inflight (KV transfers
-                   under way); from the history: tokens_per_s and kv_bytes_per_s (counter deltas over the last
+                   under way), kv_groups (its KV cache groups: {"group", and the figures the group has of
+                   blocks_total, blocks_free, entries, bytes_used, budget_bytes, restores, bytes_sent,
+                   bytes_received}, cluster/stats.py); from the history: tokens_per_s and kv_bytes_per_s (counter deltas over the last
                    interval)
     summary      the last `window_s` seconds (60): requests_per_s, tokens_per_s, and ttft / tpot / itl / e2e as
                  {"p50", "p90", "p99", "count"} (seconds; None without observations)
@@ -40,7 +42,7 @@ _REPORTED = (("running", "num_running"), ("waiting", "num_waiting"), ("kv_blocks
              ("kv_blocks_free", "kv_blocks_free"), ("kv_block_size", "kv_block_size"),
              ("prefix_cache_hit_rate", "prefix_cache_hit_rate"), ("tokens_out", "tokens_out"),
              ("kv_bytes_sent", "kv_bytes_sent"), ("kv_bytes_received", "kv_bytes_received"),
-             ("transfers_inflight", "transfers_inflight"))
+             ("transfers_inflight", "transfers_inflight"), ("kv_groups", "kv_groups"))
 
 
 def is_cluster(engine: Any) -> bool:
@@ -50,16 +52,12 @@ def is_cluster(engine: Any) -> bool:
 
 def worker_reports(engine: Any) -> list[dict]:
     """Each worker's last report plus the router's view ("name", "role", "alive", "inflight"), from the engine
-    client's `worker_stats()`; an engine client without it gives one row "engine" built from `stats()`."""
+    client's `worker_stats()`; an engine client without it gives one row "engine" from `stats().report()`."""
     reports = getattr(engine, "worker_stats", None)
     if reports is not None:
         return [dict(r) for r in reports()]
-    s = engine.stats()
-    return [{"name": "engine", "role": "single-node", "alive": bool(engine.is_healthy()), "inflight": None,
-             "num_running": s.num_running, "num_waiting": s.num_waiting, "kv_blocks_total": s.num_kv_blocks_total,
-             "kv_blocks_free": s.num_kv_blocks_free, "kv_block_size": s.kv_block_size,
-             "prefix_cache_hit_rate": s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries
-             else 0.0}]
+    return [dict(engine.stats().report(), name="engine", role="single-node", alive=bool(engine.is_healthy()),
+                 inflight=None)]
 
 
 def worker_rows(engine: Any, history: DashboardHistory) -> list[dict]:

@@ -7,14 +7,18 @@ Latencies are per sequence (one choice of one request), in seconds, measured by 
     TPOT  (last token time - first token time) / (output tokens - 1), for sequences of 2+ tokens
     e2e   arrival -> the finishing delta
 
-Engine load (running/waiting sequences, KV blocks, prefix-cache and speculative-decoding counters) is read from
-`engine.stats()` at scrape time, never cached. `prefix_cache_hit_tokens` counts the engine's own figure of each
-sequence's prompt tokens served from the prefix cache (`RequestOutput.num_cached_tokens`) as its deltas arrive,
-whatever the client asked for (streamed or not, with usage or without, gone before the end).
+Engine load (running/waiting sequences, KV blocks and KV cache groups, prefix-cache, speculative-decoding and
+transfer counters: the workers' stats added up) is read from `engine.stats()` at scrape time, never cached, and
+exported under the names of cluster/stats_metrics.py (`mlx_pd_*`, the names the Ray worker actors use).
+The router's own `mlxpd_router_prefix_cache_hit_tokens` counts the engine's figure of each sequence's prompt
+tokens served from the prefix cache (`RequestOutput.num_cached_tokens`) as its deltas arrive, whatever the
+client asked for (streamed or not, with usage or without, gone before the end): what clients were told, where
+`mlx_pd_prefix_cache_hit_tokens` counts every lookup of every worker.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Iterator, Optional
@@ -23,8 +27,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from cluster.engine_client import EngineClient
+from cluster.engine_client import EngineClient, EngineStats
 from cluster.request import RequestOutput
+from cluster.stats_metrics import GROUP_LABEL, GROUP_METRICS, METRICS, samples
 
 logger = logging.getLogger(__name__)
 
@@ -38,60 +43,37 @@ _STEP = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 
 
 
 class EngineStatsCollector(Collector):
-    """Reads `engine.stats()` and `engine.is_healthy()` at each scrape."""
+    """Reads `engine.stats()` and `engine.is_healthy()` at each scrape and exports them under the names of the
+    stats' metric table (cluster/stats_metrics.py), the same the Ray worker actors use."""
 
     def __init__(self, engine: EngineClient):
         self._engine = engine
 
     def collect(self) -> Iterator[Metric]:
-        """Yield the engine's gauges and counters (nothing but `engine_healthy` if stats() fails)."""
+        """Yield one family per metric of the table (just `healthy` if stats() fails): gauges set to the sum
+        over the workers, counters their sum since the workers started, KV cache group figures labelled
+        `group`."""
         try:
             healthy = bool(self._engine.is_healthy())
         except Exception:  # a broken engine must not break /metrics
             healthy = False
-        yield GaugeMetricFamily(PREFIX + "engine_healthy", "1 while the engine loop is alive",
-                                value=1 if healthy else 0)
         try:
-            s = self._engine.stats()
+            stats: Optional[EngineStats] = dataclasses.replace(self._engine.stats(), healthy=healthy)
         except Exception:
             logger.warning("engine.stats() failed during a /metrics scrape", exc_info=True)
+            stats = None
+        if stats is None:
+            spec = next(m for m in METRICS if m.field == "healthy")
+            yield GaugeMetricFamily(spec.name, spec.help, value=1 if healthy else 0)
             return
-        gauges = {
-            "num_requests_running": ("Sequences in the engine's running batch", s.num_running),
-            "num_requests_waiting": ("Sequences queued in the engine", s.num_waiting),
-            "kv_blocks_total": ("KV blocks in the engine's pool", s.num_kv_blocks_total),
-            "kv_blocks_free": ("KV blocks free", s.num_kv_blocks_free),
-            "kv_blocks_used": ("KV blocks in use", s.num_kv_blocks_total - s.num_kv_blocks_free),
-            "kv_block_size": ("Tokens per KV block", s.kv_block_size),
-            "engine_state_snapshots": ("Recurrent-state snapshots kept (the prefix cache of hybrid models)",
-                                       s.state_snapshots),
-            "engine_state_snapshot_bytes": ("Bytes of recurrent-state snapshots kept", s.state_snapshot_bytes),
-            "engine_state_snapshot_budget_bytes": ("The recurrent-state snapshots' byte budget",
-                                                   s.state_snapshot_budget_bytes),
-        }
-        for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
-        counters = {
-            "engine_preemptions": ("Sequences preempted by the engine", s.num_preemptions),
-            "engine_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache",
-                                            s.prefix_cache_queries),
-            "engine_prefix_cache_hits": ("Prompt tokens served from the prefix cache", s.prefix_cache_hits),
-            "engine_draft_tokens": ("Speculative decoding: draft tokens proposed and verified",
-                                    s.num_draft_tokens),
-            "engine_draft_accepted_tokens": ("Speculative decoding: draft tokens accepted",
-                                             s.num_accepted_tokens),
-            "engine_state_snapshots_restored": ("Prefix-cache hits that restored a recurrent-state snapshot",
-                                                s.state_snapshots_restored),
-            "engine_constrained_requests": ("Constrained decoding: requests with a grammar (response_format, "
-                                            "tool_choice)", s.num_constrained_requests),
-            "engine_grammar_mask_seconds": ("Constrained decoding: seconds spent computing grammar masks",
-                                            s.grammar_mask_seconds),
-        }
-        for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(PREFIX + name, doc, value=value)
-        yield GaugeMetricFamily(PREFIX + "engine_draft_acceptance_rate",
-                                "Speculative decoding: accepted / proposed draft tokens since start (0 before any)",
-                                value=s.draft_acceptance_rate)
+        families: dict[str, Metric] = {}
+        for spec in (*METRICS, *GROUP_METRICS):
+            family = CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily
+            labels = [GROUP_LABEL] if spec in GROUP_METRICS else None
+            families[spec.name] = family(spec.name, spec.help, labels=labels)
+        for spec, labels, value in samples(stats):
+            families[spec.name].add_metric(list(labels.values()), value)
+        yield from families.values()
 
 
 class RouterMetrics:

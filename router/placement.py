@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 from cluster.engine_client import EngineError
 from cluster.request import GenerateRequest
+from cluster.stats import WorkerStats
 from cluster.topology import RoutingSection, WorkerSpec
 
 
@@ -37,21 +38,26 @@ class WorkerState:
     snapshot_asked: float = 0.0
     alive: bool = False
     last_pong: float = 0.0
-    stats: dict = field(default_factory=dict)
+    stats: Optional[WorkerStats] = None  # its last report (None: none yet, or since it died)
     inflight: set = field(default_factory=set)
     placed: int = 0  # requests placed here so far (tie-break: spread evenly)
+
+
+def _free_blocks(w: WorkerState) -> int:
+    """Free KV blocks in `w`'s last report (0 without one)."""
+    return w.stats.kv_blocks_free if w.stats is not None else 0
 
 
 def _pick(workers: list[WorkerState], routing: RoutingSection, cached: Optional[dict[str, int]]) -> WorkerState:
     if routing.policy == "round_robin":  # per role: each role's workers take turns on their own
         return min(workers, key=lambda w: w.placed)
     if routing.policy == "least_loaded" or cached is None:
-        return min(workers, key=lambda w: (len(w.inflight), w.placed, -w.stats.get("kv_blocks_free", 0)))
+        return min(workers, key=lambda w: (len(w.inflight), w.placed, -_free_blocks(w)))
     least = min(len(w.inflight) for w in workers)
 
     def score(w: WorkerState) -> tuple:
         blocks = cached.get(w.spec.name, 0) if len(w.inflight) <= least + routing.spill_margin else 0
-        return (len(w.inflight) - routing.cache_weight * blocks, w.placed, -w.stats.get("kv_blocks_free", 0))
+        return (len(w.inflight) - routing.cache_weight * blocks, w.placed, -_free_blocks(w))
 
     return min(workers, key=score)
 

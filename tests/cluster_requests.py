@@ -94,5 +94,5 @@ def post_in_background(url: str, body: dict, timeout_s: float = 120):
 
 
 def at_baseline(workers) -> bool:
-    return all(s["kv_blocks_free"] == s["kv_blocks_total"] and s["num_running"] == 0 and s["num_waiting"] == 0
-               and s["transfers_inflight"] == 0 for s in (w.stats() for w in workers.values()))
+    return all(s.kv_blocks_free == s.kv_blocks_total and s.num_running == 0 and s.num_waiting == 0
+               and s.transfers_inflight == 0 for s in (w.stats() for w in workers.values()))

@@ -28,6 +28,7 @@ import time
 from typing import AsyncIterator, Optional
 
 from cluster.engine_client import EngineStats
+from cluster.stats import KVGroupStats
 from cluster.ports import free_port
 from cluster.request import FinishReason, GenerateRequest, RequestOutput, TokenLogprob
 from router.tokenizer import RouterTokenizer
@@ -177,8 +178,8 @@ class FakeEngine:
 
     def stats(self) -> EngineStats:
         """A fixed load snapshot plus the number of running generators."""
-        return EngineStats(num_running=self.active, num_waiting=0, num_kv_blocks_total=100,
-                           num_kv_blocks_free=100 - 3 * self.active, kv_block_size=32,
+        blocks = KVGroupStats("full", blocks_total=100, blocks_free=100 - 3 * self.active)
+        return EngineStats(num_running=self.active, num_waiting=0, kv_groups=(blocks,), kv_block_size=32,
                            prefix_cache_queries=10, prefix_cache_hits=4)
 
     def is_healthy(self) -> bool:

@@ -215,9 +215,9 @@ def test_client_disconnects_free_everything():
         # both run on the worker's loop thread; nothing of the engine is touched from here
         core.step, core.abort = counting_step, recording_abort
         deadline = time.monotonic() + 30
-        while client.stats().num_kv_blocks_total == 0 and time.monotonic() < deadline:
+        while client.stats().kv_blocks_total == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
-        baseline = client.stats().num_kv_blocks_total
+        baseline = client.stats().kv_blocks_total
         long_prompt = "The archive holds many old letters. " * 90  # ~630 tokens: five prefill chunks
         rounds = 6
         for _ in range(rounds):
@@ -242,7 +242,7 @@ def test_client_disconnects_free_everything():
         # requests would take thousands of steps; the wall-clock deadline only bounds a failure.
         def idle():
             s = client.stats()
-            return (s.num_running, s.num_waiting, s.num_kv_blocks_free) == (0, 0, baseline)
+            return (s.num_running, s.num_waiting, s.kv_blocks_free) == (0, 0, baseline)
         steps_then, since = num_steps[0], time.monotonic()
         deadline = since + 600
         while not idle() and (num_steps[0] - steps_then < 30 or time.monotonic() - since < 5):

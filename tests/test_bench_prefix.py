@@ -210,8 +210,10 @@ def test_chat_round_sends_the_reply_back_in_turn_two(fake_server):  # noqa: F811
 
 
 def test_prom_counters_parse_metrics_text(monkeypatch):
-    text = ("# HELP mlxpd_router_engine_prefix_cache_hits x\n# TYPE mlxpd_router_engine_prefix_cache_hits counter\n"
-            "mlxpd_router_engine_prefix_cache_hits_total 1536.0\nmlxpd_router_kv_blocks_total 727.0\n")
+    text = ("# HELP mlx_pd_prefix_cache_hit_tokens x\n# TYPE mlx_pd_prefix_cache_hit_tokens counter\n"
+            "mlx_pd_prefix_cache_hit_tokens_total 1536.0\n"
+            'mlx_pd_kv_group_blocks_total{group="sliding_window"} 64.0\n'
+            'mlx_pd_kv_group_blocks_total{group="full"} 727.0\n')
 
     class Resp:
         pass
@@ -219,10 +221,9 @@ def test_prom_counters_parse_metrics_text(monkeypatch):
     resp = Resp()
     resp.text = text
     monkeypatch.setattr(prefix_bench.httpx, "get", lambda *a, **k: resp)
-    got = prefix_bench.prom_counters("http://x", ["mlxpd_router_engine_prefix_cache_hits",
-                                                  "mlxpd_router_kv_blocks_total", "absent"])
-    assert got == {"mlxpd_router_engine_prefix_cache_hits": 1536.0, "mlxpd_router_kv_blocks_total": 727.0,
-                   "absent": None}
+    full = 'mlx_pd_kv_group_blocks_total{group="full"}'
+    got = prefix_bench.prom_counters("http://x", ["mlx_pd_prefix_cache_hit_tokens", full, "absent"])
+    assert got == {"mlx_pd_prefix_cache_hit_tokens": 1536.0, full: 727.0, "absent": None}
 
 
 # --- KV pool table -------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from router.metrics import PREFIX
+from cluster.stats_metrics import PREFIX
 from tests.cluster_helpers import running_cluster, slow_steps
 from tests.cluster_requests import (ALL_REMOTE, MODEL, QUESTIONS, assert_still_serving, at_baseline, chat,
                                     chat_ids, long_text, post_and_leave, reference_text, wait_until)
@@ -37,7 +37,7 @@ def test_disaggregated_greedy_output_equals_single_node(decode, kv_bits):
         for prompt, ref in zip(prompts, refs):
             assert chat(base, prompt)["choices"][0]["message"]["content"] == ref
         moved = sum(len(chat_ids(q)) // 32 for q in prompts)  # the KV really moved (stats lag <= 0.5 s)
-        assert wait_until(lambda: workers["prefill-0"].stats()["kv_blocks_sent"] >= moved)
+        assert wait_until(lambda: workers["prefill-0"].stats().kv_blocks_sent >= moved)
         assert wait_until(lambda: at_baseline(workers))
 
 
@@ -52,7 +52,7 @@ def test_streamed_disaggregated_answer_arrives_in_order():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     delta = json.loads(line[6:])["choices"][0]["delta"]
                     parts.append(delta.get("content") or "")
-        assert "".join(parts) == full and wait_until(lambda: workers["decode-0"].stats()["tokens_out"] > 0)
+        assert "".join(parts) == full and wait_until(lambda: workers["decode-0"].stats().tokens_out > 0)
         # Each worker serves its KV-transfer metrics for Prometheus.
         received = httpx.get(workers["decode-0"].endpoints["metrics"], timeout=10).text
         sent = httpx.get(workers["prefill-0"].endpoints["metrics"], timeout=10).text
@@ -65,7 +65,7 @@ def test_short_prompts_skip_the_prefill_worker():
     with running_cluster(1, 1, loaded=fast_model(), routing="local_prefill_max_tokens = 100000") as (
             base, _, workers):
         assert_still_serving(base)  # the answer equals single-node's
-        assert workers["prefill-0"].stats()["kv_bytes_sent"] == 0
+        assert workers["prefill-0"].stats().kv_bytes_sent == 0
         from cluster.launch.workers import probe_worker  # what tools see: the stats a ping returns
 
         assert probe_worker(workers["decode-0"].endpoints["control"])["tokens_out"] > 0
@@ -77,7 +77,7 @@ def test_prompt_longer_than_the_context_is_400_before_any_transfer():
         r = httpx.post(base + "/v1/completions", timeout=60, json={
             "model": MODEL, "prompt": long_text(400), "max_tokens": 4})
         assert r.status_code == 400 and "context" in r.json()["error"]["message"]
-        assert workers["prefill-0"].stats()["kv_bytes_sent"] == 0 and not client.streams
+        assert workers["prefill-0"].stats().kv_bytes_sent == 0 and not client.streams
 
 
 @pytest.mark.parametrize("when", ["during_prefill", "after_first_token"])
@@ -95,7 +95,7 @@ def test_client_disconnect_frees_blocks_on_both_workers(when):
         if when == "during_prefill":  # the router sends the response's headers with the first token, so the
             # client must leave without waiting for them: a bare connection, closed mid-transfer
             post_and_leave(base, "/v1/completions", body,
-                           until=lambda: workers["prefill-0"].stats()["kv_blocks_sent"] > 0)
+                           until=lambda: workers["prefill-0"].stats().kv_blocks_sent > 0)
         else:
             with httpx.stream("POST", base + "/v1/completions", timeout=300, json=body) as r:
                 for line in r.iter_lines():
@@ -104,7 +104,7 @@ def test_client_disconnect_frees_blocks_on_both_workers(when):
         # the response is closed: the router aborts on both workers
         assert wait_until(lambda: at_baseline(workers)), [w.stats() for w in workers.values()]
         assert not client.streams and all(not w.inflight for w in client.workers)
-        out = {n: w.stats()["tokens_out"] for n, w in workers.items()}  # as fresh as the baseline seen
+        out = {n: w.stats().tokens_out for n, w in workers.items()}  # as fresh as the baseline seen
         if when == "during_prefill":  # the client left while the prompt computed: no token anywhere
             assert out == {"prefill-0": 0, "decode-0": 0}, out
         else:  # the decode worker stopped short of max_tokens (the first token came from the prefill worker)
@@ -135,7 +135,7 @@ def test_more_requests_than_the_decode_pool_holds_all_finish():
             t.join(300)
         assert results == [200] * 10
         assert wait_until(lambda: at_baseline(workers))
-        assert wait_until(lambda: workers["decode-0"].stats()["reservations_busy"] > 0)
+        assert wait_until(lambda: workers["decode-0"].stats().reservations_busy > 0)
 
 
 def test_requests_queued_at_the_prefill_worker_outlive_the_transfer_deadline():
@@ -158,12 +158,12 @@ def test_requests_queued_at_the_prefill_worker_outlive_the_transfer_deadline():
         for t in threads:
             t.start()
         while any(t.is_alive() for t in threads):
-            reserved_at_once.append(workers["decode-0"].stats()["transfers_inflight"])
+            reserved_at_once.append(workers["decode-0"].stats().transfers_inflight)
             time.sleep(0.1)
         assert codes == [200] * 4
         assert max(reserved_at_once) <= 2  # not all four reserved while they wait in the prefill queue
         sent = workers["prefill-0"].stats()
-        assert sent["transfer_timeouts"] == 0 and sent["transfers_pending"] == 0
+        assert sent.transfer_timeouts == 0 and sent.transfers_pending == 0
         assert wait_until(lambda: at_baseline(workers))
 
 
@@ -177,10 +177,10 @@ def test_router_metrics_sum_the_decode_workers_speculative_counters():
             "model": MODEL, "prompt": "Repeat exactly: " + text, "max_tokens": 24, "temperature": 0,
             "speculative": {"method": "prompt_lookup", "num_draft_tokens": 4}})
         assert r.status_code == 200, r.text
-        per_worker = lambda: sum(w.stats().get("num_draft_tokens", 0) for w in workers.values())  # noqa: E731
+        per_worker = lambda: sum(w.stats().num_draft_tokens for w in workers.values())  # noqa: E731
         assert wait_until(lambda: per_worker() > 0 and client.stats().num_draft_tokens == per_worker())
         metrics = httpx.get(base + "/metrics", timeout=10).text
         drafted = [float(line.split()[-1]) for line in metrics.splitlines()
-                   if line.startswith(PREFIX + "engine_draft_tokens_total")]
+                   if line.startswith(PREFIX + "draft_tokens_total")]
         assert drafted and drafted[0] == per_worker(), [ln for ln in metrics.splitlines() if "draft" in ln]
 

@@ -192,7 +192,7 @@ def test_prefilled_request_whose_kv_never_comes_fails_at_its_deadline():
             sock = client_socket(ctx, zmq.DEALER, decode.endpoints["control"])
             request = {"request_id": "orphaned", "prompt_token_ids": list(range(1, 40)), "sampling": {}}
             sock.send(pack(Generate(request=request, prefilled=True)))
-            assert wait_until(lambda: decode.stats()["awaiting_kv"] == 1)
+            assert wait_until(lambda: decode.stats().awaiting_kv == 1)
             start = time.monotonic()
             got = _answers(sock, 1, 15)
             waited = time.monotonic() - start
@@ -202,7 +202,7 @@ def test_prefilled_request_whose_kv_never_comes_fails_at_its_deadline():
         assert len(got) == 1 and isinstance(got[0], Output), got
         assert got[0].output.finish_reason == FinishReason.ABORT and "never started" in got[0].output.error
         assert 3.5 < waited < 12, waited
-        assert not decode.routes and wait_until(lambda: decode.stats()["awaiting_kv"] == 0)  # stats lag a step
+        assert not decode.routes and wait_until(lambda: decode.stats().awaiting_kv == 0)  # stats lag a step
 
 
 def test_a_transfer_that_cannot_start_fails_its_request_and_frees_its_blocks():
@@ -269,6 +269,6 @@ def test_a_decode_worker_declared_dead_but_alive_stops_the_migrated_request():
                     loop = client._tasks[0].get_loop()
                     loop.call_soon_threadsafe(client._mark_dead, moved_from)
                     old = workers[moved_from.spec.name]
-                    assert wait_until(lambda: old.stats()["num_running"] == 0 and not old.routes), old.stats()
-                    assert old.stats()["tokens_out"] < 300, old.stats()  # stopped, not finished
+                    assert wait_until(lambda: old.stats().num_running == 0 and not old.routes), old.stats()
+                    assert old.stats().tokens_out < 300, old.stats()  # stopped, not finished
         assert moved_from is not None and usage["completion_tokens"] == 300

@@ -9,6 +9,7 @@ no actors, no Ray processes left).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -20,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from cluster.launch import ray_head, ray_up
-from cluster.launch.actors import COUNTERS, GAUGES, metric_values
+from cluster.launch.actors import metric_values
+from cluster.stats import KVGroupStats, WorkerStats
 from cluster.topology import TOPOLOGY_DIR, load_topology
 from tests.cluster_helpers import free_port_topology
 
@@ -89,17 +91,27 @@ def test_token_auth_is_on_unless_the_user_chose(monkeypatch):
 
 
 def test_metric_values_turn_stats_into_gauges_and_counter_increments():
-    stats = {"num_running": 2, "num_waiting": 1, "kv_blocks_total": 100, "kv_blocks_free": 60, "healthy": True,
-             "prefix_cache_hit_rate": 0.5, "tokens_out": 50, "kv_bytes_sent": 4096.0, "ttft_p50_s": None}
-    gauges, inc = metric_values(stats, None, 0.0)
-    assert gauges == {"num_running": 2, "num_waiting": 1, "kv_blocks_used": 40, "kv_blocks_free": 60,
-                      "prefix_cache_hit_rate": 0.5, "healthy": 1.0}
-    assert inc == {"tokens_out": 50, "kv_bytes_sent": 4096.0}
-    gauges, inc = metric_values({**stats, "tokens_out": 90, "healthy": False}, stats, 2.0)
-    assert gauges["tokens_per_s"] == 20.0 and gauges["healthy"] == 0.0
-    assert inc == {"tokens_out": 40, "kv_bytes_sent": 0.0}
-    names = [name for name, _ in [*GAUGES.values(), *COUNTERS.values()]]
-    assert set(GAUGES).isdisjoint(COUNTERS) and all(n.startswith("mlx_pd_") for n in names)
+    """A worker report becomes gauges set to its values and counters grown by their increase since the last
+    report (never negative, from zero at first), KV cache group figures labelled by group; a median not yet
+    known is left out."""
+    stats = WorkerStats(num_running=2, num_waiting=1, healthy=True, prefix_cache_queries=10, prefix_cache_hits=5,
+                        tokens_out=50, kv_bytes_sent=4096.0, ttft_p50_s=None,
+                        kv_groups=(KVGroupStats("full", blocks_total=100, blocks_free=60),))
+
+    def by_name(rows):
+        return {(s.name, tuple(labels.values())): v for s, labels, v in rows}
+
+    gauges, inc, seen = metric_values(stats, None)
+    g = by_name(gauges)
+    assert g[("mlx_pd_running_sequences", ())] == 2 and g[("mlx_pd_waiting_sequences", ())] == 1
+    assert g[("mlx_pd_kv_group_blocks_used", ("full",))] == 40 and g[("mlx_pd_kv_group_blocks_free", ("full",))] == 60
+    assert g[("mlx_pd_prefix_cache_hit_rate", ())] == 0.5 and g[("mlx_pd_healthy", ())] == 1.0
+    assert ("mlx_pd_ttft_p50_seconds", ()) not in g
+    assert by_name(inc)[("mlx_pd_output_tokens", ())] == 50 and by_name(inc)[("mlx_pd_kv_bytes_sent", ())] == 4096
+    later = dataclasses.replace(stats, tokens_out=90, healthy=False, kv_bytes_sent=1.0)
+    gauges, inc, _ = metric_values(later, seen)
+    assert by_name(gauges)[("mlx_pd_healthy", ())] == 0.0
+    assert by_name(inc)[("mlx_pd_output_tokens", ())] == 40 and by_name(inc)[("mlx_pd_kv_bytes_sent", ())] == 0
 
 
 def test_status_table_shows_each_worker_and_the_router():
@@ -267,7 +279,8 @@ def test_workers_export_metrics_and_run_with_openblas(cluster):
     while time.monotonic() < deadline and 'ray_mlx_pd_output_tokens' not in text:
         time.sleep(2)
         text = httpx.get(url, timeout=10).text
-    assert re.search(r'ray_mlx_pd_kv_blocks_free\{[^}]*role="decode"[^}]*worker="decode-0"', text)
+    assert re.search(r'ray_mlx_pd_kv_group_blocks_free\{[^}]*group="full"[^}]*role="decode"[^}]*worker="decode-0"',
+                     text)
     assert re.search(r'ray_mlx_pd_output_tokens\S*\{[^}]*worker="decode-0"[^}]*\} [1-9]', text)
     if sys.platform.startswith("linux") and os.environ.get("LD_PRELOAD"):
         for w in info["workers"].values():

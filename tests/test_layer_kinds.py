@@ -225,17 +225,17 @@ def test_other_layer_kinds_through_a_1p1d_transfer_match_mlx_lm(model_type, tmp_
 
         def blocks_sent(want: int) -> float:
             deadline = time.monotonic() + 60  # stats refresh between steps
-            while workers["prefill-0"].stats()["kv_blocks_sent"] < want and time.monotonic() < deadline:
+            while workers["prefill-0"].stats().kv_blocks_sent < want and time.monotonic() < deadline:
                 time.sleep(0.05)
-            return workers["prefill-0"].stats()["kv_blocks_sent"]
+            return workers["prefill-0"].stats().kv_blocks_sent
 
         complete_and_check()
         assert blocks_sent(6) == 6
-        assert workers["decode-0"].stats()["kv_blocks_received"] == 6  # the decode worker took them in
+        assert workers["decode-0"].stats().kv_blocks_received == 6  # the decode worker took them in
         e = workers["prefill-0"].engine
         per_block = [s.nbytes // s.num_blocks for s in (e.store, e.window_store) if s is not None]
         if e.window_store is not None:  # window layers: only the blocks the next query can see (4 and 5) move
-            assert workers["prefill-0"].stats()["kv_bytes_sent"] == 6 * per_block[0] + 2 * per_block[1]
+            assert workers["prefill-0"].stats().kv_bytes_sent == 6 * per_block[0] + 2 * per_block[1]
             # the router follows each worker's window pool (its snapshot, then its events of group 1)
             index = client.index
             deadline = time.monotonic() + 30
@@ -244,7 +244,7 @@ def test_other_layer_kinds_through_a_1p1d_transfer_match_mlx_lm(model_type, tmp_
             reach = {name: index.workers[name].groups[1].reach for name in ("decode-0", "prefill-0")}
             assert reach == {"decode-0": WINDOW - 1, "prefill-0": WINDOW - 1}  # a window's reach: window - 1
             assert index.num_blocks("decode-0", 1) == 2  # block 4 as received, block 5 filled by decoding
-        sent = workers["prefill-0"].stats()["kv_bytes_sent"]
+        sent = workers["prefill-0"].stats().kv_bytes_sent
         complete_and_check()  # again: the decode worker holds the first five blocks (and their window)
         assert blocks_sent(7) == 7
-        assert workers["prefill-0"].stats()["kv_bytes_sent"] - sent == sum(per_block)
+        assert workers["prefill-0"].stats().kv_bytes_sent - sent == sum(per_block)

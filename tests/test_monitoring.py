@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from cluster.launch import monitor
-from cluster.launch.actors import COUNTERS, GAUGES
+from cluster.stats_metrics import exported_names
 from cluster.ports import free_port
 from cluster.topology import load_topology
 
@@ -135,7 +135,7 @@ def _exported_names() -> set[str]:
     from router.metrics import RouterMetrics
     from tests.router_fakes import FakeEngine, load_tokenizer
 
-    names = {f"ray_{n}" for n, _ in GAUGES.values()} | {f"ray_{n}_total" for n, _ in COUNTERS.values()}
+    names = {f"ray_{n}" for n in exported_names()}
     registry = CollectorRegistry()
     transfer = TransferMetrics("send", registry)
     transfer.moved(1, 1)
@@ -154,9 +154,9 @@ def test_dashboard_uses_a_datasource_variable_and_real_series():
         assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
         assert panel["targets"] and all(t["datasource"]["uid"] == "${datasource}" for t in panel["targets"])
     exported = _exported_names()
-    used = {name for _, expr in EXPRS for name in re.findall(r"\b((?:ray_mlx_pd|mlxpd)_\w+)", expr)}
+    used = {name for _, expr in EXPRS for name in re.findall(r"\b((?:ray_mlx_pd|mlx_pd|mlxpd)_\w+)", expr)}
     assert used - exported == set()
-    for metric in ("kv_blocks_used", "kv_blocks_free", "running_sequences", "waiting_sequences",
+    for metric in ("kv_group_blocks_used", "kv_group_blocks_free", "running_sequences", "waiting_sequences",
                    "output_tokens_total", "prefix_cache_hit_tokens_total", "kv_bytes_sent_total"):
         assert f"ray_mlx_pd_{metric}" in used, metric
     for metric in ("time_to_first_token_seconds_bucket", "time_per_output_token_seconds_bucket",
@@ -190,8 +190,8 @@ def test_router_counts_cached_tokens_of_streams_without_usage():
         after = httpx.get(f"{base}/metrics").text
         router = _metric(after, "mlxpd_router_prefix_cache_hit_tokens_total") - \
             _metric(before, "mlxpd_router_prefix_cache_hit_tokens_total")
-        engine = _metric(after, "mlxpd_router_engine_prefix_cache_hits_total") - \
-            _metric(before, "mlxpd_router_engine_prefix_cache_hits_total")
+        engine = _metric(after, "mlx_pd_prefix_cache_hit_tokens_total") - \
+            _metric(before, "mlx_pd_prefix_cache_hit_tokens_total")
         assert router == engine >= 32 * 5  # the repeated prompt came from the cache, counted once
         with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "max_tokens": 200},
                           timeout=60) as r:  # leaves after the first chunk
@@ -277,9 +277,9 @@ def test_monitor_scrapes_the_cluster_and_every_panel_has_data(ray_cluster, tmp_p
             assert proc.poll() is None, proc.stdout.read()
             time.sleep(1)
             try:
-                workers = {s["metric"].get("worker") for s in _query(url, "ray_mlx_pd_kv_blocks_free")}
+                workers = {s["metric"].get("worker") for s in _query(url, "ray_mlx_pd_kv_group_blocks_free")}
                 ttft = _query(url, "mlxpd_router_time_to_first_token_seconds_bucket")
-                missing = [f"ray_mlx_pd_kv_blocks_free of {w}" for w in ("prefill-0", "decode-0") if w not in workers]
+                missing = [f"ray_mlx_pd_kv_group_blocks_free of {w}" for w in ("prefill-0", "decode-0") if w not in workers]
                 missing += [] if ttft else ["the router's TTFT"]
                 missing += [f"{title}: {expr}" for title, expr in EXPRS
                             if not _query(url, expr.replace("$__rate_interval", RATE_WINDOW))]

@@ -350,14 +350,14 @@ def test_router_index_follows_clears_and_restarts():
                           and any(n.startswith("decode") for n in predicted())), predicted()
         holder = next(n for n in predicted() if n.startswith("decode"))
         other = next(n for n in workers if n.startswith("decode") and n != holder)
-        assert wait_until(lambda: workers[holder].stats()["kv_bytes_received"] > 0)  # stats lag <= 0.5 s
-        before = {n: workers[n].stats()["kv_bytes_received"] for n in (holder, other)}
+        assert wait_until(lambda: workers[holder].stats().kv_bytes_received > 0)  # stats lag <= 0.5 s
+        before = {n: workers[n].stats().kv_bytes_received for n in (holder, other)}
         # The same prompt again goes to the decode worker that holds it, and only its uncached tail moves.
         assert httpx.post(base + "/v1/chat/completions", json=body, timeout=120).status_code == 200
-        assert wait_until(lambda: workers[holder].stats()["kv_bytes_received"] > before[holder])
-        moved = workers[holder].stats()["kv_bytes_received"] - before[holder]
-        assert moved <= 2 * before[holder] / (len(prompt) // 32) and workers[other].stats()["kv_bytes_received"] == 0
-        assert wait_until(lambda: workers["prefill-0"].stats()["prefix_cache_hits"] > 0)  # stats lag <= 0.5 s
+        assert wait_until(lambda: workers[holder].stats().kv_bytes_received > before[holder])
+        moved = workers[holder].stats().kv_bytes_received - before[holder]
+        assert moved <= 2 * before[holder] / (len(prompt) // 32) and workers[other].stats().kv_bytes_received == 0
+        assert wait_until(lambda: workers["prefill-0"].stats().prefix_cache_hits > 0)  # stats lag <= 0.5 s
 
         # Admin clear: within a bounded time the router predicts nothing cached anywhere.
         assert httpx.post(base + "/reset_prefix_cache", timeout=30).status_code == 200

@@ -223,11 +223,18 @@ def test_through_a_1p1d_transfer_the_state_crosses_the_wire_and_the_next_turn_re
         assert choice["text"] == tokenizer().decode(tokens), what
         assert np.allclose(choice["logprobs"]["token_logprobs"], logprobs, atol=TOL, rtol=0), what
 
+    def figure(stats, key: str) -> float:
+        """A report's field, or a "group.field" of one of its KV cache groups (0 when it has none)."""
+        if "." not in key:
+            return getattr(stats, key)
+        group, field = key.split(".")
+        return next((getattr(g, field) or 0 for g in stats.kv_groups if g.group == group), 0)
+
     def settled(workers, key: str, role: str, want: float) -> float:
         deadline = time.monotonic() + 60  # stats refresh between steps
-        while workers[role].stats().get(key, 0) < want and time.monotonic() < deadline:
+        while figure(workers[role].stats(), key) < want and time.monotonic() < deadline:
             time.sleep(0.05)
-        return workers[role].stats().get(key, 0)
+        return figure(workers[role].stats(), key)
 
     with running_cluster(1, 1, loaded=(model, tokenizer(), spec), engine=engine,
                          routing="local_prefill_max_tokens = 0") as (base, client, workers):
@@ -236,8 +243,8 @@ def test_through_a_1p1d_transfer_the_state_crosses_the_wire_and_the_next_turn_re
         check(first, LONG, f"{model_type}: 1P1D")
         assert settled(workers, "kv_blocks_sent", "prefill-0", 6) == 6  # ceil(45 / 8) blocks
         assert settled(workers, "kv_blocks_received", "decode-0", 6) == 6
-        assert settled(workers, "state_bytes_sent", "prefill-0", one_state) == one_state
-        assert settled(workers, "state_bytes_received", "decode-0", one_state) == one_state
+        assert settled(workers, "recurrent.bytes_sent", "prefill-0", one_state) == one_state
+        assert settled(workers, "recurrent.bytes_received", "decode-0", one_state) == one_state
         # the router counts the prefill worker's five blocks (its snapshot at position 40 restores them) and
         # none of the decode worker's, which holds the same five blocks but no snapshot to restore them with
         from cluster.request import GenerateRequest
@@ -255,19 +262,19 @@ def test_through_a_1p1d_transfer_the_state_crosses_the_wire_and_the_next_turn_re
         check(turn2, follow_up, f"{model_type}: 1P1D, next turn")
         check(beside, other, f"{model_type}: 1P1D, beside the next turn")
         assert turn2["usage"]["prompt_tokens_details"]["cached_tokens"] >= 40
-        sent = workers["prefill-0"].stats()["kv_blocks_sent"] - 6
+        sent = workers["prefill-0"].stats().kv_blocks_sent - 6
         assert sent < -(-len(follow_up) // 8) + -(-len(other) // 8)  # the decode worker held LONG's blocks
-        assert settled(workers, "state_bytes_received", "decode-0", 3 * one_state) == 3 * one_state
+        assert settled(workers, "recurrent.bytes_received", "decode-0", 3 * one_state) == 3 * one_state
         deadline, metrics = time.monotonic() + 30, {}
-        while metrics.get("mlxpd_router_engine_state_snapshots_restored_total", 0) < 1 \
-                and time.monotonic() < deadline:  # the router learns workers' stats from their pings
+        restores = 'mlx_pd_kv_group_restores_total{group="recurrent"}'
+        while metrics.get(restores, 0) < 1 and time.monotonic() < deadline:  # the router learns stats from pings
             time.sleep(0.1)
             metrics = {line.split()[0]: float(line.split()[1]) for line in
                        httpx.get(base + "/metrics").text.splitlines()
-                       if line.startswith("mlxpd_router_engine_state_snapshot")}
-        assert metrics["mlxpd_router_engine_state_snapshots_restored_total"] >= 1
-        assert 0 < metrics["mlxpd_router_engine_state_snapshot_bytes"] <= metrics[
-            "mlxpd_router_engine_state_snapshot_budget_bytes"]
+                       if line.startswith("mlx_pd_kv_group_") and 'group="recurrent"' in line}
+        assert metrics[restores] >= 1
+        assert 0 < metrics['mlx_pd_kv_group_bytes{group="recurrent"}'] <= metrics[
+            'mlx_pd_kv_group_budget_bytes{group="recurrent"}']
 
 
 def test_the_state_crosses_the_wire_in_its_own_dtype_and_shape():

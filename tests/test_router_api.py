@@ -388,9 +388,9 @@ def test_metrics(client, engine):
                  "mlxpd_router_time_per_output_token_seconds_count 1.0",
                  "mlxpd_router_inter_token_latency_seconds_count 4.0",  # 3 deltas of 2 tokens: 2nd and 3rd
                  "mlxpd_router_e2e_request_latency_seconds_count 1.0",
-                 "mlxpd_router_num_requests_running 0.0", "mlxpd_router_kv_blocks_free 100.0",
-                 "mlxpd_router_kv_blocks_used 0.0", "mlxpd_router_engine_prefix_cache_hits_total 4.0",
-                 "mlxpd_router_active_sequences 0.0", "mlxpd_router_engine_healthy 1.0"]:
+                 "mlx_pd_running_sequences 0.0", 'mlx_pd_kv_group_blocks_free{group="full"} 100.0',
+                 'mlx_pd_kv_group_blocks_used{group="full"} 0.0', "mlx_pd_prefix_cache_hit_tokens_total 4.0",
+                 "mlxpd_router_active_sequences 0.0", "mlx_pd_healthy 1.0"]:
         assert line in text, line
     prompt = client.post("/v1/chat/completions", json=chat_body(max_tokens=1)).json()["usage"]["prompt_tokens"]
     assert f"mlxpd_router_prompt_tokens_total {2.0 * prompt}" in client.get("/metrics").text

@@ -85,10 +85,10 @@ def test_metrics_and_refusals(server):
     post(base, "/v1/chat/completions", chat(REPEAT, 16, speculative={"method": "prompt_lookup"}))
     text = httpx.get(base + "/metrics").text
     values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-              if line.startswith("mlxpd_router_engine_draft")}
-    assert values["mlxpd_router_engine_draft_tokens_total"] == core.speculator.num_draft_tokens > 0
-    assert values["mlxpd_router_engine_draft_accepted_tokens_total"] == core.speculator.num_accepted_tokens > 0
-    assert 0 < values["mlxpd_router_engine_draft_acceptance_rate"] <= 1
+              if line.startswith("mlx_pd_draft")}
+    assert values["mlx_pd_draft_tokens_total"] == core.speculator.num_draft_tokens > 0
+    assert values["mlx_pd_draft_accepted_tokens_total"] == core.speculator.num_accepted_tokens > 0
+    assert 0 < values["mlx_pd_draft_acceptance_rate"] <= 1
     for bad in ({"method": "medusa"}, {"method": "prompt_lookup", "num_draft_tokens": 17}, {"num_draft_tokens": 2}):
         r = post(base, "/v1/chat/completions", chat("Hi", 4, speculative=bad))
         assert r.status_code == 400 and "speculative" in r.json()["error"]["message"], r.text

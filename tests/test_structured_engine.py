@@ -203,7 +203,7 @@ def test_prefill_decode_pair_samples_the_first_token_under_the_grammar_and_resum
         jsonschema.validate(json.loads("".join(o.text for o in results[f"c{i}"])), CASES[i][0])
     assert prefill.engine.grammars.num_mask_rows == len(CASES)  # the first tokens' masks, on the prefill worker
     assert decode.engine.grammars.num_mask_rows == sum(len(mixed[f"c{i}"].token_ids) - 1 for i in range(len(CASES)))
-    assert decode.stats()["constrained_requests"] == len(CASES) and prefill.engine.grammars.mask_seconds > 0
+    assert decode.stats().constrained_requests == len(CASES) and prefill.engine.grammars.mask_seconds > 0
 
 
 def test_a_grammar_that_does_not_compile_fails_its_request_and_the_engine_serves_the_next(engine):
@@ -279,11 +279,10 @@ def test_the_grammar_travels_with_the_request_over_the_wire():
 
 def test_engine_stats_add_up_constrained_requests_of_decode_workers_and_mask_time_of_all():
     from cluster.engine_client import EngineStats
+    from cluster.stats import WorkerStats
 
-    base = dict(num_running=0, num_waiting=0, kv_blocks_total=0, kv_blocks_free=0, kv_block_size=32,
-                num_preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0)
-    stats = EngineStats.from_reports([
-        dict(base, role="prefill", constrained_requests=3, grammar_mask_seconds=0.25),  # the same requests' start
-        dict(base, role="decode", constrained_requests=2, grammar_mask_seconds=1.5),
-        dict(base, role="decode", constrained_requests=1, grammar_mask_seconds=0.5)])
-    assert stats.num_constrained_requests == 3 and stats.grammar_mask_seconds == pytest.approx(2.25)
+    stats = EngineStats.from_reports([  # the prefill worker's requests start again on the decode workers
+        WorkerStats(role="prefill", kv_block_size=32, constrained_requests=3, grammar_mask_seconds=0.25),
+        WorkerStats(role="decode", kv_block_size=32, constrained_requests=2, grammar_mask_seconds=1.5),
+        WorkerStats(role="decode", kv_block_size=32, constrained_requests=1, grammar_mask_seconds=0.5)])
+    assert stats.constrained_requests == 3 and stats.grammar_mask_seconds == pytest.approx(2.25)

@@ -129,10 +129,10 @@ def test_response_format_json_schema_with_nested_object_enum_and_array(client):
     jsonschema.validate(json.loads(r.choices[0].message.content), USER)
     # the engine's constrained-decoding counters reach the router's /metrics
     metrics = httpx.get(str(client.base_url.join("/metrics")), timeout=30).text
-    counts = {m[0]: float(m[1]) for m in re.findall(r"^(mlxpd_router_engine_(?:constrained_requests|grammar_mask_"
-                                                    r"seconds)_total) (\S+)$", metrics, re.M)}
-    assert counts["mlxpd_router_engine_constrained_requests_total"] >= 1
-    assert counts["mlxpd_router_engine_grammar_mask_seconds_total"] > 0
+    counts = {m[0]: float(m[1]) for m in re.findall(r"^(mlx_pd_(?:constrained_requests|grammar_mask_seconds)_total) "
+                                                    r"(\S+)$", metrics, re.M)}
+    assert counts["mlx_pd_constrained_requests_total"] >= 1
+    assert counts["mlx_pd_grammar_mask_seconds_total"] > 0
 
 
 @pytest.mark.parametrize("body, param", [

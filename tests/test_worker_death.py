@@ -44,7 +44,7 @@ def test_decode_worker_death_mid_stream_migrates_the_request():
                     workers[killed].stop()  # the worker's loop and sockets die without a word
         assert killed is not None and finish == "length" and usage["completion_tokens"] == 60
         survivor = next(n for n in workers if n.startswith("decode") and n != killed)
-        assert wait_until(lambda: workers[survivor].stats()["tokens_out"] > 0)
+        assert wait_until(lambda: workers[survivor].stats().tokens_out > 0)
         assert not next(w for w in client.workers if w.spec.name == killed).alive
         assert_still_serving(base)  # new requests succeed
 
@@ -60,10 +60,10 @@ def test_prefill_worker_death_before_the_first_token_reruns_the_prompt_on_the_de
         healthy = httpx.post(base + "/v1/completions", json=body, timeout=120)
         assert healthy.status_code == 200, healthy.text
         assert httpx.post(base + "/reset_prefix_cache", timeout=30).status_code == 200  # compute it all again
-        before = workers["decode-0"].stats()["tokens_out"]
+        before = workers["decode-0"].stats().tokens_out
         slow_steps(workers["prefill-0"], 0.25)
         answer = post_in_background(base + "/v1/completions", body)
-        assert wait_until(lambda: workers["prefill-0"].stats()["num_running"] > 0, 60)
+        assert wait_until(lambda: workers["prefill-0"].stats().num_running > 0, 60)
         workers["prefill-0"].stop()
         r = answer()
         assert r.status_code == 200, r.text
@@ -71,7 +71,7 @@ def test_prefill_worker_death_before_the_first_token_reruns_the_prompt_on_the_de
         assert choice["text"] == healthy.json()["choices"][0]["text"] and choice["finish_reason"] == "length"
         assert r.json()["usage"]["completion_tokens"] == 20
         # every token of the second answer, its first included, came from the decode worker (stats lag a step)
-        assert wait_until(lambda: workers["decode-0"].stats()["tokens_out"] - before == 20, 30)
+        assert wait_until(lambda: workers["decode-0"].stats().tokens_out - before == 20, 30)
         assert wait_until(lambda: at_baseline({"decode-0": workers["decode-0"]}), 30)
         assert not client.streams and all(not w.inflight for w in client.workers)
         assert_still_serving(base)
@@ -113,7 +113,7 @@ def test_losing_the_only_decode_worker_is_a_503_with_retry_after():
         slow_steps(workers["decode-0"], 0.05)
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
         answer = post_in_background(base + "/v1/completions", body)
-        assert wait_until(lambda: workers["decode-0"].stats()["tokens_out"] > 2, 60)
+        assert wait_until(lambda: workers["decode-0"].stats().tokens_out > 2, 60)
         workers["decode-0"].stop()
         r = answer()
         assert r.status_code == 503, r.text
@@ -132,7 +132,7 @@ def test_decode_worker_death_before_any_token_reruns_the_request_elsewhere():
         slow_steps(workers["prefill-0"], 0.25)
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0}
         answer = post_in_background(base + "/v1/completions", body, timeout_s=300)
-        assert wait_until(lambda: workers["prefill-0"].stats()["num_running"] > 0 and client.streams, 60)
+        assert wait_until(lambda: workers["prefill-0"].stats().num_running > 0 and client.streams, 60)
         victim = next(iter(client.streams.values())).decode.spec.name
         workers[victim].stop()
         r = answer()
@@ -140,7 +140,7 @@ def test_decode_worker_death_before_any_token_reruns_the_request_elsewhere():
         _, tokenizer, _ = fast_model()
         assert r.json()["choices"][0]["text"] == reference_text(tokenizer.encode(prompt), 12)
         survivor = next(n for n in workers if n.startswith("decode") and n != victim)
-        assert wait_until(lambda: workers[survivor].stats()["tokens_out"] > 0)
-        assert wait_until(lambda: workers["prefill-0"].stats()["kv_blocks_free"]
-                          == workers["prefill-0"].stats()["kv_blocks_total"], 60)
+        assert wait_until(lambda: workers[survivor].stats().tokens_out > 0)
+        assert wait_until(lambda: workers["prefill-0"].stats().kv_blocks_free
+                          == workers["prefill-0"].stats().kv_blocks_total, 60)
         assert all(not w.inflight for w in client.workers)

@@ -25,7 +25,7 @@ from cluster.kv.store import KVStore
 class FullAttentionGroup(KVCacheGroup):
     """Full-attention layers `layers` (KV-layer numbering) over `store`'s blocks, booked in `pool`."""
 
-    name = "full_attention"
+    name = "full"
 
     def __init__(self, pool: BlockPool, store: KVStore, layers: Sequence[int]):
         self.pool, self.store, self.layers = pool, store, tuple(layers)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from cluster.kv.block_pool import BlockPool
+from cluster.stats import KVGroupStats
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,13 @@ class KVCacheGroup:
     def reset_prefix_cache(self) -> int:
         """Forget every cached entry; returns how many."""
         return 0
+
+    def stats(self, transfer=None) -> KVGroupStats:
+        """This group's figures for the worker's report (`cluster.stats.KVGroupStats`, labelled by `name`);
+        `transfer`: the worker's `kv_transfer.metrics.TransferMetrics` (None: it moves no KV)."""
+        if self.pool is None:
+            return KVGroupStats(self.name)
+        return KVGroupStats(self.name, blocks_total=self.pool.num_usable_blocks, blocks_free=self.pool.num_free_blocks)
 
     def index_entry(self) -> Optional[tuple[int, list[int]]]:
         """What the router's prefix index learns of this group (cluster/kv/index_view.py): (its number in the KV

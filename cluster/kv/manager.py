@@ -159,6 +159,11 @@ class KVManager:
         for g, e in zip(self.groups, entries):
             g.computed(e, step)
 
+    def group_stats(self, transfer=None) -> tuple:
+        """One `cluster.stats.KVGroupStats` per group, the anchor first (`KVCacheGroup.stats`; `transfer`: the
+        worker's transfer metrics, None when it moves no KV)."""
+        return tuple(g.stats(transfer) for g in self.groups)
+
     def chunk_end(self, num_tokens: int, start: int, end: int) -> int:
         """Where a prefill chunk from `start` that the budget would end at `end` ends (a group may end it where
         it keeps something, `KVCacheGroup.chunk_end`)."""

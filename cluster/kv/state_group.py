@@ -20,6 +20,7 @@ from cluster.kv.block_pool import RESTORE_POINT_GROUP, BlockPool
 from cluster.kv.groups import GroupHit, KVCacheGroup, StateEntry, StepRequest
 from cluster.kv.recurrent_state import StateShapes, split_states, stack_states, state_nbytes
 from cluster.kv.snapshots import StateSnapshots
+from cluster.stats import KVGroupStats
 
 
 class RecurrentStateGroup(KVCacheGroup):
@@ -27,7 +28,7 @@ class RecurrentStateGroup(KVCacheGroup):
     caching off) keep states at block boundaries as restore points of `anchor` (the pool whose blocks they
     follow)."""
 
-    name = "recurrent_state"
+    name = "recurrent"
     layer_space = "state"
     reach_tokens = 1
     ships_state = True
@@ -75,6 +76,16 @@ class RecurrentStateGroup(KVCacheGroup):
     def computed(self, entry: StateEntry, step: StepRequest) -> None:
         if self.snapshots is not None:
             self.snapshots.save(entry, step)
+
+    def stats(self, transfer=None) -> KVGroupStats:
+        """Snapshots kept, their bytes and budget, prefix hits that restored one, and the state bytes `transfer`
+        moved."""
+        snaps = self.snapshots
+        moved: Optional[float] = None if transfer is None else transfer.value("state_bytes_total")
+        sent = moved if transfer is not None and transfer.direction == "send" else None
+        received = moved if transfer is not None and transfer.direction == "receive" else None
+        return KVGroupStats(self.name, entries=len(snaps), bytes_used=snaps.nbytes, budget_bytes=snaps.budget_bytes,
+                            restores=snaps.num_restored, bytes_sent=sent, bytes_received=received)
 
     def index_entry(self):
         """The restore points (blocks with a snapshot), as the anchor pool's events number them."""

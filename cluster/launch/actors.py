@@ -4,7 +4,8 @@
 Both take the topology as TOML text (`TopologySpec.source`), so every process parses the same file.
 A worker actor does all its work in its constructor (pin CPUs, load the model, bind the sockets, start the
 loop thread), so when Ray restarts a dead actor (`max_restarts`) the new process comes up the same way.
-It exports its `Worker.stats()` as Ray metrics every `METRICS_INTERVAL_S` (see `metric_values`), which the
+It exports its `Worker.stats()` as Ray metrics every `METRICS_INTERVAL_S` (see `metric_values`), under the
+names of the stats' metric table (cluster/stats_metrics.py, the names the router's `/metrics` uses), which the
 Ray dashboard and its Prometheus endpoint show as `ray_mlx_pd_*`, tagged `worker` and `role`.
 """
 
@@ -17,79 +18,57 @@ import threading
 import time
 from typing import Optional
 
+from cluster.stats import EngineStats
+from cluster.stats_metrics import GROUP_LABEL, GROUP_METRICS, METRICS, samples
 from cluster.topology import TopologySpec, parse_topology
 
 logger = logging.getLogger(__name__)
 METRICS_INTERVAL_S = 2.0
 
-# stats key -> (metric name, description). Gauges are set to the value; counters grow by its increase.
-GAUGES = {
-    "num_running": ("mlx_pd_running_sequences", "sequences in the running batch"),
-    "num_waiting": ("mlx_pd_waiting_sequences", "sequences waiting for admission"),
-    "kv_blocks_used": ("mlx_pd_kv_blocks_used", "KV blocks in use (total - free)"),
-    "kv_blocks_free": ("mlx_pd_kv_blocks_free", "free KV blocks"),
-    "prefix_cache_hit_rate": ("mlx_pd_prefix_cache_hit_rate", "prompt tokens served from the prefix cache, "
-                                                               "over those looked up (0..1)"),
-    "tokens_per_s": ("mlx_pd_tokens_per_second", "output tokens per second over the last interval"),
-    "transfers_inflight": ("mlx_pd_kv_transfers_inflight", "KV transfers under way"),
-    "ttft_p50_s": ("mlx_pd_ttft_p50_seconds", "median time to first token of recent prefills (s)"),
-    "state_snapshot_bytes": ("mlx_pd_state_snapshot_bytes", "bytes of recurrent-state snapshots kept (hybrid "
-                                                             "models' prefix cache)"),
-    "state_snapshot_budget_bytes": ("mlx_pd_state_snapshot_budget_bytes", "the snapshots' byte budget"),
-    "healthy": ("mlx_pd_worker_healthy", "1 while the worker loop runs"),
-}
-COUNTERS = {
-    "tokens_out": ("mlx_pd_output_tokens", "output tokens sent to the router"),
-    "prefix_cache_queries": ("mlx_pd_prefix_cache_query_tokens", "prompt tokens looked up in the prefix cache"),
-    "prefix_cache_hits": ("mlx_pd_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache"),
-    "num_preemptions": ("mlx_pd_preemptions", "sequences preempted (recomputed later)"),
-    "kv_bytes_sent": ("mlx_pd_kv_bytes_sent", "KV bytes shipped to decode workers"),
-    "kv_bytes_received": ("mlx_pd_kv_bytes_received", "KV bytes received from prefill workers"),
-    "kv_blocks_sent": ("mlx_pd_kv_blocks_sent", "KV blocks shipped"),
-    "kv_blocks_received": ("mlx_pd_kv_blocks_received", "KV blocks received"),
-    "state_bytes_sent": ("mlx_pd_state_bytes_sent", "recurrent-state bytes shipped with KV (hybrid models)"),
-    "state_bytes_received": ("mlx_pd_state_bytes_received", "recurrent-state bytes received with KV"),
-    "transfer_timeouts": ("mlx_pd_kv_transfer_timeouts", "KV transfers that timed out"),
-}
 
+def metric_values(stats: EngineStats, prev: Optional[dict]) -> tuple[list, list, dict]:
+    """(gauges, counter increments, counter values) from a `Worker.stats()` report, through the metric table
+    (cluster/stats_metrics.py): gauges and increments are lists of (MetricSpec, labels, value).
 
-def metric_values(stats: dict, prev: Optional[dict], dt_s: float) -> tuple[dict[str, float], dict[str, float]]:
-    """(gauges, counter increments) keyed by stats key, from a `Worker.stats()` snapshot.
+    `prev` is the counter values of the previous call (None at first: counters then count from zero), keyed
+    by (metric name, labels as a sorted tuple); pass the third item back next time. Increments are never
+    negative.
 
-    `prev` is the snapshot `dt_s` seconds earlier (None at first: counters then count from zero).
-    Missing or None values are skipped; increments are never negative.
-
-    >>> g, c = metric_values({"kv_blocks_total": 10, "kv_blocks_free": 7, "tokens_out": 30, "healthy": True},
-    ...                      {"tokens_out": 10}, 2.0)
-    >>> g["kv_blocks_used"], g["tokens_per_s"], g["healthy"], c["tokens_out"]
-    (3, 10.0, 1.0, 20)
+    >>> from cluster.stats import KVGroupStats, WorkerStats
+    >>> g, c, seen = metric_values(WorkerStats(tokens_out=30, kv_groups=(KVGroupStats("full", 10, 7),)), None)
+    >>> [(labels, v) for s, labels, v in g if s.name == "mlx_pd_kv_group_blocks_used"]
+    [({'group': 'full'}, 3.0)]
+    >>> {s.name: v for s, _, v in c}["mlx_pd_output_tokens"]
+    30.0
+    >>> _, c, _ = metric_values(WorkerStats(tokens_out=50), seen)
+    >>> {s.name: v for s, _, v in c}["mlx_pd_output_tokens"]
+    20.0
     """
-    stats = dict(stats)
-    if isinstance(stats.get("kv_blocks_total"), (int, float)) and isinstance(stats.get("kv_blocks_free"), (int, float)):
-        stats["kv_blocks_used"] = stats["kv_blocks_total"] - stats["kv_blocks_free"]
-    if "healthy" in stats:
-        stats["healthy"] = 1.0 if stats["healthy"] else 0.0
-    increments = {}
-    for key in COUNTERS:
-        value = stats.get(key)
-        if isinstance(value, (int, float)):
-            increments[key] = max(0, value - ((prev or {}).get(key) or 0))
-    if prev is not None and dt_s > 0 and "tokens_out" in increments:
-        stats["tokens_per_s"] = increments["tokens_out"] / dt_s
-    gauges = {k: stats[k] for k in GAUGES if isinstance(stats.get(k), (int, float))}
-    return gauges, increments
+    gauges, increments, values = [], [], {}
+    for spec, labels, value in samples(stats):
+        if spec.kind == "gauge":
+            gauges.append((spec, labels, value))
+            continue
+        key = (spec.name, tuple(sorted(labels.items())))
+        values[key] = value
+        increments.append((spec, labels, max(0.0, value - (prev or {}).get(key, 0.0))))
+    return gauges, increments, values
 
 
 class MetricsExporter:
-    """A daemon thread that turns `stats_fn()` into Ray metrics every `interval_s`, tagged worker/role."""
+    """A daemon thread that turns `stats_fn()` (a `WorkerStats`) into Ray metrics every `interval_s`, one per
+    entry of the metric table, tagged worker/role (and `group` for the KV cache group figures)."""
 
     def __init__(self, stats_fn, worker: str, role: str, interval_s: float = METRICS_INTERVAL_S):
         from ray.util.metrics import Counter, Gauge
 
         keys = ("worker", "role")
         self._tags = {"worker": worker, "role": role}
-        self._gauges = {k: Gauge(n, description=d, tag_keys=keys) for k, (n, d) in GAUGES.items()}
-        self._counters = {k: Counter(n, description=d, tag_keys=keys) for k, (n, d) in COUNTERS.items()}
+        self._metrics = {}
+        for spec in (*METRICS, *GROUP_METRICS):
+            tag_keys = keys + ((GROUP_LABEL,) if spec in GROUP_METRICS else ())
+            kind = Counter if spec.kind == "counter" else Gauge
+            self._metrics[spec.name] = kind(spec.name, description=spec.help, tag_keys=tag_keys)
         self._stats_fn, self._interval_s = stats_fn, interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"metrics-{worker}", daemon=True)
@@ -101,18 +80,21 @@ class MetricsExporter:
     def stop(self) -> None:
         self._stop.set()
 
+    def export(self, prev: Optional[dict]) -> dict:
+        """Export one report of `stats_fn()`; `prev` and the return value are `metric_values`' counter values."""
+        gauges, increments, values = metric_values(self._stats_fn(), prev)
+        for spec, labels, value in gauges:
+            self._metrics[spec.name].set(value, tags={**self._tags, **labels})
+        for spec, labels, value in increments:
+            if value > 0:
+                self._metrics[spec.name].inc(value, tags={**self._tags, **labels})
+        return values
+
     def _run(self) -> None:
-        prev, prev_t = None, time.monotonic()
+        prev = None
         while not self._stop.wait(self._interval_s if prev is not None else 0.0):
             try:
-                stats, now = self._stats_fn(), time.monotonic()
-                gauges, increments = metric_values(stats, prev, now - prev_t)
-                for key, value in gauges.items():
-                    self._gauges[key].set(value, tags=self._tags)
-                for key, value in increments.items():
-                    if value > 0:
-                        self._counters[key].inc(value, tags=self._tags)
-                prev, prev_t = stats, now
+                prev = self.export(prev)
             except Exception:  # metrics must never take a worker down
                 logger.exception("exporting metrics failed")
 
@@ -142,7 +124,8 @@ class WorkerActor:
         return {**self.endpoints, "pid": os.getpid(), "started_at": self.started_at}
 
     def stats(self) -> dict:
-        return {**self.worker.stats(), "pid": os.getpid()}
+        """The worker's report as JSON (`WorkerStats.report`) plus the actor's "pid"."""
+        return {**self.worker.stats().report(), "pid": os.getpid()}
 
     def stop(self) -> None:
         self.exporter.stop()

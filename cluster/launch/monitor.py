@@ -3,7 +3,8 @@
 It writes into one folder (default `$MLX_PD_CACHE/monitor/<topology>/`, `--out DIR` to choose):
 
     prometheus.yml          three scrape jobs: `ray` (every Ray node's metrics export port: the workers'
-                            `ray_mlx_pd_*` series), `mlx-pd-router` (the router's `/metrics`: `mlxpd_router_*`)
+                            `ray_mlx_pd_*` series), `mlx-pd-router` (the router's `/metrics`: `mlxpd_router_*`
+                            and the workers' stats added up, `mlx_pd_*`)
                             and `mlx-pd-workers` (each worker's `metrics_port`: `mlxpd_kv_transfer_*`, labelled
                             worker and role)
     router_api_key          the router's API key (mode 0600), sent as a bearer credential; only with --api-key

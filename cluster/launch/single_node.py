@@ -77,8 +77,8 @@ class InProcessEngineClient:
     def worker_stats(self) -> list[dict]:
         """The one worker's latest report (`cluster.worker.Worker.stats`) plus its liveness and requests in
         flight, as `router.cluster_client.ClusterEngineClient.worker_stats` gives each worker's (the dashboard)."""
-        report = self.worker.stats()
-        return [dict(report, alive=self.worker.healthy, inflight=report.get("requests", 0))]
+        report = self.worker.stats().report()
+        return [dict(report, alive=self.worker.healthy, inflight=report["requests"])]
 
     async def clear_prefix_cache(self) -> int:
         loop = asyncio.get_running_loop()

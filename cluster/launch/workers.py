@@ -27,8 +27,9 @@ def make_worker(topology: TopologySpec, name: str, loaded=None) -> Worker:
 
 
 def probe_worker(endpoint: str, keys: Optional[CurveKeys] = None, timeout_s: float = 3.0) -> Optional[dict]:
-    """A worker's stats (what its pongs carry) from one Ping on its control socket at `endpoint`, or None
-    when it does not answer within `timeout_s` (tools and benchmarks; the router pings on its own sockets)."""
+    """A worker's stats (what its pongs carry, as the JSON map `WorkerStats.report`) from one Ping on its
+    control socket at `endpoint`, or None when it does not answer within `timeout_s` (tools and benchmarks;
+    the router pings on its own sockets)."""
     ctx = zmq.Context()
     sock = client_socket(ctx, zmq.DEALER, endpoint, keys)
     try:
@@ -41,7 +42,7 @@ def probe_worker(endpoint: str, keys: Optional[CurveKeys] = None, timeout_s: flo
         while (left := deadline - time.monotonic()) > 0 and sock.poll(int(left * 1000)):
             msg = unpack(sock.recv_multipart()[0], TO_ROUTER, PROTOCOL_VERSION)
             if isinstance(msg, Pong):
-                return msg.stats
+                return msg.stats.report()
         return None
     finally:
         sock.close(linger=0)
