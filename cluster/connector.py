@@ -35,10 +35,13 @@ from cluster.sequence import Sequence
 @dataclass(frozen=True)
 class ExternalPrefix:
     """A prompt computed elsewhere: its KV is the request's holding; `first_token` was sampled there;
-    `state`: for a model with recurrent layers, their state after the prompt (cluster/kv/recurrent_state.py)."""
+    `state`: for a model with recurrent layers, their state after the prompt (cluster/kv/recurrent_state.py);
+    `block_hashes`: the chained hashes of the prompt's full blocks in this engine's format, under which the
+    holding's blocks are registered in the prefix cache already."""
 
     first_token: int
     state: Any = None
+    block_hashes: tuple[int, ...] = ()
 
 
 class Connector(Protocol):

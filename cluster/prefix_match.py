@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from cluster.kv.hashing import block_hashes
+from cluster.kv.hashing import carried_hashes, extend_block_hashes
 from cluster.kv.manager import KVManager
 from cluster.sequence import Sequence
 from cluster.kv.snapshots import StateSnapshots
@@ -48,28 +48,43 @@ class PrefixMatcher:
         self.hits = 0
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Hash and register the blocks that became full and computed in the last step."""
+        """Register the blocks that became full and computed in the last step (hashed once: `hashes`)."""
         full = seq.num_computed_tokens // self.block_size
         if full <= len(seq.block_hashes):
             return
         start = len(seq.block_hashes)
-        parent = seq.block_hashes[-1] if start else None
         root = self.extra_key(seq.request.cache_salt)
-        new = block_hashes(seq.token_ids[:full * self.block_size], self.block_size, root, start=start, parent=parent)
-        for i, h in enumerate(new, start):
-            self.kv.cache_block(seq, i, h, seq.token_ids[i * self.block_size:(i + 1) * self.block_size],
-                                parent if parent is not None else root)
-            parent = h
-        seq.block_hashes.extend(new)
+        hashes = self.hashes(seq, full)
+        for i in range(start, full):
+            self.kv.cache_block(seq, i, hashes[i], seq.token_ids[i * self.block_size:(i + 1) * self.block_size],
+                                hashes[i - 1] if i else root)
+        seq.block_hashes.extend(hashes[start:full])
+
+    def hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """The chained hashes of the first `num_blocks` full blocks of `seq`'s tokens, each block hashed once for
+        the sequence (kept in `seq.token_block_hashes`): the prompt's come with the request when they were
+        computed under this engine's first-block key (`carried_hashes`; else they are hashed here at the first
+        call), an output block's when it fills."""
+        known = seq.token_block_hashes
+        if len(known) < num_blocks:
+            root = self.extra_key(seq.request.cache_salt)
+            if not known:
+                r = seq.request
+                known.extend(carried_hashes(r.prompt_block_hashes, r.prompt_hash_key, root, len(r.prompt_token_ids),
+                                            self.block_size))
+            extend_block_hashes(known, seq.token_ids, self.block_size, root, num_blocks)
+        return known[:num_blocks]
 
     def match(self, seq: Sequence) -> None:
         """Take the longest cached prefix (whole blocks, then the head of one more: the module docstring),
         leaving at least one token to compute. A head hit is copied by `fill` once the sequence is admitted, or
         given back by `unmatch`."""
-        if seq.block_table or seq.request.sampling.prompt_logprobs is not None:
+        if seq.block_table:
+            return
+        hashes = self.hashes(seq, len(seq.token_ids) // self.block_size)  # every full block, for the blocks to come
+        if seq.request.sampling.prompt_logprobs is not None:
             return  # prompt logprobs need every prompt position computed
         root = self.extra_key(seq.request.cache_salt)
-        hashes = block_hashes(seq.token_ids, self.block_size, root)
         hashes = hashes[:(len(seq.token_ids) - 1) // self.block_size]
         hit = self.pool.find_cached_prefix(hashes, seq.token_ids, self.block_size)
         k, window_ids = self.kv.window_hit(hashes, seq.token_ids, self.block_size, len(hit))
