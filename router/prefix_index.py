@@ -150,8 +150,13 @@ class PrefixIndex:
 
     def match_prompt(self, token_ids: Sequence[int], block_size: int, first_key: int) -> dict[str, int]:
         """Leading blocks of a prompt each worker holds: its full blocks hashed as the workers hash them
-        (`first_key` from cluster.kv.hashing.first_block_key), then `match`."""
-        hashes = block_hashes(token_ids, block_size, first_key)
+        (`first_key` from cluster.kv.hashing.first_block_key), then `match_hashes`."""
+        return self.match_hashes(block_hashes(token_ids, block_size, first_key), block_size)
+
+    def match_hashes(self, hashes: Sequence[int], block_size: int) -> dict[str, int]:
+        """Leading blocks of a prompt each worker holds, from the chained hashes of its full blocks (of
+        `block_size` tokens, as the workers hash them): `match`, cut back where a worker's window blocks
+        are gone."""
         out = self.match(hashes)
         for name, k in list(out.items()):
             w = self.workers[name]
