@@ -35,9 +35,11 @@ from cluster.sequence import Sequence
 @dataclass(frozen=True)
 class ExternalPrefix:
     """A prompt computed elsewhere: its KV (blocks and any state after the prompt) is the request's holding;
-    `first_token` was sampled there."""
+    `first_token` was sampled there; `block_hashes`: the chained hashes of the prompt's full blocks in this
+    engine's format, under which the holding's blocks are registered in the prefix cache already."""
 
     first_token: int
+    block_hashes: tuple[int, ...] = ()
 
 
 class Connector(Protocol):

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from cluster.kv.groups import PrefixHit
-from cluster.kv.hashing import block_hashes
+from cluster.kv.hashing import carried_hashes, extend_block_hashes
 from cluster.kv.manager import KVManager
 from cluster.sequence import Sequence
 
@@ -35,30 +35,43 @@ class PrefixMatcher:
         self.hits = 0
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Hash and register the blocks that became full and computed in the last step."""
+        """Register the blocks that became full and computed in the last step (each hashed once, `hashes`)."""
         full = seq.num_computed_tokens // self.block_size
         if full <= len(seq.block_hashes):
             return
         start = len(seq.block_hashes)
-        parent = seq.block_hashes[-1] if start else None
         root = self.extra_key(seq.request.cache_salt)
-        new = block_hashes(seq.token_ids[:full * self.block_size], self.block_size, root, start=start, parent=parent)
-        seq.block_hashes.extend(new)
+        hashes = self.hashes(seq, full)
+        seq.block_hashes.extend(hashes[start:full])
         self.kv.cache_blocks(seq.request_id, start, seq.block_hashes, seq.token_ids, root)
+
+    def hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """The chained hashes of the first `num_blocks` full blocks of `seq`'s tokens, each block hashed once for
+        the sequence (kept in `seq.token_block_hashes`): the prompt's come with the request when they were
+        computed under this engine's first-block key (`carried_hashes`; else they are hashed here at the first
+        call), an output block's when it fills."""
+        known = seq.token_block_hashes
+        if len(known) < num_blocks:
+            root = self.extra_key(seq.request.cache_salt)
+            if not known:
+                r = seq.request
+                known.extend(carried_hashes(r.prompt_block_hashes, r.prompt_hash_key, root, len(r.prompt_token_ids),
+                                            self.block_size))
+            extend_block_hashes(known, seq.token_ids, self.block_size, root, num_blocks)
+        return known[:num_blocks]
 
     def lookup(self, seq: Sequence) -> Optional[PrefixHit]:
         """The longest cached prefix `seq` can take (whole blocks, then the head of one more), leaving at least
-        one token to compute; changes nothing. None when `seq` holds its KV already (admitted after a
+        one token to compute; changes nothing in the KV. None when `seq` holds its KV already (admitted after a
         transfer, then queued)."""
         if self.kv.num_blocks(seq.request_id):
             return None
+        hashes = self.hashes(seq, len(seq.token_ids) // self.block_size)  # every full block, for the blocks to come
         if seq.request.sampling.prompt_logprobs is not None:  # prompt logprobs need every position computed
             return self.kv.lookup((), seq.token_ids, 0)
         root = self.extra_key(seq.request.cache_salt)
-        hashes = block_hashes(seq.token_ids, self.block_size, root)
         hashes = hashes[:(len(seq.token_ids) - 1) // self.block_size]
         return self.kv.lookup(hashes, seq.token_ids, len(hashes), head_until=len(seq.token_ids) - 1, root=root)
-
     def commit(self, seq: Sequence, hit: PrefixHit, num_new_blocks: int) -> None:
         """Take `hit` for `seq` (`KVManager.commit`, with `num_new_blocks` more), set its counters and count the
         hit on first admission (not on a recompute after preemption)."""

@@ -7,6 +7,7 @@ dataclasses of built-in values so that they can be sent as msgpack maps between 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import math
@@ -243,6 +244,11 @@ class GenerateRequest:
     `prompt_token_ids` is the fully rendered, tokenized prompt (the router owns chat templates).
     `cache_salt` is mixed into the first block hash so tenants never share prefix-cache blocks.
     `arrival_time` is the router's `time.time()` at arrival (seconds), used for TTFT and queue deadlines.
+    `prompt_block_hashes`: the chained hashes of the prompt's leading full blocks (all of them, or a prefix: a
+    continuation's prompt grew after they were computed), computed once where the prompt was first hashed (the
+    router, for placement), under the first-block key `prompt_hash_key` (cluster.kv.hashing.first_block_key,
+    salt included); a worker uses them only when that key is its own (`carried_hashes`). Empty (key None)
+    when nobody hashed the prompt before the worker.
     """
 
     request_id: str
@@ -250,6 +256,8 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     cache_salt: Optional[str] = None
     arrival_time: float = 0.0
+    prompt_block_hashes: tuple[int, ...] = ()
+    prompt_hash_key: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -262,6 +270,7 @@ class GenerateRequest:
             raise ValueError("cache_salt must be a string or null")
         if not isinstance(self.arrival_time, (int, float)) or isinstance(self.arrival_time, bool):
             raise ValueError("arrival_time must be a number (seconds since the epoch)")
+        self._check_hashes()
         reasoning, sp = self.sampling.reasoning, self.sampling
         if reasoning is not None and reasoning.num_generated:
             n = reasoning.num_generated
@@ -271,6 +280,27 @@ class GenerateRequest:
             if sp.grammar_prefix and tuple(self.prompt_token_ids[-n:]) != tuple(sp.grammar_prefix):
                 raise ValueError("grammar_prefix must be the last reasoning.num_generated prompt tokens: the output "
                                  "generated before")
+
+    def _check_hashes(self) -> None:
+        def u64(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**64
+
+        if self.prompt_hash_key is not None and not u64(self.prompt_hash_key):
+            raise ValueError("prompt_hash_key must be an integer in [0, 2**64) or null")
+        if self.prompt_block_hashes and self.prompt_hash_key is None:
+            raise ValueError("prompt_block_hashes need the prompt_hash_key they were computed under")
+        if len(self.prompt_block_hashes) > len(self.prompt_token_ids) or not all(map(u64, self.prompt_block_hashes)):
+            raise ValueError("prompt_block_hashes must be integers in [0, 2**64), at most one per prompt block")
+
+    def with_block_hashes(self, hashes: Sequence[int], key: int) -> "GenerateRequest":
+        """This request carrying `hashes`, its prompt's full-block hashes under the first-block key `key`. Only the
+        new fields are checked: the rest was when this request was made (a long prompt's token check costs
+        more than hashing it)."""
+        out = copy.copy(self)
+        object.__setattr__(out, "prompt_block_hashes", tuple(hashes))
+        object.__setattr__(out, "prompt_hash_key", key)
+        out._check_hashes()
+        return out
 
 
 def continue_request(request: GenerateRequest, streamed: Sequence[int]) -> Optional[GenerateRequest]:

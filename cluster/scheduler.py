@@ -106,7 +106,8 @@ class Scheduler:
         """Admit the sequences awaiting KV whose prompt the connector now holds: the held blocks become their
         block table, the first token (sampled, checked for stops and streamed where the prompt ran) their first
         output token; decoding continues from the second. They join the running batch when there is room, else
-        the back of the queue (holding their blocks). Returns the outputs of those that finish at once."""
+        the back of the queue (holding their blocks). The prompt's block hashes come with the KV, its blocks
+        registered in the prefix cache already. Returns the outputs of those that finish at once."""
         outputs = []
         for seq in list(self.awaiting_kv.values()):
             prefix = self.connector.external_prefix(seq)
@@ -119,6 +120,9 @@ class Scheduler:
             held = self.kv.adopt(seq.request_id)
             seq.token_ids.append(prefix.first_token)
             seq.num_computed_tokens, seq.num_cached_tokens = seq.num_prompt_tokens, held.num_cached_tokens
+            # the prompt's blocks came registered under the hashes the transfer carried: none is hashed again
+            seq.token_block_hashes = list(prefix.block_hashes)
+            seq.block_hashes = list(prefix.block_hashes)
             # its text went out with the first token, under its grammar and reasoning: resume them
             error = consume_answer(seq.grammar, seq.reasoning, prefix.first_token)[1]
             seq.output_text.add(prefix.first_token)

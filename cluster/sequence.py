@@ -40,7 +40,11 @@ class Sequence:
     """One request on one worker.
 
     token_ids: prompt then output tokens. num_computed_tokens: tokens whose KV is in the blocks.
-    block_hashes: chained hashes of the full blocks of token_ids computed so far.
+    block_hashes: chained hashes of the full blocks of token_ids computed so far (and registered in the prefix
+        cache).
+    token_block_hashes: chained hashes of the leading full blocks of token_ids, each computed once for the
+        sequence (`PrefixMatcher.hashes`): the prompt's, carried by the request or hashed at its first lookup,
+        then each output block's as it fills; `block_hashes` is a prefix of them. Kept across preemption.
     Its KV (block tables, recurrent state) is the `KVManager`'s, by request id (cluster/kv/manager.py).
     max_tokens: output tokens allowed after clamping to the context.
     speculation: speculative decoding state (`Speculator.state_for`, decode_node/speculative.py's
@@ -64,6 +68,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     block_hashes: list[int] = field(default_factory=list)
+    token_block_hashes: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     rng_key: Optional[mx.array] = None
     output_text: Optional[OutputText] = None

@@ -109,7 +109,7 @@ class DecodeAdmissions:
 
     def external_prefix(self, seq: Sequence) -> Optional[ExternalPrefix]:
         got = self.arrived.get(seq.request_id)
-        return None if got is None else ExternalPrefix(got.first_token)
+        return None if got is None else ExternalPrefix(got.first_token, got.block_hashes)
 
     def on_computed(self, seqs: Seq[Sequence]) -> None:
         return None

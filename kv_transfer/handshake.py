@@ -24,7 +24,7 @@ from typing import Annotated, Callable, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cluster.kv.hashing import block_hashes, first_block_key
+from cluster.kv.hashing import carried_hashes, extend_block_hashes, first_block_key
 from cluster.kv.manager import KVManager
 
 # Fields whose mismatch makes transferred KV meaningless, in the order a refusal names them.
@@ -102,9 +102,14 @@ class KVFormat(BaseModel):
         return first_block_key(self.model_id, self.revision, self.dtype, self.kv_bits, self.kv_group_size,
                                self.block_size, cache_salt)
 
-    def block_hashes(self, token_ids: Sequence[int], cache_salt: Optional[str] = None) -> list[int]:
-        """Chained hashes of the full blocks of `token_ids` in this format."""
-        return block_hashes(token_ids, self.block_size, self.extra_key(cache_salt))
+    def block_hashes(self, token_ids: Sequence[int], cache_salt: Optional[str] = None, carried: Sequence[int] = (),
+                     carried_key: Optional[int] = None) -> list[int]:
+        """Chained hashes of the full blocks of `token_ids` in this format: `carried`, those computed elsewhere
+        under the first-block key `carried_key`, where that key is this format's (`carried_hashes`), then the
+        rest hashed here."""
+        key = self.extra_key(cache_salt)
+        known = carried_hashes(carried, carried_key, key, len(token_ids), self.block_size)
+        return extend_block_hashes(known, token_ids, self.block_size, key)
 
 
 @dataclass(frozen=True)

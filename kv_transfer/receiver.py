@@ -54,6 +54,7 @@ class ReceivedSequence:
     first_token: int
     first_logprob: Optional[float]
     cache_salt: Optional[str]
+    block_hashes: tuple[int, ...] = ()  # of the prompt's full blocks, under which they are registered here
 
 
 @dataclass(frozen=True)
@@ -217,7 +218,10 @@ class KVReceiver:
             answer(Refused(request_id=rid, reason=f"the prompt has {len(offer.token_ids)} tokens but the "
                                                   f"receiver's context limit is {self.max_prompt_len}"), "refused")
             return
-        hashes = self.fmt.block_hashes(offer.token_ids, offer.cache_salt)
+        # the offer's hashes were computed under its format's first-block key: used when that key is this
+        # worker's (a format this receiver refuses anyway has another), hashed here otherwise
+        hashes = self.fmt.block_hashes(offer.token_ids, offer.cache_salt, offer.block_hashes,
+                                       offer.format.extra_key(offer.cache_salt))
         got = reserve(self.kv, rid, self.fmt, offer.format, offer.token_ids, hashes, self.max_prompt_len,
                       self.config.watermark_blocks)
         if isinstance(got, Refusal):
@@ -279,7 +283,7 @@ class KVReceiver:
         self.metrics.completed(self.clock() - t.started)
         self._events.append(ReceivedSequence(t.offer.request_id, list(tokens), t.block_table,
                                              t.num_cached_blocks * bs, msg.first_token, msg.first_logprob,
-                                             t.offer.cache_salt))
+                                             t.offer.cache_salt, tuple(t.hashes)))
 
     def _fail(self, t: _Incoming, kind: str, reason: str, notify: bool = True) -> None:
         del self.live[t.offer.request_id]

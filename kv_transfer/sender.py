@@ -149,15 +149,18 @@ class KVSender:
     # -- the caller's interface ------------------------------------------------------------------------------
 
     def open(self, request_id: str, endpoint: str, token_ids: Sequence[int], cache_salt: Optional[str] = None,
-             on_release: Optional[Callable[[], None]] = None) -> None:
-        """Offer the KV of `token_ids` to the receiver at `endpoint`. Raises ValueError for a duplicate id."""
+             on_release: Optional[Callable[[], None]] = None, block_hashes: Sequence[int] = ()) -> None:
+        """Offer the KV of `token_ids` to the receiver at `endpoint`; `block_hashes`: the chained hashes of their
+        leading full blocks in this sender's format, as far as the caller has them (the engine's sequence), the
+        rest hashed here; the offer carries them all. Raises ValueError for a duplicate id."""
         if request_id in self.transfers:
             raise ValueError(f"request_id {request_id!r} is already being transferred")
-        offer = Offer(request_id=request_id, format=self.fmt, token_ids=list(token_ids), cache_salt=cache_salt)
+        hashes = self.fmt.block_hashes(token_ids, cache_salt, block_hashes, self.fmt.extra_key(cache_salt))
+        offer = Offer(request_id=request_id, format=self.fmt, token_ids=list(token_ids), cache_salt=cache_salt,
+                      block_hashes=hashes)
         now = self.clock()
         t = _Outgoing(request_id, self._peer(endpoint), offer, -(-len(token_ids) // self.fmt.block_size),
-                      self.fmt.block_hashes(token_ids, cache_salt), on_release, now,
-                      now + self.config.reserve_deadline_s)
+                      hashes, on_release, now, now + self.config.reserve_deadline_s)
         self.transfers[request_id] = t
         self._enqueue(t.peer, encode(offer))
 

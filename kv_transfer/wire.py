@@ -66,12 +66,15 @@ class ArraySpec(BaseModel):
 
 
 class Offer(_Message):
-    """S->R: open a transfer of the KV of `token_ids` (hashed with `cache_salt`) in `format`."""
+    """S->R: open a transfer of the KV of `token_ids` (hashed with `cache_salt`) in `format`; `block_hashes`:
+    the chained hashes of their leading full blocks under `format`'s first-block key, as far as the sender
+    has them (the receiver hashes the rest)."""
 
     type: Literal["offer"] = "offer"
     format: KVFormat
     token_ids: list[Annotated[int, Field(ge=0, lt=2**31)]] = Field(max_length=_MAX_TOKENS)
     cache_salt: Optional[str] = Field(default=None, max_length=1024)
+    block_hashes: list[Annotated[int, Field(ge=0, lt=2**64)]] = Field(default=[], max_length=_MAX_TOKENS)
 
 
 class Reserved(_Message):

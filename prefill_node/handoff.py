@@ -127,7 +127,7 @@ class PrefillHandoffs:
         rid = seq.request_id
         try:
             self.sender.open(rid, h.endpoint, seq.request.prompt_token_ids, seq.request.cache_salt,
-                             on_release=lambda: self._on_release(rid))
+                             on_release=lambda: self._on_release(rid), block_hashes=seq.token_block_hashes)
         except Exception as exc:  # must not escape into the engine step or the other sequences' outputs
             logger.exception("opening the KV transfer of %s failed", rid)
             del self.requests[rid]

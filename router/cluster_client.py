@@ -29,7 +29,7 @@ import zmq
 import zmq.asyncio
 
 from cluster.engine_client import EngineError, EngineStats
-from cluster.kv.hashing import first_block_key
+from cluster.kv.hashing import carried_hashes, extend_block_hashes, first_block_key
 from cluster.protocol import (PROTOCOL_VERSION, TO_ROUTER, AbortRequest, Generate, Pong, ProtocolError, Rejected,
                               PrefixIndexSnapshot, ResetDone, ResetPrefixCache, pack, unpack)
 from cluster.request import FinishReason, GenerateRequest, RequestOutput
@@ -147,6 +147,7 @@ class ClusterEngineClient(ClusterLiveness):
         if request.request_id in self.streams:
             raise ValueError(f"request_id {request.request_id!r} is already running")
         await self._wait_for_decode_worker()
+        request = self.hashed(request)  # once here, for placement and for every worker after it
         prefill, decode = place(self.workers, request, self.routing, self.cached_blocks(request), self.block_size)
         stream = _Stream(request, asyncio.Queue(), decode, prefill)
         self.streams[request.request_id] = stream
@@ -195,14 +196,31 @@ class ClusterEngineClient(ClusterLiveness):
         finally:
             self._resets.pop(seq, None)
 
-    def cached_blocks(self, request: GenerateRequest) -> Optional[dict[str, int]]:
-        """Leading blocks of the prompt each worker's prefix cache holds (None: not known here)."""
+    def hashed(self, request: GenerateRequest) -> GenerateRequest:
+        """`request` carrying the hashes of its prompt's full blocks under the workers' first-block key
+        (`GenerateRequest.prompt_block_hashes`), which placement by prefix needs; the workers then hash none of
+        them. Hashes it carries already under that key are kept, only the blocks past them are hashed (a
+        continuation's prompt grew). Unchanged when the router does not place by prefix, or cannot know the key
+        (no `revision`): the workers hash the prompt then."""
         if self.revision is None or self.routing.policy != "prefix_aware":
-            return None
+            return request
         e = self.topology.engine
         key = first_block_key(self.model_name, self.revision, e.dtype, e.kv_bits, e.kv_group_size, e.block_size,
                               request.cache_salt)
-        return self.index.match_prompt(request.prompt_token_ids, self.block_size, key)
+        known = carried_hashes(request.prompt_block_hashes, request.prompt_hash_key, key,
+                               len(request.prompt_token_ids), self.block_size)
+        if request.prompt_hash_key == key and len(known) == len(request.prompt_token_ids) // self.block_size:
+            return request
+        return request.with_block_hashes(extend_block_hashes(known, request.prompt_token_ids, self.block_size, key),
+                                         key)
+
+    def cached_blocks(self, request: GenerateRequest) -> Optional[dict[str, int]]:
+        """Leading blocks of the prompt each worker's prefix cache holds (None: not known here), from its block
+        hashes (`hashed`)."""
+        request = self.hashed(request)
+        if request.prompt_hash_key is None:
+            return None
+        return self.index.match_hashes(request.prompt_block_hashes, self.block_size)
 
     def worker_stats(self) -> list[dict]:
         """Each worker's last report (`WorkerStats.report`, empty before its first) plus the router's view

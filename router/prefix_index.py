@@ -155,8 +155,13 @@ class PrefixIndex:
 
     def match_prompt(self, token_ids: Sequence[int], block_size: int, first_key: int) -> dict[str, int]:
         """Leading blocks of a prompt each worker can use: its full blocks hashed as the workers hash them
-        (`first_key` from cluster.kv.hashing.first_block_key), then `match`."""
-        return self.match(block_hashes(token_ids, block_size, first_key), block_size)
+        (`first_key` from cluster.kv.hashing.first_block_key), then `match_hashes`."""
+        return self.match_hashes(block_hashes(token_ids, block_size, first_key), block_size)
+
+    def match_hashes(self, hashes: Sequence[int], block_size: int) -> dict[str, int]:
+        """Leading blocks of a prompt each worker can use, from the chained hashes of its full blocks (of
+        `block_size` tokens, as the workers hash them): `match`."""
+        return self.match(hashes, block_size)
 
     def num_blocks(self, worker: str, group: int = 0) -> int:
         """The blocks a worker's KV cache group (0: the first) holds, as indexed."""

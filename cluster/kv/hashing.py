@@ -10,6 +10,12 @@ assembled: the engine's scheduler, the KV transfer handshake and the router's pr
 their hashes of one prompt agree. Only full blocks are hashed. A hash hit is
 always confirmed by comparing token ids (see `BlockPool`), so a collision is a miss, never a wrong answer.
 The scheme is vLLM's (vllm/v1/core/kv_cache_utils.py, hash_block_tokens) with a deterministic hash.
+
+Every block hash of the cluster is computed by `hash_block`, and each prompt block once: the router hashes a
+prompt for placement and the request carries the hashes with the key they were computed under
+(`GenerateRequest.prompt_block_hashes`, `prompt_hash_key`); a worker takes them when that key is its own
+(`carried_hashes`) and computes only what is missing (`extend_block_hashes`), and a KV transfer's offer
+carries them on to the decode worker.
 """
 
 from __future__ import annotations
@@ -62,3 +68,26 @@ def block_hashes(token_ids: Sequence[int], block_size: int, extra_key: int,
         prev = hash_block(prev, token_ids[i * block_size:(i + 1) * block_size])
         out.append(prev)
     return out
+
+
+def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int, extra_key: int,
+                        num_blocks: Optional[int] = None) -> list[int]:
+    """Extend `hashes`, the chained hashes of the leading full blocks of `token_ids` under `extra_key`, in place
+    to its first `num_blocks` full blocks (None: all of them), hashing only the blocks it lacks; returns it.
+    Example: 3 hashes known, `num_blocks` 5 -> blocks 3 and 4 are hashed, chained from the third hash."""
+    stop = len(token_ids) // block_size if num_blocks is None else min(num_blocks, len(token_ids) // block_size)
+    if len(hashes) < stop:
+        hashes.extend(block_hashes(token_ids[:stop * block_size], block_size, extra_key, start=len(hashes),
+                                   parent=hashes[-1] if hashes else None))
+    return hashes
+
+
+def carried_hashes(hashes: Sequence[int], key: Optional[int], extra_key: int, num_tokens: int,
+                   block_size: int) -> list[int]:
+    """The block hashes a prompt of `num_tokens` tokens carries from elsewhere (`hashes`, chained under `key`),
+    as a list this worker may extend: all of them when `key` is its own first-block key `extra_key` (the same
+    model, revision, KV format and salt: the same hashes it would compute), at most one per full block; none
+    when the key differs or is unknown, so the worker hashes the prompt itself."""
+    if key is None or key != extra_key:
+        return []
+    return list(hashes[:num_tokens // block_size])
