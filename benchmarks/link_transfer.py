@@ -100,9 +100,9 @@ def receive(host: str, dtype: str, kv_bits: Optional[int], group_size: int, toke
 
     spec, block_size = _spec(), 32
     num_blocks = -(-tokens // block_size) + 1
-    rx = KVReceiver(_fmt(spec, dtype, kv_bits, group_size), KVManager(BlockPool(num_blocks)),
-                    KVStore(spec, num_blocks, block_size, dtype, kv_bits, group_size), max_prompt_len=tokens + 1,
-                    host=host, keys=_keys(keys_dir))
+    store = KVStore(spec, num_blocks, block_size, dtype, kv_bits, group_size)
+    rx = KVReceiver(_fmt(spec, dtype, kv_bits, group_size), KVManager.over(BlockPool(num_blocks), store),
+                    max_prompt_len=tokens + 1, host=host, keys=_keys(keys_dir))
     print(json.dumps({"endpoint": rx.endpoint}), flush=True)
     got, end = 0, time.monotonic() + deadline_s
     try:

@@ -196,9 +196,9 @@ def ship_format(spec, *, dtype: str, kv_bits: Optional[int], group_size: int, to
     table = list(range(1, num_blocks + 1))
 
     def make_rx():
-        return KVReceiver(fmt, KVManager(BlockPool(num_blocks + 1)), KVStore(spec, num_blocks + 1, block_size, dtype, kv_bits,
-                                                                   group_size),
-                          max_prompt_len=tokens + 1, config=config, ctx=ctx)
+        store = KVStore(spec, num_blocks + 1, block_size, dtype, kv_bits, group_size)
+        return KVReceiver(fmt, KVManager.over(BlockPool(num_blocks + 1), store), max_prompt_len=tokens + 1,
+                          config=config, ctx=ctx)
 
     rx = _start(_Owner(make_rx, _rx_step, lambda r: r.close()))
     payload = kv_bytes_per_block(spec, block_size, dtype, kv_bits, group_size) * num_blocks

@@ -281,7 +281,7 @@ class KVReceiver:
         del self.live[t.offer.request_id]
         self._send(t.identity, Ack(request_id=t.offer.request_id, epoch=t.epoch))
         self.metrics.completed(self.clock() - t.started)
-        self._events.append(ReceivedSequence(t.offer.request_id, list(tokens), t.block_table,
+        self._events.append(ReceivedSequence(t.offer.request_id, list(tokens), list(t.block_table),
                                              t.num_cached_blocks * bs, msg.first_token, msg.first_logprob,
                                              t.offer.cache_salt, tuple(t.hashes)))
 

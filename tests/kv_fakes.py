@@ -94,9 +94,9 @@ class Rig:
         self.fmt = kv_format(dtype, kv_bits, group)
         self.probe_fmt = self.fmt.model_copy(update={"model_id": "probe"})
         self.pool = BlockPool(num_blocks)
-        self.kv = KVManager(self.pool)
         self.store = KVStore(SPEC, num_blocks, BS, dtype, kv_bits, group)
-        self.receiver = KVReceiver(self.fmt, self.kv, self.store, max_prompt_len=SPEC.max_model_len,
+        self.kv = KVManager.over(self.pool, self.store)
+        self.receiver = KVReceiver(self.fmt, self.kv, max_prompt_len=SPEC.max_model_len,
                                    config=TransferConfig(timeout_s=TIMEOUT_S), ctx=ctx, clock=lambda: self.now)
         self.metrics = self.receiver.metrics
         self.baseline = self.pool.num_free_blocks
@@ -265,7 +265,7 @@ def genuine_transfer(rig: Rig, num_tokens: int) -> None:
     assert isinstance(seq, ReceivedSequence), seq
     assert (seq.token_ids, seq.first_token, seq.first_logprob, seq.num_cached_tokens) == (tokens, 5, -0.5, 0)
     layers = range(SPEC.num_layers)
-    assert [bits(a) for a in rig.store.read_blocks(seq.block_table, layers)] == \
+    assert [bits(a) for a in rig.store.read_blocks(list(seq.block_table), layers)] == \
         [bits(a) for a in src.read_blocks(table, layers)]
     rig.kv.release(seq.request_id)
     assert rig.pool.num_free_blocks == rig.baseline and not rig.receiver.live

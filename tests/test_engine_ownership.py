@@ -150,7 +150,7 @@ def test_engines_on_threads_moving_kv_between_them_answer_as_if_alone():
             received.append(item[0])
             ids, arrays = item
             rid = f"moved-{len(received)}"
-            dst = list(receiver.kv.reserve(rid, [], len(ids), 0).block_table)  # held as a transfer's blocks are
+            dst = list(receiver.kv.reserve(rid, receiver.kv.lookup((), (), 0), len(ids), len(ids)).block_table)  # held
             receiver.store.write_blocks(dst, range(2), arrays)
             back = receiver.store.read_blocks(dst, range(2))
             assert all(np.array_equal(a, b) for a, b in zip(arrays, back)), "moved KV blocks changed on the way"

@@ -30,8 +30,8 @@ class Side:
     def __init__(self, num_blocks=64, dtype="float32", kv_bits=None, kv_group_size=32, spec=SPEC, **fmt):
         cfg = EngineConfig(dtype=dtype, kv_bits=kv_bits, kv_group_size=kv_group_size, block_size=BS)
         self.pool = BlockPool(num_blocks)
-        self.kv = KVManager(self.pool)  # the receiver side's block owner
         self.store = KVStore(spec, num_blocks, BS, dtype, kv_bits, kv_group_size)
+        self.kv = KVManager.over(self.pool, self.store)  # the receiver side's block owner
         self.fmt = KVFormat.of(spec, cfg).model_copy(update=fmt)
         self.baseline = self.pool.num_free_blocks
 
@@ -60,7 +60,7 @@ class Link:
 
     def __init__(self, a: Side, b: Side, config=TransferConfig(max_blocks_per_message=3), rx_config=None, **kw):
         self.a, self.b = a, b
-        self.rx = KVReceiver(b.fmt, b.kv, b.store, max_prompt_len=SPEC.max_model_len,
+        self.rx = KVReceiver(b.fmt, b.kv, max_prompt_len=SPEC.max_model_len,
                              config=rx_config or config, **kw.get("rx", {}))
         self.tx = KVSender(a.fmt, a.store, config=config, **kw.get("tx", {}))
         self.results, self.events = {}, {}

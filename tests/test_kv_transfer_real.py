@@ -33,8 +33,8 @@ def test_transferred_sequence_decodes_like_a_local_one(kv_bits):
     fmt = KVFormat.of(spec, config)
     sides = [(BlockPool(64), KVStore(spec, 64, config.block_size, "float32", kv_bits, 32)) for _ in range(2)]
     (pool_p, store_p), (pool_d, store_d) = sides
-    kv_d = KVManager(pool_d)  # the decode side's block owner
-    rx = KVReceiver(fmt, kv_d, store_d, max_prompt_len=spec.max_model_len)
+    kv_d = KVManager.over(pool_d, store_d)  # the decode side's block owner
+    rx = KVReceiver(fmt, kv_d, max_prompt_len=spec.max_model_len)
     tx = KVSender(fmt, store_p, config=TransferConfig(max_blocks_per_message=1))
     try:
         # Prefill worker: two chunks, each followed by shipping what is ready.

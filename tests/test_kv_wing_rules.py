@@ -16,8 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PRODUCT = ("cluster", "kv_transfer", "prefill_node", "decode_node", "router")
 # the wing, and the two files that map a model's layers onto groups
 ALLOWED = ("cluster/kv/", "cluster/runner.py", "cluster/model_families.py")
-# the kinds and their fields: sliding windows, recurrent state and its snapshots
-KIND_WORDS = ("window", "recurrent", "snapshot")
+# the kinds and their fields: sliding windows (`window_table`, `seq.window`...), recurrent state, its snapshots and
+# the restore points they make (a plain local `window` elsewhere is a text or time window, not a KV group's)
+KIND_WORDS = ("recurrent", "sliding", "state_snapshot", "snapshots", "restore_point", "restorable")
 # user-facing settings (CLI flags, topology keys) keep their documented names; reading them is not naming a kind
 SETTINGS = {"state_cache_gb", "state_snapshot_interval"}
 # the engine's own modules, which the wing must not import
@@ -43,13 +44,17 @@ def identifiers(path: Path):
         elif isinstance(node, ast.alias):
             names = [node.asname or node.name.split(".")[-1]]
         for name in names:
-            yield getattr(node, "lineno", 0), name
+            yield getattr(node, "lineno", 0), name, isinstance(node, ast.Attribute)
 
 
 def kind_names(path: Path) -> list[str]:
     """The identifiers of `path` that name a group kind or its fields."""
-    return [f"{path.relative_to(ROOT)}:{line} {name}" for line, name in identifiers(path)
-            if name not in SETTINGS and any(w in name.lower() for w in KIND_WORDS)]
+    def names_a_kind(name: str, attribute: bool) -> bool:
+        low = name.lower()
+        return any(w in low for w in KIND_WORDS) or ("window" in low and (low != "window" or attribute))
+
+    return [f"{path.relative_to(ROOT)}:{line} {name}" for line, name, attribute in identifiers(path)
+            if name not in SETTINGS and names_a_kind(name, attribute)]
 
 
 def product_files():
@@ -69,11 +74,12 @@ def test_the_kind_rule_catches_a_kind_named_by_attribute_or_argument(tmp_path):
     """A file that reads a window table or passes a recurrent state is caught; a message that says "window" is
     not."""
     module = tmp_path / "m.py"
-    module.write_text("def f(seq, recurrent_state=None):\n    x = seq.window_table\n    return 'sliding window'\n")
+    module.write_text("def f(seq, recurrent_state=None):\n    x = seq.window_table\n    y = seq.window\n"
+                      "    window = 'sliding window'\n")
     global ROOT
     saved, ROOT = ROOT, tmp_path
     try:
-        assert kind_names(module) == ["m.py:1 recurrent_state", "m.py:2 window_table"]
+        assert kind_names(module) == ["m.py:1 recurrent_state", "m.py:2 window_table", "m.py:3 window"]
     finally:
         ROOT = saved
 

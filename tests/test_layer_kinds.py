@@ -110,10 +110,10 @@ def test_window_layers_release_the_blocks_no_later_query_can_see(model_type):
     """A 45-token prompt (window 8, blocks of 8) decoding beside a short one: after every step each
     sequence's window-layer blocks before its next query's window are released (0 in its window table, back
     in the window pool) while its full-attention blocks all stay, and both answers are still mlx-lm's."""
-    from cluster.kv.groups import KVGroups
-
     core = make_engine(model_type)
-    assert core.window_store is not None and core.groups == KVGroups.of(core.runner.verified.layer_windows)
+    windows = [w for w in core.runner.verified.layer_windows if w is not None]
+    window_group = core.kv.groups[1]
+    assert [g.name for g in core.kv.groups] == ["full", "sliding_window"] and window_group.window == max(windows)
     long = np.random.RandomState(11).randint(100, VOCAB, size=45).tolist()
     reqs = [request("long", long), request("short", prompts()[0])]
     results = {r.request_id: [] for r in reqs}
@@ -125,12 +125,13 @@ def test_window_layers_release_the_blocks_no_later_query_can_see(model_type):
             results[out.request_id].append(out)
         live = list(core.sequences.values())
         for seq in live:
-            first = core.kv.window.first_block(seq.num_computed_tokens, 8)
-            assert not any(seq.window_table[:first]) and all(seq.window_table[first:]), seq.window_table
-            assert all(seq.block_table) and len(seq.window_table) == len(seq.block_table)
+            table, window_table = core.kv.tables(seq.request_id)
+            first = window_group.first_block(seq.num_computed_tokens)
+            assert not any(window_table[:first]) and all(window_table[first:]), window_table
+            assert all(table) and len(window_table) == len(table)
             checked += first > 0
-        held = sum(1 for seq in live for b in seq.window_table if b)
-        assert core.kv.window.pool.num_free_blocks == core.kv.window.pool.num_usable_blocks - held
+        held = sum(1 for seq in live for b in core.kv.tables(seq.request_id)[1] if b)
+        assert window_group.pool.num_free_blocks == window_group.pool.num_usable_blocks - held
     assert checked, "no step ran with a released window block"
     for r in reqs:
         tokens = tuple(t for out in results[r.request_id] for t in out.token_ids)
@@ -143,7 +144,7 @@ def test_preempted_sequences_free_and_retake_blocks_in_both_pools(model_type):
     decoding: sequences are preempted (their full and window blocks freed) and recomputed, every answer is
     mlx-lm's, and both pools end with every block free."""
     core = assert_exact_under_preemption(model_type)
-    for pool in (core.pool, core.kv.window.pool):
+    for pool in (core.pool, core.kv.groups[1].pool):
         assert pool.num_free_blocks == pool.num_usable_blocks
 
 
@@ -152,24 +153,27 @@ def test_a_prefix_hit_needs_the_window_blocks_before_its_end_in_the_window_pool(
     evicted from the window pool, a prompt repeating all five still hits all five (the blocks its window
     needs, 3 and 4, are cached), but a prompt sharing only the first three hits nothing: its window's blocks
     (1 and 2) are gone, though the full-attention blocks are all still cached."""
-    from cluster.kv.block_pool import BlockPool
-    from cluster.kv.manager import KVManager, WindowGroup
-    from cluster.sequence import Sequence
+    from types import SimpleNamespace
 
-    kv = KVManager(BlockPool(16), WindowGroup(BlockPool(16), window=8))
+    from cluster.kv.attention_groups import FullAttentionGroup, SlidingWindowGroup
+    from cluster.kv.block_pool import BlockPool
+    from cluster.kv.groups import StepRequest
+    from cluster.kv.manager import KVManager
+
+    store = SimpleNamespace(block_size=4)
+    window = SlidingWindowGroup(BlockPool(16), store, [1], 8)
+    kv = KVManager([FullAttentionGroup(BlockPool(16), store, [0]), window], 4)
     tokens, hashes = list(range(20)), [100 + i for i in range(5)]
-    seq = Sequence(request("s", tokens), max_tokens=1)
-    kv.allocate(seq, 5)
-    for i, h in enumerate(hashes):
-        kv.cache_block(seq, i, h, tokens[4 * i:4 * i + 4])
-    seq.num_computed_tokens = 20
-    kv.release_outside_window(seq, 4)
-    assert seq.window_table[:3] == [0, 0, 0] and all(seq.window_table[3:])
-    window_ids = seq.window_table[3:]
-    kv.free(seq)
-    kv.window.pool.allocate(kv.window.pool.num_free_blocks - 2)  # evicts every free window block but the last two
-    assert kv.window_hit(hashes, tokens, 4, 5) == (5, [0, 0, 0] + window_ids)
-    assert kv.window_hit(hashes, tokens, 4, 3) == (0, [])
+    kv.allocate("s", 5)
+    kv.cache_blocks("s", 0, hashes, tokens, 99)
+    kv.computed("s", StepRequest(20, hashes, 20))
+    window_table = kv.tables("s")[1]
+    assert window_table[:3] == (0, 0, 0) and all(window_table[3:])
+    kv.finish("s")
+    window.pool.allocate(window.pool.num_free_blocks - 2)  # evicts every free window block but the last two
+    hit = kv.lookup(hashes, tokens, 5)
+    assert hit.num_blocks == 5 and hit.groups[1].blocks == (0, 0, 0) + window_table[3:]
+    assert kv.lookup(hashes[:3], tokens, 3).num_blocks == 0
     assert kv.pool.find_cached_prefix(hashes[:3], tokens, 4) != []
 
 
@@ -233,8 +237,9 @@ def test_other_layer_kinds_through_a_1p1d_transfer_match_mlx_lm(model_type, tmp_
         assert blocks_sent(6) == 6
         assert workers["decode-0"].stats().kv_blocks_received == 6  # the decode worker took them in
         e = workers["prefill-0"].engine
-        per_block = [s.nbytes // s.num_blocks for s in (e.store, e.window_store) if s is not None]
-        if e.window_store is not None:  # window layers: only the blocks the next query can see (4 and 5) move
+        stores = [g.store for g in e.kv.block_groups]
+        per_block = [s.nbytes // s.num_blocks for s in stores]
+        if len(stores) > 1:  # window layers: only the blocks the next query can see (4 and 5) move
             assert workers["prefill-0"].stats().kv_bytes_sent == 6 * per_block[0] + 2 * per_block[1]
             # the router follows each worker's window pool (its snapshot, then its events of group 1)
             index = client.index

@@ -107,7 +107,7 @@ def test_kv_bytes_per_token_measured_from_the_pool_equal_the_configs_formula(mod
     family's cache shapes give: measured from the allocated arrays, against a formula from config.json."""
     core = engine(model_type)
     config = {"model_type": model_type, **COMMON, **CONFIGS[model_type]}
-    stores = [s for s in (core.store, core.window_store) if s is not None]  # window layers: a pool of their own
+    stores = [g.store for g in core.kv.block_groups]  # window layers: a pool of their own
     measured = sum(s.nbytes / (s.num_blocks * s.block_size) for s in stores)
     assert measured == expected_kv_bytes_per_token(config)
     assert core.spec.kv_bytes_per_token(4) == measured

@@ -105,12 +105,21 @@ def test_a_reach_in_positions_asks_exactly_for_the_blocks_a_window_or_a_restore_
 def _worker_pools(kind, num_blocks=24):
     """A KVManager over bare pools as an engine builds them: `kind` "window" adds a window pool (window 10),
     "restore" makes the main pool keep restore points."""
-    from cluster.kv.block_pool import BlockPool
-    from cluster.kv.manager import KVManager, WindowGroup
+    from types import SimpleNamespace
 
+    from cluster.kv.attention_groups import FullAttentionGroup, SlidingWindowGroup
+    from cluster.kv.block_pool import BlockPool
+    from cluster.kv.manager import KVManager
+    from cluster.kv.state_group import RecurrentStateGroup
+
+    store = SimpleNamespace(block_size=4)
     pool = BlockPool(num_blocks, needs_restore_points=kind == "restore")
-    window = WindowGroup(BlockPool(num_blocks, event_log=pool.event_log, group=1), 10) if kind == "window" else None
-    return KVManager(pool, window)
+    groups = [FullAttentionGroup(pool, store, [0])]
+    if kind == "window":
+        groups.append(SlidingWindowGroup(BlockPool(num_blocks, event_log=pool.event_log, group=1), store, [1], 10))
+    else:
+        groups.append(RecurrentStateGroup((), pool, None))
+    return KVManager(groups, 4)
 
 
 def _snapshot_over_the_wire(kv, seq):
@@ -152,28 +161,31 @@ def test_the_router_counts_what_a_worker_with_a_window_pool_or_restore_points_wo
     prompts = [head[:n * bs] + [rng.randrange(1000) for _ in range(rng.randrange(0, 3) * bs)]
                for head in heads for n in range(1, 9, 2)]
 
+    window_pool = kv.groups[1].pool if kind == "window" else None
+
     def worker_hit(tokens):
         hashes = block_hashes(tokens, bs, key)
-        k = len(pool.find_cached_prefix(hashes, tokens, bs))
-        return kv.window_hit(hashes, tokens, bs, k)[0]
+        if kind == "restore":  # the pool's restore points stand for the snapshots here
+            return len(pool.find_cached_prefix(hashes, tokens, bs))
+        return kv.lookup(hashes, tokens, len(hashes)).num_blocks
 
     def run(tokens):
         hashes = block_hashes(tokens, bs, key)
         n = min(len(hashes), pool.num_free_blocks - 1)
         main = pool.allocate(n)
-        window = kv.window.pool.allocate(n) if kv.window else []
+        window = window_pool.allocate(n) if window_pool else []
         for i in range(n):
             parent = hashes[i - 1] if i else key
             pool.cache_block(main[i], hashes[i], tokens[i * bs:(i + 1) * bs], parent)
             if window and rng.random() < 0.7:  # a window block released before it was filled is never cached
-                kv.window.pool.cache_block(window[i], hashes[i], tokens[i * bs:(i + 1) * bs], parent)
+                window_pool.cache_block(window[i], hashes[i], tokens[i * bs:(i + 1) * bs], parent)
             if pool.needs_restore_points and rng.random() < 0.3:
                 pool.mark_restorable(hashes[i])
         if pool.needs_restore_points and n and rng.random() < 0.3:
             pool.unmark_restorable(hashes[rng.randrange(n)])
         pool.free(main)
         if window:
-            kv.window.pool.free(window)
+            window_pool.free(window)
 
     idx = PrefixIndex(["w"])
     groups = _snapshot_over_the_wire(kv, 0)

@@ -28,7 +28,7 @@ def test_state_bytes_per_sequence_equal_the_configs_formula(model_type):
     from config.json gives, and the layers are classified as the family's code builds them."""
     core = engine(model_type)
     config = {"model_type": model_type, **COMMON, **CONFIGS[model_type]}
-    assert state_nbytes(core.runner.state_shapes) == expected_state_bytes_per_sequence(config)
+    assert state_nbytes(core.kv.state_shapes()) == expected_state_bytes_per_sequence(config)
     kinds = core.runner.verified.layer_kinds
     if model_type == "qwen3_next":  # layer 0 Gated DeltaNet only, layer 1 attention only
         assert [(k.kv, k.state) for k in kinds] == [(None, 0), (0, None)]
@@ -86,7 +86,7 @@ def test_without_a_snapshot_budget_a_repeated_prompt_is_recomputed_exactly(model
         result = run(core, [request(rid, LONG)])[rid]
         assert_matches(result, *want, f"{model_type}: {rid}")
         assert result.outputs[-1].num_cached_tokens == 0
-    assert core.pool.num_cached_blocks > 0 and len(core.scheduler.snapshots) == 0
+    assert core.pool.num_cached_blocks > 0 and len(core.kv.groups[-1].snapshots) == 0
 
 
 def _state(kib: int):
@@ -151,7 +151,7 @@ def test_chunk_end_snapshots_are_thinned_to_doubling_intervals_when_the_sequence
     mlx-lm does."""
     core = make_engine(model_type, enable_prefix_caching=True, prefill_chunk_size=24, state_snapshot_interval=8)
     run(core, [request("turn", LONG)])
-    snaps = core.scheduler.snapshots
+    snaps = core.kv.groups[-1].snapshots
     assert snaps.num_saved == 6 and len(snaps) == 5 and len(core.pool.restorable_hashes()) == 5
     shared = LONG[:20] + np.random.RandomState(8).randint(100, VOCAB, size=12).tolist()
     results = run(core, [request("shares-20", shared), request("again", LONG)])
@@ -238,7 +238,7 @@ def test_through_a_1p1d_transfer_the_state_crosses_the_wire_and_the_next_turn_re
 
     with running_cluster(1, 1, loaded=(model, tokenizer(), spec), engine=engine,
                          routing="local_prefill_max_tokens = 0") as (base, client, workers):
-        one_state = state_nbytes(workers["decode-0"].engine.runner.state_shapes)
+        one_state = state_nbytes(workers["decode-0"].engine.kv.state_shapes())
         first = complete(base, LONG)
         check(first, LONG, f"{model_type}: 1P1D")
         assert settled(workers, "kv_blocks_sent", "prefill-0", 6) == 6  # ceil(45 / 8) blocks

@@ -180,7 +180,8 @@ def test_prefilled_sequence_gets_its_draft_prefill_here():
     prompt = chat_prompt(REWRITE)
     ref = plain([prompt], 24)[0]
     engine = speculative_engine(prefill_chunk_size=16)
-    table = list(engine.kv.reserve("h", [], -(-(len(prompt) + 1) // engine.block_size), 0).block_table)
+    table = list(engine.kv.reserve("h", engine.kv.lookup((), (), 0), -(-(len(prompt) + 1) // engine.block_size),
+                                   len(prompt) + 1).block_table)
     logits = engine.runner.forward([BatchItem(table, 0, prompt, Logits.LAST)])[0]
     first = int(mx.argmax(logits).item())
     engine.connector = PromptComputedElsewhere({"h": first})
@@ -198,7 +199,7 @@ def test_prefilled_sequence_gets_its_draft_prefill_here():
     fresh = KVStore(spec, 8, 32)
     ModelRunner(model, fresh).forward([BatchItem([1, 2, 3, 4, 5, 6, 7], 0, seq.token_ids[:n], Logits.NONE)])
     ours = engine.speculator.drafters["draft_model"].store
-    layout = BatchLayout.build([seq.block_table], [0], [n], engine.block_size)
+    layout = BatchLayout.build([engine.kv.block_table(seq.request_id)], [0], [n], engine.block_size)
     mine = ours.keys[3][layout.gather_slots[0]]
     theirs = fresh.keys[3][BatchLayout.build([[1, 2, 3, 4, 5, 6, 7]], [0], [n], 32).gather_slots[0]]
     assert mx.allclose(mine, theirs, atol=1e-4).item()

@@ -81,6 +81,8 @@ class RecurrentStateGroup(KVCacheGroup):
         """Snapshots kept, their bytes and budget, prefix hits that restored one, and the state bytes `transfer`
         moved."""
         snaps = self.snapshots
+        if snaps is None:
+            return KVGroupStats(self.name)
         moved: Optional[float] = None if transfer is None else transfer.value("state_bytes_total")
         sent = moved if transfer is not None and transfer.direction == "send" else None
         received = moved if transfer is not None and transfer.direction == "receive" else None
