@@ -181,7 +181,7 @@ def test_the_kv_budget_gives_the_window_pool_what_running_sequences_need_and_the
     """gemma3_text's window of 1024 beside full layers, 16 running sequences of 2048-token chunks: the
     window pool gets twice their need, the main pool the rest of the budget, and together they stay inside
     it; a window as long as the context saves nothing (an even split)."""
-    from cluster.kv.groups import pool_sizes, window_blocks_per_sequence
+    from cluster.kv.plan import pool_sizes, window_blocks_per_sequence
 
     need = window_blocks_per_sequence(1024, 16, 2048)
     assert need == (1024 + 2048) // 16 + 2
