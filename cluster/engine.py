@@ -114,7 +114,8 @@ class EngineCore:
                                    self.store.copy_block)
         # constrained decoding (cluster/grammar.py): its llguidance tokenizer is built on the first grammar
         self.grammars = Grammars(tokenizer, spec.vocab_size, eos_ids)
-        # the overlapped loop: plain rows' tokens stay on the device for a step (`_defers`, `InFlight`)
+        # the overlapped loop: plain rows' tokens stay on the device for a step (`_defers`, `InFlight`); their
+        # sequences count them in `num_inflight_tokens` until `_resolve` reads them back
         self._overlap = config.async_scheduling and not verified.num_state_layers
         self._inflight: Optional[InFlight] = None
         if speculator is not None:

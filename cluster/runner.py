@@ -26,7 +26,7 @@ from cluster.model_families import VerifiedModel, verify_model
 from cluster.kv.recurrent_state import State, StateShapes, probe_state_shapes, split_states, stack_states
 from cluster.request import TokenLogprob
 from cluster.sampling import prompt_logprobs, sample, sample_tokens
-from cluster.sequence import PENDING, Sequence
+from cluster.sequence import Sequence
 from cluster.speculation import Draft, Verified
 
 # `Speculator.verify`: (sequences, drafts, logits, grammar masks or None) -> results
@@ -48,8 +48,9 @@ class BatchItem:
     `block_table`. `mirror_row` names the sequence across decode steps (its row of the decode mirror).
     `state`: the sequence's recurrent state before the step (cluster/kv/recurrent_state.py; None: nothing
     computed yet, or a model without recurrent layers). `window_table`: its window layers' blocks
-    (`Sequence.window_table`; empty without a window group). `pending_request`: set when the first token is a
-    `PENDING` place, to the request whose token the previous step sampled on the device (`execute`)."""
+    (`Sequence.window_table`; empty without a window group). `inflight_request`: set when the item's one input is
+    a token in flight, to the request whose token the previous step sampled on the device and did not read back
+    (`execute`); `token_ids` is then empty and the forward takes that token from the device array."""
 
     block_table: Seq[int]
     start: int
@@ -58,7 +59,7 @@ class BatchItem:
     mirror_row: Optional[str] = None
     state: Any = None
     window_table: Seq[int] = ()
-    pending_request: Optional[str] = None
+    inflight_request: Optional[str] = None
 
 
 class ModelRunner:
@@ -93,9 +94,9 @@ class ModelRunner:
     def forward_with_state(self, items: Seq[BatchItem], fed: Optional[tuple[mx.array, list[int], list[int]]] = None
                            ) -> tuple[list[Optional[mx.array]], list[Optional[State]]]:
         """`forward`, plus each item's recurrent state after the step (evaluated; None for every item of a
-        model without recurrent layers). `fed`: (tokens on the device, rows, indices): row r's first token is
-        tokens[index] (a `PENDING` place in its `token_ids`)."""
-        num_new = [len(it.token_ids) for it in items]
+        model without recurrent layers). `fed`: (tokens on the device, rows, indices): row rows[i]'s one input
+        token is tokens[indices[i]] (an item with `inflight_request`, whose `token_ids` are empty)."""
+        num_new = [len(it.token_ids) + (it.inflight_request is not None) for it in items]
         T = max(num_new)
         tokens = mx.array([list(it.token_ids) + [0] * (T - len(it.token_ids)) for it in items], dtype=mx.int32)
         if fed is not None:
@@ -154,7 +155,7 @@ class ModelRunner:
         sampling or verification).
 
         The overlapped loop: `pending` = (int32 [R] tokens sampled by the previous step and not read back, the
-        index of each request's token in it); a decode row whose last token is still `PENDING` is fed its token
+        index of each request's token in it); a decode row whose token is still in flight is fed its token
         from there on the device. Rows of sequences `defer` accepts sample on the device without being read
         back: their `pending` is (this step's tokens array, their index), evaluated asynchronously
         (`mx.async_eval`), so the host goes on while the device computes."""
@@ -164,7 +165,7 @@ class ModelRunner:
         # the decode rows in one forward, then the prompt chunks in forwards of rows of similar length
         groups = ([decode] if decode else []) + pack_prefill(prefill, bool(self.verified.num_state_layers))
         for i, group in enumerate(groups):
-            fed = self._feed_pending([item for _, item in group], pending) if group is decode else None
+            fed = self._feed_inflight([item for _, item in group], pending) if group is decode else None
             for (row, _), logits, state in zip(group, *self.forward_with_state([item for _, item in group], fed)):
                 row.logits, row.state = logits, state
             if i + 1 < len(groups):
@@ -212,14 +213,15 @@ class ModelRunner:
         mx.async_eval(*logits, *[a for store in stores for part in (store.keys, store.values) for a in part])
 
     @staticmethod
-    def _feed_pending(items: Seq[BatchItem], pending) -> Optional[tuple[mx.array, list[int], list[int]]]:
-        """(the previous step's tokens, rows of `items` whose input is a `PENDING` token, their indices in it),
-        or None when no row waits for one."""
-        if pending is None:
+    def _feed_inflight(items: Seq[BatchItem], pending) -> Optional[tuple[mx.array, list[int], list[int]]]:
+        """(the previous step's tokens, rows of `items` whose input is a token in flight, their indices in it),
+        or None when no row takes one."""
+        rows = [b for b, it in enumerate(items) if it.inflight_request is not None]
+        if not rows:
             return None
+        assert pending is not None, "a row takes a token in flight, but no step left one"
         tokens, index = pending
-        rows = [b for b, it in enumerate(items) if it.pending_request is not None]
-        return (tokens, rows, [index[items[b].pending_request] for b in rows]) if rows else None
+        return tokens, rows, [index[items[b].inflight_request] for b in rows]
 
     @staticmethod
     def _sample_deferred(rows: list["RowResult"]) -> None:
@@ -320,9 +322,9 @@ def plan_row(seq: Sequence, num_tokens: int, is_prefill: bool,
     step the last token plus room for drafts) and its result slot."""
     start = seq.num_computed_tokens
     mirror_row = None if is_prefill else seq.request_id
-    if not is_prefill and seq.token_ids[start] == PENDING:  # its token is still on the device (overlapped loop)
+    if not is_prefill and seq.num_inflight_tokens:  # its input is its token in flight (overlapped loop)
         return (RowResult(seq, start, 1, Logits.LAST, True),
-                BatchItem(seq.block_table, start, seq.token_ids[start:], Logits.LAST, mirror_row, seq.recurrent_state,
+                BatchItem(seq.block_table, start, (), Logits.LAST, mirror_row, seq.recurrent_state,
                           seq.window_table, seq.request_id))
     if draft is not None:  # verify: the last token and the drafts, logits at every position
         return (RowResult(seq, start, len(seq.token_ids) - start, Logits.ALL, draft=draft),
