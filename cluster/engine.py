@@ -17,10 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 from typing import Optional
-
-import mlx.core as mx
 
 from cluster.kv.block_pool import BlockPool
 from cluster.connector import Connector
@@ -37,7 +34,7 @@ from cluster.ownership import ThreadOwner
 from cluster.kv.recurrent_state import probe_state_shapes, state_nbytes
 from cluster.model_families import verify_model
 from cluster.request import FinishReason, GenerateRequest, RequestOutput
-from cluster.runner import ModelRunner
+from cluster.runner import InFlight, ModelRunner
 from cluster.sampling import make_key
 from cluster.sequence import Sequence
 from cluster.scheduler import ScheduledBatch, Scheduler
@@ -290,30 +287,31 @@ class EngineCore:
         self.scheduler.report_computed(batch)
         return outputs
 
-    def _execute(self, batch: ScheduledBatch, inflight: Optional["InFlight"]) -> list[RequestOutput]:
-        """Run the batch (array work: cluster/runner.py), then read back the tokens of the step before it
-        (`inflight`, sampled on the device while this one was being built), then update the batch's sequences
-        from the results (the scheduler); rows sampled on the device this step become the next `InFlight`. A
-        failing step fails the sequences it ran, never the engine."""
+    def _execute(self, batch: ScheduledBatch, inflight: Optional[InFlight]) -> list[RequestOutput]:
+        """Run the batch (array work: cluster/runner.py, forward -> grammar masks -> sample, then verify the
+        drafts with the speculator's rules), then read back the tokens of the step before it (`inflight`,
+        sampled on the device while this one was being built), then update the batch's sequences from the
+        results (the scheduler); rows sampled on the device this step become the next `InFlight`. A failing
+        step fails the sequences it ran, never the engine."""
         try:
             drafts = self.speculator.propose(batch.decode) if batch.decode else {}
-            rows = self.runner.execute(batch, drafts, self.speculator.verify, self.grammars,
-                                       inflight.feed if inflight is not None else None, self._defers)
+            defer = {seq.request_id for seq, _ in batch.items if self._defers(seq)}
+            rows, sampled = self.runner.execute(batch, drafts, self.grammars, inflight, defer)
+            self.runner.verify(rows, self.speculator.verify)
         except Exception as exc:
             return self._resolve(inflight) + self._fail(batch, exc)
         outputs = self._resolve(inflight)
         try:
-            deferred = [row for row in rows if row.pending is not None]
-            outputs += self.scheduler.update_from_output([row for row in rows if row.pending is None])
-            self.scheduler.defer(deferred)
-            live = [row for row in deferred if not row.seq.finished]
+            outputs += self.scheduler.update_from_output([row for row in rows if not row.on_device])
+            self.scheduler.defer([row for row in rows if row.on_device])
+            live = [] if sampled is None else [(seq, i) for seq, i in sampled.rows if not seq.finished]
             if live:
-                self._inflight = InFlight(live[0].pending[0], [(row.seq, row.pending[1]) for row in live])
+                self._inflight = InFlight(sampled.tokens, live)
         except Exception as exc:
             outputs += self._fail(batch, exc)
         return outputs
 
-    def _resolve(self, inflight: Optional["InFlight"]) -> list[RequestOutput]:
+    def _resolve(self, inflight: Optional[InFlight]) -> list[RequestOutput]:
         """Read back the tokens sampled on the device by the step before and apply them (`Scheduler.resolve`);
         if that step failed on the device, its sequences finish with `error`."""
         if inflight is None:
@@ -343,16 +341,3 @@ class EngineCore:
                 and sp.logprobs is None and sp.prompt_logprobs is None and not seq.remote_decode
                 and (seq.reasoning is None or not seq.reasoning.may_constrain))
 
-
-@dataclass
-class InFlight:
-    """The tokens of a step sampled on the device and not read back yet: `tokens` int32 [R], and each row's
-    (sequence, index in `tokens`); `feed` gives the next step the index by request id."""
-
-    tokens: mx.array
-    rows: list[tuple[Sequence, int]]
-
-    @property
-    def feed(self) -> tuple[mx.array, dict[str, int]]:
-        """(tokens, index by request id), as `ModelRunner.execute` takes them."""
-        return self.tokens, {seq.request_id: i for seq, i in self.rows}
