@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Optional
-
-import mlx.core as mx
 
 from cluster.connector import Connector
 from cluster.config import EngineConfig
@@ -33,7 +30,7 @@ from cluster.ownership import ThreadOwner
 from cluster.kv.recurrent_state import probe_state_shapes
 from cluster.model_families import verify_model
 from cluster.request import FinishReason, GenerateRequest, RequestOutput
-from cluster.runner import ModelRunner
+from cluster.runner import InFlight, ModelRunner
 from cluster.sampling import make_key
 from cluster.sequence import Sequence
 from cluster.scheduler import ScheduledBatch, Scheduler
@@ -76,7 +73,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.config, self.kv, self._extra_key, eos_ids, None, connector)
         # constrained decoding (cluster/grammar.py): its llguidance tokenizer is built on the first grammar
         self.grammars = Grammars(tokenizer, spec.vocab_size, eos_ids)
-        # the overlapped loop: plain rows' tokens stay on the device for a step (`_defers`, `InFlight`)
+        # the overlapped loop: plain rows' tokens stay on the device for a step (`_defers`, `InFlight`); their
+        # sequences count them in `num_inflight_tokens` until `_resolve` reads them back
         self._overlap = self.config.async_scheduling and not verified.num_state_layers
         self._inflight: Optional[InFlight] = None
         if speculator is not None:
@@ -228,30 +226,31 @@ class EngineCore:
         self.scheduler.report_computed(batch)
         return outputs
 
-    def _execute(self, batch: ScheduledBatch, inflight: Optional["InFlight"]) -> list[RequestOutput]:
-        """Run the batch (array work: cluster/runner.py), then read back the tokens of the step before it
-        (`inflight`, sampled on the device while this one was being built), then update the batch's sequences
-        from the results (the scheduler); rows sampled on the device this step become the next `InFlight`. A
-        failing step fails the sequences it ran, never the engine."""
+    def _execute(self, batch: ScheduledBatch, inflight: Optional[InFlight]) -> list[RequestOutput]:
+        """Run the batch (array work: cluster/runner.py, forward -> grammar masks -> sample, then verify the
+        drafts with the speculator's rules), then read back the tokens of the step before it (`inflight`,
+        sampled on the device while this one was being built), then update the batch's sequences from the
+        results (the scheduler); rows sampled on the device this step become the next `InFlight`. A failing
+        step fails the sequences it ran, never the engine."""
         try:
             drafts = self.speculator.propose(batch.decode) if batch.decode else {}
-            rows = self.runner.execute(batch, drafts, self.speculator.verify, self.grammars,
-                                       inflight.feed if inflight is not None else None, self._defers)
+            defer = {seq.request_id for seq, _ in batch.items if self._defers(seq)}
+            rows, sampled = self.runner.execute(batch, drafts, self.grammars, inflight, defer)
+            self.runner.verify(rows, self.speculator.verify)
         except Exception as exc:
             return self._resolve(inflight) + self._fail(batch, exc)
         outputs = self._resolve(inflight)
         try:
-            deferred = [row for row in rows if row.pending is not None]
-            outputs += self.scheduler.update_from_output([row for row in rows if row.pending is None])
-            self.scheduler.defer(deferred)
-            live = [row for row in deferred if not row.seq.finished]
+            outputs += self.scheduler.update_from_output([row for row in rows if not row.on_device])
+            self.scheduler.defer([row for row in rows if row.on_device])
+            live = [] if sampled is None else [(seq, i) for seq, i in sampled.rows if not seq.finished]
             if live:
-                self._inflight = InFlight(live[0].pending[0], [(row.seq, row.pending[1]) for row in live])
+                self._inflight = InFlight(sampled.tokens, live)
         except Exception as exc:
             outputs += self._fail(batch, exc)
         return outputs
 
-    def _resolve(self, inflight: Optional["InFlight"]) -> list[RequestOutput]:
+    def _resolve(self, inflight: Optional[InFlight]) -> list[RequestOutput]:
         """Read back the tokens sampled on the device by the step before and apply them (`Scheduler.resolve`);
         if that step failed on the device, its sequences finish with `error`."""
         if inflight is None:
@@ -281,16 +280,3 @@ class EngineCore:
                 and sp.logprobs is None and sp.prompt_logprobs is None and not seq.remote_decode
                 and (seq.reasoning is None or not seq.reasoning.may_constrain))
 
-
-@dataclass
-class InFlight:
-    """The tokens of a step sampled on the device and not read back yet: `tokens` int32 [R], and each row's
-    (sequence, index in `tokens`); `feed` gives the next step the index by request id."""
-
-    tokens: mx.array
-    rows: list[tuple[Sequence, int]]
-
-    @property
-    def feed(self) -> tuple[mx.array, dict[str, int]]:
-        """(tokens, index by request id), as `ModelRunner.execute` takes them."""
-        return self.tokens, {seq.request_id: i for seq, i in self.rows}

@@ -6,15 +6,19 @@ of a sequence whose KV lives in the blocks of `block_table`. A forward pads its 
 returns logits only where the caller needs them: the vocabulary projection (lm_head, ~10% of a small
 model's prefill FLOPs) runs on the selected rows only, and a chunk that needs no logits evaluates just
 the KV writes (the trick mlx-lm's own prefill uses: evaluate the cache, never the logits). A step
-(`execute`) runs its decode rows in one forward and its prompt chunks in forwards of chunks of similar length
-(`pack_prefill`), so padding stays bounded, then samples every row that needs a token at once.
+(`execute`) reads as forward -> grammar masks -> sample, then the engine's `verify` (vLLM v1's execute_model then
+sample_tokens, nano-vllm's prepare -> run_model -> sampler): `forward_step` runs its decode rows in one forward
+and its prompt chunks in forwards of chunks of similar length (`pack_prefill`), so padding stays bounded;
+`grammar_masks` computes the constrained rows' masks on the host while the device computes; `sample` samples
+every row that needs a token at once (the overlapped loop's rows on the device, the `InFlight` tokens; the rest
+on the host) and takes the prompt logprobs; `verify` checks the drafts with the speculator's rules.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence as Seq, Union
+from typing import AbstractSet, Callable, Optional, Sequence as Seq, Union
 
 import mlx.core as mx
 
@@ -26,7 +30,7 @@ from cluster.kv.store import KVStore
 from cluster.model_families import VerifiedModel, verify_model
 from cluster.request import TokenLogprob
 from cluster.sampling import prompt_logprobs, sample, sample_tokens
-from cluster.sequence import PENDING, Sequence
+from cluster.sequence import Sequence
 from cluster.speculation import Draft, Verified
 
 # `Speculator.verify`: (sequences, drafts, logits, grammar masks or None) -> results
@@ -47,9 +51,10 @@ class BatchItem:
     """One sequence's share of a step: compute `token_ids` at positions [start, start + len) into the blocks of
     `block_table`. `mirror_row` names the sequence across decode steps (its row of the decode mirror).
     `entries`: the sequence's entry in every KV cache group (`KVManager.entries`, cluster/kv/groups.py), of
-    which `block_table` is the first group's; empty for a runner over one store. `pending_request`: set when the
-    first token is a `PENDING` place, to the request whose token the previous step sampled on the device
-    (`execute`)."""
+    which `block_table` is the first group's; empty for a runner over one store. `inflight_request`: set when
+    the item's one input is a token in flight, to the request whose token the previous step sampled on the
+    device and did not read back (`InFlight`); `token_ids` is then empty and the forward takes that token from
+    the device array."""
 
     block_table: Seq[int]
     start: int
@@ -57,7 +62,17 @@ class BatchItem:
     logits: Logits = Logits.LAST
     mirror_row: Optional[str] = None
     entries: tuple = ()
-    pending_request: Optional[str] = None
+    inflight_request: Optional[str] = None
+
+
+@dataclass
+class InFlight:
+    """Tokens one step sampled on the device and did not read back yet (the engine's overlapped loop): `tokens`
+    int32 [R] (evaluating asynchronously), and each row's (sequence, index in `tokens`). The next step feeds
+    each sequence its token from there (`ModelRunner.execute`); the engine reads them back after building it."""
+
+    tokens: mx.array
+    rows: list[tuple[Sequence, int]]
 
 
 class ModelRunner:
@@ -92,9 +107,9 @@ class ModelRunner:
         """Run one step; returns per item float32 logits: [vocab] for Logits.LAST, [T_b, vocab] for Logits.ALL,
         None for Logits.NONE. The returned arrays are lazy; if none is returned the KV writes are evaluated here.
         What a group keeps per row besides blocks (a recurrent state) is written back into the items' entries,
-        evaluated. `fed`: (tokens on the device, rows, indices): row r's first token is tokens[index] (a
-        `PENDING` place in its `token_ids`)."""
-        num_new = [len(it.token_ids) for it in items]
+        evaluated. `fed`: (tokens on the device, rows, indices): row rows[i]'s one input token is
+        tokens[indices[i]] (an item with `inflight_request`, whose `token_ids` are empty)."""
+        num_new = [len(it.token_ids) + (it.inflight_request is not None) for it in items]
         T = max(num_new)
         tokens = mx.array([list(it.token_ids) + [0] * (T - len(it.token_ids)) for it in items], dtype=mx.int32)
         if fed is not None:
@@ -134,30 +149,45 @@ class ModelRunner:
             group.collect(entries, views)
         return out
 
-    def execute(self, batch, drafts: dict[str, Draft], verify: Optional[Verify] = None,
-                grammars: Optional[Grammars] = None, pending: Optional[tuple[mx.array, dict[str, int]]] = None,
-                defer: Optional[Callable[[Sequence], bool]] = None) -> list["RowResult"]:
-        """One step's array work over `batch` (cluster.scheduler.ScheduledBatch): build the inputs, run the
-        model, sample the rows that reached the end of their tokens, verify the drafts (`drafts` by request
-        id) with `verify` (the speculator's rules; needed when there are drafts). With `grammars` (the engine's
-        constrained decoding), rows of sequences with a grammar sample under its mask and verify their drafts
-        against its mask at every position. Sequences are not changed, except their PRNG keys (advanced by
-        sampling or verification).
+    def execute(self, batch, drafts: dict[str, Draft], grammars: Optional[Grammars] = None,
+                inflight: Optional[InFlight] = None, defer: AbstractSet[str] = frozenset()
+                ) -> tuple[list["RowResult"], Optional[InFlight]]:
+        """One step's array work over `batch` (cluster.scheduler.ScheduledBatch), in three steps: `forward_step`
+        (the model over every row, drafts (`drafts` by request id) fed after their last token), `grammar_masks`
+        (with `grammars`, the engine's constrained decoding: the masks of the rows with a grammar or a reasoning
+        budget, on the host while the device computes) and `sample`. The drafts are verified after it by the
+        caller (`verify`, with the speculator's rules). Sequences are not changed, except their PRNG keys
+        (advanced by sampling).
 
-        The overlapped loop: `pending` = (int32 [R] tokens sampled by the previous step and not read back, the
-        index of each request's token in it); a decode row whose last token is still `PENDING` is fed its token
-        from there on the device. Rows of sequences `defer` accepts sample on the device without being read
-        back: their `pending` is (this step's tokens array, their index), evaluated asynchronously
-        (`mx.async_eval`), so the host goes on while the device computes."""
+        The overlapped loop: `inflight` holds the previous step's tokens still on the device, which its
+        sequences' decode rows take as input there; the rows of sequences whose request id is in `defer` sample
+        on the device without being read back. Returns one `RowResult` per scheduled sequence (decode rows
+        first) and the `InFlight` of the rows sampled on the device (None when there are none)."""
+        rows = self.forward_step(batch, drafts, inflight, defer)
+        masks = self.grammar_masks(rows, grammars)
+        return rows, self.sample(rows, masks)
+
+    def forward_step(self, batch, drafts: dict[str, Draft], inflight: Optional[InFlight] = None,
+                     defer: AbstractSet[str] = frozenset()) -> list["RowResult"]:
+        """Forward: plan each scheduled sequence's row (`plan_row`; a row that samples is marked `on_device`
+        when its request id is in `defer`), then run the decode rows in one forward (a row whose input is a
+        token in flight takes it from `inflight`'s device array) and the prompt chunks in forwards of chunks of
+        similar length (`pack_prefill`), each forward's evaluation started before the next is built (`_settle`).
+        Sets each row's `logits` (lazy, float32; what a group keeps per row goes to its entries); counts prompt and
+        padding tokens. A step
+        with drafts gathers its contexts, so it resets the decode mirror (the next plain decode step rebuilds
+        it). Returns the rows, decode first."""
         kv = self.kv
         decode = [plan_row(seq, n, False, drafts.get(seq.request_id), kv.entries(seq.request_id))
                   for seq, n in batch.decode]
         prefill = [plan_row(seq, n, True, None, kv.entries(seq.request_id)) for seq, n in batch.prefill]
         rows = [row for row, _ in decode + prefill]
+        for row in rows:
+            row.on_device = row.samples and row.seq.request_id in defer
         # the decode rows in one forward, then the prompt chunks in forwards of rows of similar length
         groups = ([decode] if decode else []) + pack_prefill(prefill, bool(self.verified.num_state_layers))
         for i, group in enumerate(groups):
-            fed = self._feed_pending([item for _, item in group], pending) if group is decode else None
+            fed = self._feed_inflight([item for _, item in group], inflight) if group is decode else None
             for (row, _), logits in zip(group, self.forward([item for _, item in group], fed)):
                 row.logits = logits
             if i + 1 < len(groups):
@@ -168,33 +198,56 @@ class ModelRunner:
                 self.num_padding_tokens += len(group) * max(len(item.token_ids) for _, item in group) - real
         if drafts and self.store.mirror is not None:
             self.store.mirror.reset()  # a verify step gathers; the next plain decode step rebuilds the mirror
-        deferred = [row for row in rows if row.samples and defer is not None and defer(row.seq)]
-        self._sample_deferred(deferred)
-        sampling = [row for row in rows if row.samples and row.pending is None]
+        return rows
+
+    def grammar_masks(self, rows: list["RowResult"], grammars: Optional[Grammars]) -> Optional[mx.array]:
+        """Grammar masks: for the rows sampled on the host (`samples`, not `on_device`), bool [S, vocab] in their
+        order (all True for a free row; None when every row is free or there is no `grammars`), and for each
+        verifying row of a sequence with a grammar or a reasoning budget its masks at its k+1 positions
+        (`RowResult.draft_mask`). When there are masks to compute, the device computes the step's logits
+        (`mx.async_eval`) while the host computes them (they depend only on the tokens so far), so a mask is
+        ready when the logits it applies to are."""
+        sampling = _host_sampled(rows)
         verifying = [row for row in rows if row.draft is not None]
-        masks, draft_masks = None, None
         rules = [token_rule(r.seq.grammar, r.seq.reasoning) for r in sampling]
         checked = any(r.seq.grammar is not None or (r.seq.reasoning is not None and r.seq.reasoning.may_constrain)
                       for r in verifying)
-        if grammars is not None and (checked or any(rule is not None for rule in rules)):
-            # the device computes the step while the host computes its masks (they depend only on the tokens
-            # so far), so a mask is ready when the logits it applies to are
-            mx.async_eval(*[r.logits for r in sampling + verifying])
-            masks = grammars.rule_masks(rules) if sampling else None
-            if checked:
-                draft_masks = [grammars.verify_masks(r.seq.grammar, r.seq.reasoning, r.draft.tokens)
-                               for r in verifying]
-                draft_masks = None if all(m is None for m in draft_masks) else draft_masks
-        self._sample(sampling, masks)
+        if grammars is None or not (checked or any(rule is not None for rule in rules)):
+            return None
+        # the device computes the step while the host computes the masks below
+        mx.async_eval(*[r.logits for r in sampling + verifying])
+        masks = grammars.rule_masks(rules) if sampling else None
+        if checked:
+            for row in verifying:
+                row.draft_mask = grammars.verify_masks(row.seq.grammar, row.seq.reasoning, row.draft.tokens)
+        return masks
+
+    def sample(self, rows: list["RowResult"], masks: Optional[mx.array] = None) -> Optional[InFlight]:
+        """Sample: the rows marked `on_device` in one batch on the device, evaluated asynchronously and not read
+        back (returned as the step's `InFlight`; None when there are none), then the other rows that reached
+        the end of their tokens on the host under `masks` (bool [S, vocab] for them, in order, or None), which
+        sets their `token` and `logprob`; and each chunk's prompt logprobs for a request that wants them. Every
+        sampled sequence's PRNG key advances."""
+        inflight = self._sample_on_device([row for row in rows if row.on_device])
+        self._sample(_host_sampled(rows), masks)
         for row in rows:
             if row.prompt_logits is not None:
                 row.prompt_logprobs = _prompt_logprobs(row)
-        if verifying:
-            seqs, drafted = [r.seq for r in verifying], [r.draft for r in verifying]
-            results = verify(seqs, drafted, [r.logits for r in verifying], draft_masks)
-            for row, result in zip(verifying, results):
-                row.verified = result
-        return rows
+        return inflight
+
+    @staticmethod
+    def verify(rows: list["RowResult"], rules: Verify) -> None:
+        """Verify: the drafts of the rows that fed some, with the speculator's rules (`rules`, e.g.
+        `Speculator.verify`) over their logits (float32 [k+1, vocab]) and draft masks (`grammar_masks`); sets
+        each such row's `verified`. Advances those sequences' PRNG keys."""
+        verifying = [row for row in rows if row.draft is not None]
+        if not verifying:
+            return
+        masks = [row.draft_mask for row in verifying]
+        results = rules([r.seq for r in verifying], [r.draft for r in verifying], [r.logits for r in verifying],
+                         None if all(m is None for m in masks) else masks)
+        for row, result in zip(verifying, results):
+            row.verified = result
 
     def _settle(self, logits: list[mx.array]) -> None:
         """Start evaluating a forward (its `logits` and the pool arrays it wrote, `mx.async_eval`) before the
@@ -204,28 +257,31 @@ class ModelRunner:
         mx.async_eval(*logits, *[a for group in self.groups for a in group.arrays()])
 
     @staticmethod
-    def _feed_pending(items: Seq[BatchItem], pending) -> Optional[tuple[mx.array, list[int], list[int]]]:
-        """(the previous step's tokens, rows of `items` whose input is a `PENDING` token, their indices in it),
-        or None when no row waits for one."""
-        if pending is None:
+    def _feed_inflight(items: Seq[BatchItem], inflight: Optional[InFlight]
+                       ) -> Optional[tuple[mx.array, list[int], list[int]]]:
+        """(the previous step's tokens, rows of `items` whose input is a token in flight, their indices in it),
+        or None when no row takes one."""
+        rows = [b for b, it in enumerate(items) if it.inflight_request is not None]
+        if not rows:
             return None
-        tokens, index = pending
-        rows = [b for b, it in enumerate(items) if it.pending_request is not None]
-        return (tokens, rows, [index[items[b].pending_request] for b in rows]) if rows else None
+        assert inflight is not None, "a row takes a token in flight, but no step left one"
+        index = {seq.request_id: i for seq, i in inflight.rows}
+        return inflight.tokens, rows, [index[items[b].inflight_request] for b in rows]
 
     @staticmethod
-    def _sample_deferred(rows: list["RowResult"]) -> None:
-        """Sample `rows` on the device in one batch and start evaluating it (`mx.async_eval`); each row's
-        `pending` is (the tokens, its index)."""
+    def _sample_on_device(rows: list["RowResult"]) -> Optional[InFlight]:
+        """Sample `rows` on the device in one batch and start evaluating it (`mx.async_eval`); None for no
+        rows."""
         if not rows:
-            return
+            return None
         seqs = [row.seq for row in rows]
         last = mx.stack([row.logits for row in rows])
         tokens, keys = sample_tokens(last, [s.request.sampling for s in seqs], [()] * len(rows), [()] * len(rows),
                                      [s.rng_key for s in seqs])
         mx.async_eval(tokens, *[k for k in keys if k is not None])
-        for i, (row, key) in enumerate(zip(rows, keys)):
-            row.seq.rng_key, row.pending = key, (tokens, i)
+        for row, key in zip(rows, keys):
+            row.seq.rng_key = key
+        return InFlight(tokens, [(seq, i) for i, seq in enumerate(seqs)])
 
     @staticmethod
     def _sample(rows: list["RowResult"], masks: Optional[mx.array]) -> None:
@@ -250,8 +306,9 @@ class RowResult:
     token sampled. `draft`/`verified`: the draft fed after the last token and what verification accepted.
     `prompt_logprobs`: for a request that wants them, the entries of the prompt positions this chunk predicted
     (positions start + 1 .. start + num_fed, within the prompt), unless the sequence already has them (a
-    recompute after preemption). `pending`: sampled on the device and not read back (the overlapped loop): (the step's
-    tokens, this row's index); `token` is then None."""
+    recompute after preemption). `on_device`: it samples on the device and is not read back in this step (the
+    overlapped loop; its token is in the step's `InFlight`, `token` stays None). `draft_mask`: bool [k+1, vocab],
+    the masks its draft is verified under (a sequence with a grammar or a reasoning budget), else None."""
 
     seq: Sequence
     start: int
@@ -264,12 +321,18 @@ class RowResult:
     draft: Optional[Draft] = None
     verified: Optional[Verified] = None
     prompt_logprobs: Optional[list[TokenLogprob]] = None
-    pending: Optional[tuple[mx.array, int]] = None
+    on_device: bool = False
+    draft_mask: Optional[mx.array] = None
 
     @property
     def prompt_logits(self) -> Optional[mx.array]:
         """[num_fed, vocab] over a chunk of a request that wants prompt logprobs, else None."""
         return self.logits if self.draft is None and self.wanted is Logits.ALL else None
+
+
+def _host_sampled(rows: list[RowResult]) -> list[RowResult]:
+    """The rows that sample on the host this step: they reached the end of their tokens, not `on_device`."""
+    return [row for row in rows if row.samples and not row.on_device]
 
 
 def _prompt_logprobs(row: RowResult) -> Optional[list[TokenLogprob]]:
@@ -311,9 +374,9 @@ def plan_row(seq: Sequence, num_tokens: int, is_prefill: bool, draft: Optional[D
     start = seq.num_computed_tokens
     table = entries[0]
     mirror_row = None if is_prefill else seq.request_id
-    if not is_prefill and seq.token_ids[start] == PENDING:  # its token is still on the device (overlapped loop)
+    if not is_prefill and seq.num_inflight_tokens:  # its input is its token in flight (overlapped loop)
         return (RowResult(seq, start, 1, Logits.LAST, True),
-                BatchItem(table, start, seq.token_ids[start:], Logits.LAST, mirror_row, entries, seq.request_id))
+                BatchItem(table, start, (), Logits.LAST, mirror_row, entries, seq.request_id))
     if draft is not None:  # verify: the last token and the drafts, logits at every position
         return (RowResult(seq, start, len(seq.token_ids) - start, Logits.ALL, draft=draft),
                 BatchItem(table, start, seq.token_ids[start:] + list(draft.tokens), Logits.ALL, mirror_row,

@@ -39,7 +39,7 @@ from cluster.prefix_match import PrefixMatcher
 from cluster.request import MAX_DRAFT_TOKENS, FinishReason, RequestOutput
 from cluster.runner import RowResult
 from cluster.sampling import advance_key
-from cluster.sequence import PENDING, Sequence, SequenceStatus
+from cluster.sequence import Sequence, SequenceStatus
 from cluster.speculation import Draft, NoSpeculator, Speculator, Verified
 from cluster.step_budget import ScheduledBatch, StepBudget
 
@@ -185,8 +185,7 @@ class Scheduler:
         """The one way a sequence leaves (`reason` None: handed on after its first token, with remote decode).
         The speculator forgets it; its blocks are freed, or held under its request id when the connector
         still needs them (`KVManager.release` frees them then). Called exactly once per sequence."""
-        if seq.token_ids[-1] == PENDING:  # aborted while its token was on the device: that token is dropped
-            seq.token_ids.pop()
+        seq.num_inflight_tokens = 0  # aborted while its token was on the device: that token is dropped
         if seq.speculation is not None:
             self.speculator.release(seq)
         self.sequences.pop(seq.request_id, None)
@@ -212,18 +211,18 @@ class Scheduler:
 
     def defer(self, rows: list[RowResult]) -> None:
         """The overlapped loop's bookkeeping for rows whose sampled token is still on the device: count what
-        was computed and cache the blocks that filled up, as `update_from_output` does, and hold the token's
-        place with `PENDING` until `resolve` (finished sequences are skipped)."""
+        was computed and cache the blocks that filled up, as `update_from_output` does, and count the token in
+        flight (`Sequence.num_inflight_tokens`) until `resolve` (finished sequences are skipped)."""
         for row in rows:
             if not row.seq.finished:
                 self._advance(row)
-                row.seq.token_ids.append(PENDING)
+                row.seq.num_inflight_tokens += 1
 
     def resolve(self, seq: Sequence, token: int) -> RequestOutput:
-        """The token sampled for `seq`'s `PENDING` place (its last token) is read back: put it there and apply
-        the stop rules as `update_from_output` would have; returns its output delta."""
-        assert seq.token_ids[-1] == PENDING, "resolved a sequence without a pending token"
-        seq.token_ids.pop()
+        """`seq`'s token in flight is read back as `token`: append it in its place and apply the stop rules as
+        `update_from_output` would have; returns its output delta."""
+        assert seq.num_inflight_tokens > 0, "resolved a sequence without a token in flight"
+        seq.num_inflight_tokens -= 1
         return self._append_token(seq, token, None)
 
     def _update_row(self, row: RowResult) -> Optional[RequestOutput]:
@@ -328,7 +327,7 @@ class Scheduler:
         whole_room = self.budget.whole_room(room)
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if seq.token_ids[-1] == PENDING:  # preempted with its token on the device: after `resolve`
+            if seq.num_inflight_tokens:  # preempted with its token on the device: after `resolve`
                 break
             hit = self.prefix.lookup(seq)  # no side effects: nothing to undo when it does not fit
             start = seq.num_computed_tokens if hit is None else hit.num_tokens
@@ -362,7 +361,7 @@ class Scheduler:
         items = []
         for seq in decoding:
             if seq.status is not SequenceStatus.RUNNING or seq.num_output_tokens >= seq.max_tokens:
-                continue  # preempted for an earlier one's block, or its pending token is its last
+                continue  # preempted for an earlier one's block, or its token in flight is its last
             if self._reserve(seq, 1, allow_preempt=True):
                 limit = seq.reasoning.draft_limit() if seq.reasoning is not None else None  # reasoning's rule
                 k = min(self.speculator.lookahead(seq), max(0, draft_room), MAX_DRAFT_TOKENS if limit is None

@@ -4,6 +4,11 @@ Counters, not phases (nano-vllm): the engine computes KV for `token_ids[num_comp
 chunk; the step that feeds the last token yields the logits of the next one, which is sampled and
 appended. A sequence is "prefilling" while more than one token remains uncomputed. After a preemption
 `num_computed_tokens` returns to 0 and the same counters recompute prompt and output.
+
+In the engine's overlapped loop a token sampled on the device and not read back yet is counted, not stored
+(vLLM v1's output placeholders): `num_inflight_tokens` says how many follow `token_ids`, and every counter
+(`num_tokens`, `num_output_tokens`, `num_uncomputed`) includes them, so scheduling sees the sequence as if
+the token were there; `token_ids` holds real token ids only.
 """
 
 from __future__ import annotations
@@ -22,9 +27,6 @@ if TYPE_CHECKING:  # the types of the sequence's state; their modules import thi
     from cluster.grammar import GrammarMatcher
     from cluster.reasoning_state import ReasoningState
     from cluster.speculation import DraftState, SequenceSpeculation
-
-
-PENDING = -1  # the place of a token sampled on the device and not read back yet (the engine's overlapped loop)
 
 
 class SequenceStatus(enum.Enum):
@@ -60,6 +62,8 @@ class Sequence:
         by its `output_text`; kept across preemption like the grammar. None otherwise.
     remote_decode: the sequence leaves this engine after its first token (a prefill worker's: another worker
     decodes the rest; `cluster.connector`).
+    num_inflight_tokens: tokens sampled on the device for it and not read back yet, which follow `token_ids`
+        (0 or 1; the engine's overlapped loop, `EngineCore._inflight`).
     """
 
     request: GenerateRequest
@@ -79,6 +83,7 @@ class Sequence:
     grammar: Optional[GrammarMatcher] = None
     reasoning: Optional[ReasoningState] = None
     remote_decode: bool = False
+    num_inflight_tokens: int = 0
     arrival: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
@@ -94,17 +99,25 @@ class Sequence:
         return len(self.request.prompt_token_ids)
 
     @property
+    def num_tokens(self) -> int:
+        """Prompt and output tokens, those in flight included (`len(token_ids) + num_inflight_tokens`)."""
+        return len(self.token_ids) + self.num_inflight_tokens
+
+    @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        """Output tokens, those in flight included."""
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
+        """The output tokens read back so far (those in flight are not known yet)."""
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def num_uncomputed(self) -> int:
-        """Tokens still to feed before the next token can be sampled (>= 1 while running)."""
-        return len(self.token_ids) - self.num_computed_tokens
+        """Tokens still to feed before the next token can be sampled (>= 1 while running), a token in flight
+        included."""
+        return self.num_tokens - self.num_computed_tokens
 
     @property
     def is_prefilling(self) -> bool:
