@@ -47,15 +47,14 @@ class EngineCore:
     (prompt at or over the context limit, or larger than the whole KV pool, or a speculative method this
     engine cannot run); the message says what to change.
 
-    `speculator` runs speculative decoding (decode_node/speculative.py's `DecodeSpeculator`; cluster/ imports
-    no sibling, so whoever builds the engine injects it, here or later through the `speculator` attribute
-    before requests arrive); `connector` is the role seam. Without them the engine neither drafts nor
-    plays a role.
+    The speculator runs speculative decoding (decode_node/speculative.py's `DecodeSpeculator`; cluster/ imports
+    no sibling, so the decode role installs it through the `speculator` setter before requests arrive);
+    `connector` is the role seam; `kv_plan` the KV's plan (cluster/kv/plan.py; by default `plan_kv`'s for
+    this model and config). Without a speculator and a connector the engine neither drafts nor plays a role.
     """
 
     def __init__(self, model, tokenizer, spec: ModelSpec, config: EngineConfig,
-                 speculator: Optional[Speculator] = None, connector: Optional[Connector] = None,
-                 kv_plan: Optional[KVPlan] = None):
+                 connector: Optional[Connector] = None, kv_plan: Optional[KVPlan] = None):
         self.model, self.tokenizer, self.spec = model, tokenizer, spec
         verified = verify_model(model)  # before the pool is allocated: a refused model fails fast
         if kv_plan is None:  # the KV wing plans the budget (cluster/kv/plan.py)
@@ -70,19 +69,18 @@ class EngineCore:
         self.pool, self.store = self.kv.pool, self.kv.block_groups[0].store
         self.runner = ModelRunner(model, self.kv, verified)
         eos_ids = set(spec.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
-        self.scheduler = Scheduler(self.config, self.kv, self._extra_key, eos_ids, None, connector)
+        self.scheduler = Scheduler(self.config, self.kv, self._extra_key, eos_ids, connector)
         # constrained decoding (cluster/grammar.py): its llguidance tokenizer is built on the first grammar
         self.grammars = Grammars(tokenizer, spec.vocab_size, eos_ids)
         # the overlapped loop: plain rows' tokens stay on the device for a step (`_defers`, `InFlight`); their
         # sequences count them in `num_inflight_tokens` until `_resolve` reads them back
         self._overlap = self.config.async_scheduling and not verified.num_state_layers
         self._inflight: Optional[InFlight] = None
-        if speculator is not None:
-            self.speculator = speculator  # checked against the model
 
     @property
     def speculator(self) -> Speculator:
-        """The speculator (decode_node/speculative.py's, injected; `NoSpeculator` by default)."""
+        """The speculator (`NoSpeculator` until the decode role installs its own, decode_node/speculative.py's,
+        through the setter: the one route, since a speculator's drafters are built over this engine)."""
         return self.scheduler.speculator
 
     @speculator.setter

@@ -173,10 +173,9 @@ class ModelRunner:
         when its request id is in `defer`), then run the decode rows in one forward (a row whose input is a
         token in flight takes it from `inflight`'s device array) and the prompt chunks in forwards of chunks of
         similar length (`pack_prefill`), each forward's evaluation started before the next is built (`_settle`).
-        Sets each row's `logits` (lazy, float32; what a group keeps per row goes to its entries); counts prompt and
-        padding tokens. A step
-        with drafts gathers its contexts, so it resets the decode mirror (the next plain decode step rebuilds
-        it). Returns the rows, decode first."""
+        Sets each row's `logits` (lazy, float32; what a group keeps per row goes to its entries); counts prompt
+        and padding tokens. A step with drafts gathers its contexts, so it resets the decode mirror (the next
+        plain decode step rebuilds it). Returns the rows, decode first."""
         kv = self.kv
         decode = [plan_row(seq, n, False, drafts.get(seq.request_id), kv.entries(seq.request_id))
                   for seq, n in batch.decode]

@@ -56,11 +56,10 @@ class Scheduler:
     """
 
     def __init__(self, config: EngineConfig, kv: KVManager, extra_key: Callable[[Optional[str]], int],
-                 eos_ids: Iterable[int] = (), speculator: Optional[Speculator] = None,
-                 connector: Optional[Connector] = None):
+                 eos_ids: Iterable[int] = (), connector: Optional[Connector] = None):
         self.config, self.kv, self.pool, self.extra_key = config, kv, kv.pool, extra_key
         self.eos_ids = frozenset(eos_ids)
-        self.speculator: Speculator = speculator or NoSpeculator()
+        self.speculator: Speculator = NoSpeculator()  # the engine's `speculator` setter installs another
         self.connector: Connector = connector or NoConnector()
         self.block_size = config.block_size
         self.sequences: dict[str, Sequence] = {}

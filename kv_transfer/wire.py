@@ -98,10 +98,9 @@ class BusyAnswer(_Message):
 
 class Blocks(_Message):
     """S->R: KV of blocks [block_start, block_start + num_blocks) of the prompt, layers
-    [layer_start, layer_start + num_layers) of KV cache group `group` (0: the full-attention layers, or all
-    of a model without window layers; 1: the sliding-window layers, cluster/kv/groups.py, sent only for the
-    blocks from the first one the decode worker's next query can see); `block_hashes` of those that are
-    full."""
+    [layer_start, layer_start + num_layers) of the KV cache group numbered `group` (its index among the
+    worker's groups, cluster/kv/groups.py; each group's blocks are sent from the first one the decode worker's
+    next query needs); `block_hashes` of those that are full."""
 
     type: Literal["blocks"] = "blocks"
     epoch: int = Field(ge=0, lt=2**63)
@@ -110,7 +109,7 @@ class Blocks(_Message):
     block_hashes: list[Annotated[int, Field(ge=0, lt=2**64)]] = Field(max_length=_MAX_TOKENS)
     layer_start: int = Field(ge=0)
     num_layers: int = Field(ge=1)
-    group: int = Field(default=0, ge=0, le=1)
+    group: int = Field(default=0, ge=0, le=15)
     kv_bits: Optional[int] = None
     kv_group_size: int
     arrays: list[ArraySpec] = Field(max_length=6)

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-import mlx.core as mx
-
 from cluster.kv.block_pool import BlockPool
 from cluster.kv.groups import GroupHit, KVCacheGroup, StepRequest, window_first_block
 from cluster.kv.layout import BatchLayout
@@ -30,9 +28,6 @@ class FullAttentionGroup(KVCacheGroup):
     def __init__(self, pool: BlockPool, store: KVStore, layers: Sequence[int]):
         self.pool, self.store, self.layers = pool, store, tuple(layers)
         self.block_size = store.block_size
-
-    def bytes_per_block(self) -> int:
-        return self.store.nbytes // max(1, self.store.num_blocks)
 
     def new_entry(self) -> list[int]:
         return []
@@ -129,8 +124,3 @@ class SlidingWindowGroup(FullAttentionGroup):
 
     def first_to_ship(self, num_tokens: int, num_blocks: int) -> int:
         return min(self.first_block(num_tokens), num_blocks)
-
-
-def evaluate_group_arrays(groups: Sequence[KVCacheGroup], *extra: mx.array) -> None:
-    """Start evaluating the arrays a step wrote in every group, with `extra` (`mx.async_eval`)."""
-    mx.async_eval(*extra, *[a for g in groups for a in g.arrays()])

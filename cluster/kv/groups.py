@@ -1,7 +1,7 @@
 """KV cache groups: each kind of layer keeps its KV behind one interface (`KVCacheGroup`).
 
 A group serves some of the model's cache slots (`layers`) and answers, for every request, the same questions
-whatever its kind: what one block or state costs, what to hold while a request runs (`allocate`, `free`), what
+whatever its kind: what to hold while a request runs (`allocate`, `free`), what
 a prefix hit can reuse (`longest_hit`, `hit`, `take`), what a computed block leaves cached (`cache_block`), what
 to let go of after a step (`computed`) and when a request finishes (`finish`), the mlx-lm cache objects a step's
 layers run over (`views`, `collect`), and what to ship to a decode worker (`first_to_ship`). The manager
@@ -84,16 +84,6 @@ class KVCacheGroup:
     index: int = 0
     # the state a transfer ships with the last message (None: nothing beyond blocks)
     ships_state = False
-
-    # -- sizes -------------------------------------------------------------------------------------------------
-
-    def bytes_per_block(self) -> int:
-        """Bytes one more block of a request costs in this group (0: none)."""
-        return 0
-
-    def bytes_per_request(self) -> int:
-        """Bytes a running request holds in this group besides blocks (its state; 0: none)."""
-        return 0
 
     # -- a request's entry -------------------------------------------------------------------------------------
 
@@ -211,11 +201,6 @@ def window_first_block(num_computed: int, window: int, block_size: int) -> int:
     positions: it attends to positions > num_computed - window (mlx-lm's `create_causal_mask(...,
     window_size)`), so every block before this one is out of every later query's window."""
     return max(0, (num_computed - window + 1) // block_size)
-
-
-def first_needed_block(num_tokens: int, reach_tokens: Optional[int], block_size: int) -> int:
-    """The first block a group of reach `reach_tokens` needs for a prefix of `num_tokens` tokens (0: all)."""
-    return 0 if reach_tokens is None else max(0, (num_tokens - reach_tokens) // block_size)
 
 
 @dataclass

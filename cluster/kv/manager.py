@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+from cluster.kv.attention_groups import FullAttentionGroup
 from cluster.kv.block_pool import BlockPool
 from cluster.kv.groups import GroupHit, KVCacheGroup, PrefixHit, StepRequest, reserve_blocks
 
@@ -57,7 +58,6 @@ class KVManager:
     @classmethod
     def over(cls, pool: BlockPool, store) -> "KVManager":
         """A manager of one full-attention group: `pool`'s blocks over `store` (a `KVStore`; tools and tests)."""
-        from cluster.kv.attention_groups import FullAttentionGroup
         return cls([FullAttentionGroup(pool, store, range(store.spec.num_layers))], store.block_size, store.copy_block)
 
     def __init__(self, groups: Sequence[KVCacheGroup], block_size: int,

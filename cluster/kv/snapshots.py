@@ -7,8 +7,8 @@ block that ends there (cluster/kv/hashing.py), and a hit is cut back to the long
 snapshot: the state is restored from it and the rest computed (llama.cpp's context checkpoints and mlx-lm's
 server prompt cache do the same with whole caches).
 
-Where snapshots are taken (`chunk_end`, `save` and `finish`, which the recurrent-state group calls, cluster/kv/state_group.py): every
-`state_snapshot_interval` tokens and at every other block-aligned end of a prefill chunk, at the prompt's last
+Where snapshots are taken (`chunk_end`, `save` and `finish`, which the recurrent-state group calls,
+cluster/kv/state_group.py): every `state_snapshot_interval` tokens and at every other block-aligned end of a prefill chunk, at the prompt's last
 whole block and its end when that is a block boundary, and, when a sequence finishes, at the latest block
 boundary it reached (prompt plus answer: where the next turn of a conversation continues). The chunk-end ones
 are thinned when the sequence finishes: those at 1, 2, 4, 8, ... intervals stay (a later prompt sharing a long

@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from cluster.kv.block_pool import RESTORE_POINT_GROUP, BlockPool
 from cluster.kv.groups import GroupHit, KVCacheGroup, StateEntry, StepRequest
-from cluster.kv.recurrent_state import StateShapes, split_states, stack_states, state_nbytes
+from cluster.kv.recurrent_state import StateShapes, split_states, stack_states
 from cluster.kv.snapshots import StateSnapshots
 from cluster.stats import KVGroupStats
 
@@ -36,9 +36,6 @@ class RecurrentStateGroup(KVCacheGroup):
     def __init__(self, shapes: StateShapes, anchor: BlockPool, snapshots: Optional[StateSnapshots]):
         self.shapes, self.anchor, self.snapshots = shapes, anchor, snapshots
         self.layers = tuple(range(len(shapes)))
-
-    def bytes_per_request(self) -> int:
-        return state_nbytes(self.shapes)
 
     def new_entry(self) -> StateEntry:
         return StateEntry()
