@@ -4,8 +4,8 @@ the mlx-lm cache view a step's recurrent layers run over.
 A recurrent layer carries no per-token KV: it carries a fixed-size state per sequence (a short convolution
 window and the SSM/delta-rule matrix), which every new token updates in place. A sequence's state is a
 `State`: per recurrent layer, a tuple of arrays [1, *shape] in the order mlx-lm's `ArraysCache` holds them
-(conv state, then SSM state). It lives on the sequence (`Sequence.recurrent_state`), beside its KV blocks;
-None means "no token computed yet" (all zeros).
+(conv state, then SSM state). It lives in the request's entry of the recurrent-state group
+(cluster/kv/state_group.py); None means "no token computed yet" (all zeros).
 
 A batched step stacks its rows' states into [B, *shape] arrays and hands each recurrent layer a
 `RecurrentStateView` with `lengths` = each row's number of new tokens. mlx-lm's recurrent layers read
