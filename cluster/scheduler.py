@@ -33,7 +33,6 @@ from typing import Callable, Iterable, Optional
 from cluster.config import EngineConfig
 from cluster.grammar import consume_answer
 from cluster.connector import Connector, NoConnector
-from cluster.kv.groups import StepRequest
 from cluster.kv.manager import KVManager
 from cluster.prefix_match import PrefixMatcher
 from cluster.request import MAX_DRAFT_TOKENS, FinishReason, RequestOutput
@@ -243,7 +242,7 @@ class Scheduler:
             seq.prompt_logprobs.extend(row.prompt_logprobs)
         seq.num_computed_tokens += row.num_fed
         self.prefix.cache_computed_blocks(seq)
-        self.kv.computed(seq.request_id, StepRequest(seq.num_computed_tokens, seq.block_hashes, seq.num_prompt_tokens))
+        self.kv.computed(seq.request_id, seq.num_computed_tokens, seq.block_hashes, seq.num_prompt_tokens)
 
     def _accept(self, seq: Sequence, draft: Draft, result: Verified) -> RequestOutput:
         """Append the verified tokens one by one, as plain decoding would (stopping at the first stop), and
@@ -257,7 +256,7 @@ class Scheduler:
             if outs[-1].finished:
                 break
         seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
-        self.kv.computed(seq.request_id, StepRequest(seq.num_computed_tokens, seq.block_hashes, seq.num_prompt_tokens))
+        self.kv.computed(seq.request_id, seq.num_computed_tokens, seq.block_hashes, seq.num_prompt_tokens)
         if len(outs) == 1:
             return outs[0]
         logprobs = None if outs[0].logprobs is None else tuple(lp for o in outs for lp in o.logprobs)

@@ -157,7 +157,6 @@ def test_a_prefix_hit_needs_the_window_blocks_before_its_end_in_the_window_pool(
 
     from cluster.kv.attention_groups import FullAttentionGroup, SlidingWindowGroup
     from cluster.kv.block_pool import BlockPool
-    from cluster.kv.groups import StepRequest
     from cluster.kv.manager import KVManager
 
     store = SimpleNamespace(block_size=4)
@@ -166,7 +165,7 @@ def test_a_prefix_hit_needs_the_window_blocks_before_its_end_in_the_window_pool(
     tokens, hashes = list(range(20)), [100 + i for i in range(5)]
     kv.allocate("s", 5)
     kv.cache_blocks("s", 0, hashes, tokens, 99)
-    kv.computed("s", StepRequest(20, hashes, 20))
+    kv.computed("s", 20, hashes, 20)
     window_table = kv.tables("s")[1]
     assert window_table[:3] == (0, 0, 0) and all(window_table[3:])
     kv.finish("s")

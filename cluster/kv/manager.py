@@ -66,6 +66,8 @@ class KVManager:
         for i, group in enumerate(self.groups):
             group.index = i
         self.block_groups = tuple(g for g in self.groups if g.pool is not None)
+        # the groups that act after a step (`KVCacheGroup.computed` overridden)
+        self._acting = tuple(g for g in self.groups if type(g).computed is not KVCacheGroup.computed)
         self.pool: BlockPool = self.block_groups[0].pool
         self.block_size = block_size
         # token-granular hits copy the anchor's block: only where the anchor is the only group
@@ -153,11 +155,18 @@ class KVManager:
         del self._entries[request_id]
         return None
 
-    def computed(self, request_id: str, step: StepRequest) -> None:
-        """After a step: every group lets go of what no later query needs and keeps what a later hit can use."""
+    def computed(self, request_id: str, num_computed_tokens: int, block_hashes: Sequence[int],
+                 num_prompt_tokens: int) -> None:
+        """After a step computed the request's first `num_computed_tokens` (its full computed blocks hashed as
+        `block_hashes`): every group that acts then lets go of what no later query needs and keeps what a later
+        hit can use (nothing to do, and nothing built, for a model of full attention alone: the decode step's
+        common case)."""
+        if not self._acting:
+            return
         entries = self._entry(request_id)
-        for g, e in zip(self.groups, entries):
-            g.computed(e, step)
+        step = StepRequest(num_computed_tokens, block_hashes, num_prompt_tokens)
+        for g in self._acting:
+            g.computed(entries[g.index], step)
 
     def group_stats(self, transfer=None) -> tuple:
         """One `cluster.stats.KVGroupStats` per group, the anchor first (`KVCacheGroup.stats`; `transfer`: the
