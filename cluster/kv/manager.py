@@ -91,10 +91,16 @@ class KVManager:
     # -- a request's entries -----------------------------------------------------------------------------------
 
     def _entry(self, request_id: str) -> list[Any]:
+        """The request's entries, made (empty) on its first allocation, hit or reservation."""
         entries = self._entries.get(request_id)
         if entries is None:
             entries = self._entries[request_id] = [g.new_entry() for g in self.groups]
         return entries
+
+    def _read(self, request_id: str) -> list[Any]:
+        """The request's entries to read: empty ones, not kept, for a request that holds nothing here."""
+        entries = self._entries.get(request_id)
+        return [g.new_entry() for g in self.groups] if entries is None else entries
 
     def has(self, request_id: str) -> bool:
         """True when the request holds KV here (running or held)."""
@@ -106,16 +112,17 @@ class KVManager:
 
     def entries(self, request_id: str) -> tuple[Any, ...]:
         """The request's entry in every group (what a step's views are built from)."""
-        return tuple(self._entry(request_id))
+        return tuple(self._read(request_id))
 
     def block_table(self, request_id: str) -> list[int]:
         """The anchor group's block table of the request (empty when it holds none)."""
+        anchor = self.block_groups[0]
         entries = self._entries.get(request_id)
-        return [] if entries is None else self.block_groups[0].table(entries[self.block_groups[0].index])
+        return [] if entries is None else anchor.table(entries[anchor.index])
 
     def tables(self, request_id: str) -> tuple[tuple[int, ...], ...]:
         """Every group's block table of the request, by group index (empty for groups without blocks)."""
-        entries = self._entry(request_id)
+        entries = self._read(request_id)
         return tuple(tuple(g.table(e)) for g, e in zip(self.groups, entries))
 
     def num_blocks(self, request_id: str) -> int:
@@ -183,7 +190,7 @@ class KVManager:
     def shipped_state(self, request_id: str) -> Optional[tuple]:
         """What a transfer ships for the request besides blocks: the layers of every group that ships a state,
         in `state_shapes` order (each layer a tuple of arrays [1, *shape]); None when no group ships one."""
-        entries = self._entry(request_id)
+        entries = self._read(request_id)
         shipping = [g for g in self.groups if g.ships_state]
         if not shipping:
             return None
