@@ -25,7 +25,8 @@ class InProcessEngine:
         path, spec = served_model(model_dir, None, "float32")
         model, tokenizer = load_model(path, dtype="float32")
         self.engine = EngineCore(model, tokenizer, spec, self.config)
-        self.snapshots = self.engine.scheduler.snapshots
+        # the state snapshots of its recurrent-state KV cache group (cluster/kv/state_group.py)
+        self.snapshots = next((g.snapshots for g in self.engine.kv.groups if hasattr(g, "snapshots")), None)
         if self.snapshots is None:
             raise ValueError(f"{model_dir} has no recurrent layers: it keeps no state snapshots")
         self.n = 0
