@@ -26,7 +26,7 @@ four requests of a turn go in ABBA order over the turns. Reported per turn: TTFT
 (`mlx_pd_kv_group_*{group="recurrent"}`) after every turn of the turns phase and every conversation of the rss
 phase. Beside that, an in-process engine (`cluster.engine.EngineCore`, the same code `mlx-pd serve` runs, with
 `EngineConfig` defaults) replays mlx-pd's conversation — the same messages, token for token as the router renders
-them — and reads `scheduler.snapshots` after each turn: count, bytes held, budget, saved, evicted, restored
+them — and reads the recurrent-state group's snapshots after each turn: count, bytes held, budget, saved, evicted, restored
 (checked against the server's /metrics). It also checks that its cached tokens and answers equal the server's,
 and, from its output token ids, how far the previous turn's prompt + answer agree with the next prompt as
 re-tokenized: a
