@@ -88,7 +88,7 @@ class ModelRunner:
         self.verified = verified or verify_model(model)
         if isinstance(kv, KVStore):
             self.kv: Optional[KVManager] = None
-            self.groups: tuple[KVCacheGroup, ...] = (FullAttentionGroup(None, kv, range(kv.spec.num_layers)),)
+            self.groups: tuple[KVCacheGroup, ...] = (FullAttentionGroup.over(kv),)
         else:
             self.kv, self.groups = kv, kv.groups
         self.store = self.groups[0].store  # the first group's: its decode mirror, its block size

@@ -98,11 +98,10 @@ class KVSender:
     def __init__(self, fmt: KVFormat, kv: Union[KVManager, KVStore], *, config: TransferConfig = TransferConfig(),
                  keys: Optional[CurveKeys] = None, ctx: Optional[zmq.Context] = None,
                  metrics: Optional[TransferMetrics] = None, clock: Callable[[], float] = time.monotonic):
-        groups = [FullAttentionGroup(None, kv, range(kv.spec.num_layers))] if isinstance(kv, KVStore) \
-            else [g for g in kv.groups if g.pool is not None]
-        self.groups: list[tuple[int, KVCacheGroup]] = [(i if isinstance(kv, KVStore) else g.index, g)
-                                                       for i, g in enumerate(groups)]
-        self.store = groups[0].store
+        # (group number on the wire, group) of every group with blocks
+        self.groups: list[tuple[int, KVCacheGroup]] = [(0, FullAttentionGroup.over(kv))] if isinstance(kv, KVStore) \
+            else [(g.index, g) for g in kv.block_groups]
+        self.store = self.groups[0][1].store
         self.fmt, self.config, self.keys, self.clock = fmt, config, keys, clock
         self.metrics = metrics or TransferMetrics("send")
         self.ctx = ctx or zmq.Context.instance()

@@ -25,9 +25,15 @@ class FullAttentionGroup(KVCacheGroup):
 
     name = "full"
 
-    def __init__(self, pool: BlockPool, store: KVStore, layers: Sequence[int]):
+    def __init__(self, pool: Optional[BlockPool], store: KVStore, layers: Sequence[int]):
         self.pool, self.store, self.layers = pool, store, tuple(layers)
         self.block_size = store.block_size
+
+    @classmethod
+    def over(cls, store: KVStore, pool: Optional[BlockPool] = None) -> "FullAttentionGroup":
+        """Every layer of `store` as one group (`pool`: its blocks' bookkeeping; None for a runner or a sender
+        that only reads and writes the store)."""
+        return cls(pool, store, range(store.spec.num_layers))
 
     def new_entry(self) -> list[int]:
         return []

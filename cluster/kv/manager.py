@@ -58,7 +58,7 @@ class KVManager:
     @classmethod
     def over(cls, pool: BlockPool, store) -> "KVManager":
         """A manager of one full-attention group: `pool`'s blocks over `store` (a `KVStore`; tools and tests)."""
-        return cls([FullAttentionGroup(pool, store, range(store.spec.num_layers))], store.block_size, store.copy_block)
+        return cls([FullAttentionGroup.over(store, pool)], store.block_size, store.copy_block)
 
     def __init__(self, groups: Sequence[KVCacheGroup], block_size: int,
                  copy_block: Optional[Callable[[int, int], None]] = None):
