@@ -170,6 +170,4 @@ def reserve(kv: KVManager, request_id: str, fmt: KVFormat, offered: KVFormat, to
     if kv.free_besides(hit) < needed - hit.num_blocks + watermark_blocks:
         return Busy(retry_after_s())
     held = kv.reserve(request_id, hit, needed, n)
-    first = tuple(max(hit.num_blocks, g.first_to_ship(n, needed)) if g.pool is not None else needed
-                  for g in kv.groups)
-    return Reservation(held.tables, hit.num_blocks, first)
+    return Reservation(held.tables, hit.num_blocks, held.first_sent)

@@ -38,11 +38,13 @@ MIN_PARTIAL_TOKENS = 8
 class Holding:
     """KV held for `request_id` outside a sequence: `tables`, each block group's table (by group index; empty
     for a group without blocks), covering positions from 0; its first `num_cached_tokens` tokens came from the
-    prefix cache."""
+    prefix cache. A reservation's `first_sent`, by group index: the first block a transfer fills (the cached
+    prefix and, in a group that reaches back less, what no later query sees are never sent)."""
 
     request_id: str
     tables: tuple[tuple[int, ...], ...]
     num_cached_tokens: int = 0
+    first_sent: tuple[int, ...] = ()
 
     @property
     def block_table(self) -> tuple[int, ...]:
@@ -289,14 +291,17 @@ class KVManager:
         num_new = num_blocks - hit.num_blocks
         if num_new > self.free_besides(hit):
             raise ValueError(f"cannot hold {num_new} new blocks: only {self.num_free_blocks} free")
-        entries = self._entry(request_id)
+        entries, sent = self._entry(request_id), []
         for g, h in zip(self.groups, hit.groups):
             first = g.first_to_ship(num_tokens, num_blocks) if g.pool is not None else 0
             kept = GroupHit(tuple(b if i >= first else 0 for i, b in enumerate(h.blocks)), h.state, h.key)
             entries[g.index] = g.take(entries[g.index], kept)
             if g.pool is not None:
                 entries[g.index] = reserve_blocks(g, entries[g.index], num_blocks, first)
-        return self.hold(request_id, hit.num_blocks * self.block_size)
+            sent.append(max(hit.num_blocks, first) if g.pool is not None else num_blocks)
+        held = Holding(request_id, self.tables(request_id), hit.num_blocks * self.block_size, tuple(sent))
+        self._held[request_id] = held
+        return held
 
     def hold(self, request_id: str, num_cached_tokens: Optional[int] = None) -> Holding:
         """Keep the request's KV under its id outside any sequence (a transfer still reads it). Raises
