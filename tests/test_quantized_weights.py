@@ -145,18 +145,19 @@ def decode_batch_sizes(client):
     """Record how many sequences each decode step of the server's engine computed (the runner's forward,
     wrapped on its instance while the block runs; called on the engine's own thread)."""
     runner, sizes = client.engine.runner, []
-    forward = runner.forward_with_state
+    forward = runner.forward
 
     def recording(items, *args):
-        if all(len(it.token_ids) == 1 for it in items):
+        # one new token per row: a decode step (a row fed its token in flight has it on the device)
+        if all(len(it.token_ids) + (it.inflight_request is not None) == 1 for it in items):
             sizes.append(len(items))
         return forward(items, *args)
 
-    runner.forward_with_state = recording
+    runner.forward = recording
     try:
         yield sizes
     finally:
-        del runner.forward_with_state
+        del runner.forward
 
 
 def test_the_server_runs_the_folders_weights_as_stored(folder, server):
