@@ -206,3 +206,29 @@ def test_a_head_hit_waiting_for_blocks_gives_its_source_back():
     assert got["f"].final.num_cached_tokens == B + 16
     assert engine.pool.num_free_blocks == engine.pool.num_usable_blocks
     assert all(b.ref_cnt == 0 for b in engine.pool.blocks[1:])
+
+
+def test_a_prompt_that_does_not_fit_leaves_the_pool_the_counters_and_itself_as_they_were():
+    """While a prompt with a whole-block and a head hit waits for blocks, every step looks its hit up again and
+    finds it does not fit: it holds no KV, pins none of the cached blocks (their reference counts stay 0), its
+    own counters and hashes stay unset, and the prefix-cache counters do not move until it is admitted."""
+    engine = make_engine(fast_model(), num_blocks=8)  # 7 usable blocks
+    head = tokens(2 * B + 4)
+    run(engine, [greedy("seed", head, 1)])
+    cached = [b.block_id for b in engine.pool.blocks[1:] if b.block_hash is not None]
+    engine.add_request(greedy("long", tokens(3 * B, "Blocks are taken by a long prompt here. "), 20, ignore_eos=True))
+    engine.step()  # the long prompt is admitted and holds its blocks
+    engine.add_request(greedy("f", head[:B + 16] + tokens(3 * B, "A follower prompt needs three blocks more "), 8,
+                              ignore_eos=True))
+    matcher = engine.scheduler.prefix
+    counters = (matcher.queries, matcher.hits)
+    waited = 0
+    while engine.sequences["f"] in engine.scheduler.waiting:
+        follower = engine.sequences["f"]
+        assert not engine.kv.has("f") and (matcher.queries, matcher.hits) == counters
+        assert (follower.num_computed_tokens, follower.num_cached_tokens, follower.block_hashes) == (0, 0, [])
+        assert all(engine.pool.blocks[b].ref_cnt == 0 for b in cached if engine.pool.blocks[b].block_hash)
+        engine.step()
+        waited += 1
+    assert waited > 1  # it did wait
+    assert engine.sequences["f"].num_cached_tokens == B + 16 and matcher.hits == counters[1] + B + 16
