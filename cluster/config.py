@@ -53,6 +53,8 @@ class EngineConfig:
       fp16 ~4x slower), bfloat16 is the usual choice on a Mac.
     - `kv_bits` / `kv_group_size`: quantized KV (mlx-lm's names); None = unquantized.
     - `enable_prefix_caching`: reuse cached full blocks across requests.
+    - `skip_load_check`: skip the load check (cluster/load_check.py) for a family the tests cover
+      (`cluster.model_families.FAMILIES`); any other family is checked regardless.
     - `state_cache_gb`: GiB for recurrent-state snapshots, the prefix cache of models with recurrent layers
       (cluster/kv/snapshots.py; LRU by bytes). Taken from `kv_cache_gb` (the pool gets the rest; with
       `num_blocks` set, on top of it); None = half of `kv_cache_gb`; 0 keeps none, so such a model recomputes every prompt in full. Unused
@@ -109,6 +111,7 @@ class EngineConfig:
     draft_model: Optional[str] = None
     draft_quantize_bits: Optional[int] = None
     draft_cost_per_token: Optional[float] = None
+    skip_load_check: bool = False
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> ValueError:

@@ -27,8 +27,7 @@ from cluster.kv.hashing import first_block_key
 from cluster.kv.plan import KVPlan, plan_kv
 from cluster.model import ModelSpec
 from cluster.ownership import ThreadOwner
-from cluster.kv.recurrent_state import probe_state_shapes
-from cluster.model_families import verify_model
+from cluster.model_structure import VerifiedModel, kv_spec, verify_model
 from cluster.request import FinishReason, GenerateRequest, RequestOutput
 from cluster.runner import InFlight, ModelRunner
 from cluster.sampling import make_key
@@ -42,8 +41,8 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     """Continuous batching over a paged KV pool for one model.
 
-    Raises `ValueError` at construction for a model outside the verified families
-    (`cluster.model_families.verify_model`), and from `add_request` when a request can never run here
+    Raises `ValueError` at construction for a model whose structure the engine does not serve
+    (`cluster.model_structure.verify_model`), and from `add_request` when a request can never run here
     (prompt at or over the context limit, or larger than the whole KV pool, or a speculative method this
     engine cannot run); the message says what to change.
 
@@ -54,12 +53,15 @@ class EngineCore:
     """
 
     def __init__(self, model, tokenizer, spec: ModelSpec, config: EngineConfig,
-                 connector: Optional[Connector] = None, kv_plan: Optional[KVPlan] = None):
+                 connector: Optional[Connector] = None, kv_plan: Optional[KVPlan] = None,
+                 verified: Optional[VerifiedModel] = None):
+        # before the pool is allocated: a refused model fails fast (`verified`: the load check's, with the mask
+        # rank it found, cluster/load_check.py)
+        verified = verified or verify_model(model)
+        spec = kv_spec(spec, verified)
         self.model, self.tokenizer, self.spec = model, tokenizer, spec
-        verified = verify_model(model)  # before the pool is allocated: a refused model fails fast
         if kv_plan is None:  # the KV wing plans the budget (cluster/kv/plan.py)
-            shapes = probe_state_shapes(model, verified.state_caches) if verified.num_state_layers else ()
-            kv_plan = plan_kv(spec, config, verified, shapes)
+            kv_plan = plan_kv(spec, config, verified)
         self.kv_plan, self.config = kv_plan, kv_plan.config
         self.block_size = config.block_size
         self.max_model_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)

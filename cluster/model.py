@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -23,10 +23,11 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 class ModelSpec:
     """Architecture facts read from the model's config.json.
 
-    `num_layers` layers that cache KV (every layer but recurrent-only ones, `Family.kv_layers`), each caching `num_kv_heads` heads per token: a key of `head_dim` values and
-    a value of `value_dim` values (`value_dim` None: `head_dim`, as in every family but latent attention,
-    whose cache holds the compressed latent as its key and the rope key as its value: one head of
-    kv_lora_rank and qk_rope_head_dim; `cluster.model_families.Family.cache_dims`). `max_model_len` is the
+    `num_layers` layers that cache KV, each caching `num_kv_heads` heads per token: a key of `head_dim` values
+    and a value of `value_dim` values (`value_dim` None: `head_dim`; latent attention caches the compressed
+    latent as its key and the rope key as its value, one head). Read from config.json these are an estimate
+    (every layer, `num_key_value_heads` heads of `head_dim`); an engine replaces them with what the loaded
+    model's own caches hold (`with_kv_shape`, from `cluster.model_structure.VerifiedModel.kv_shapes`). `max_model_len` is the
     context limit in tokens (`max_position_embeddings`); `model_id` names the model in the API and in block
     hashes; `revision` is a content hash of the weights' index so that two workers can check they run
     the same weights.
@@ -47,6 +48,12 @@ class ModelSpec:
     def v_dim(self) -> int:
         """The width of one cached value head (`value_dim`, else `head_dim`)."""
         return self.value_dim or self.head_dim
+
+    def with_kv_shape(self, num_layers: int, shape: tuple[int, int, int]) -> "ModelSpec":
+        """This spec with `num_layers` KV layers of `shape` (KV heads, key width, value width)."""
+        heads, key, value = shape
+        return replace(self, num_layers=num_layers, num_kv_heads=heads, head_dim=key,
+                       value_dim=None if value == key else value)
 
     def kv_bytes_per_token(self, dtype_bytes: float) -> float:
         """Bytes of K and V for one token across all layers: layers x kv_heads x (head_dim + v_dim) x bytes."""
@@ -92,20 +99,20 @@ def served_model(source: Optional[str], served_name: Optional[str], dtype: str) 
 
 
 def read_model_spec(path: Path, model_id: Optional[str] = None) -> ModelSpec:
-    """Read `ModelSpec` from `path/config.json`. Raises ValueError for a `model_type` outside the verified
-    families (`cluster.model_families`, message naming it and listing the served ones) and for configs
-    without attention heads."""
+    """Read `ModelSpec` from `path/config.json` (a multimodal config's `text_config` for the text model's
+    fields). Raises ValueError for a `model_type` the installed mlx-lm has no class for
+    (`cluster.model_families.check_config`)."""
     import hashlib
 
     from cluster.model_families import check_config
 
     config: dict[str, Any] = json.loads((path / "config.json").read_text())
-    family = check_config(config)
-    text = config.get("text_config", config)
-    heads = text.get("num_attention_heads")
-    if not heads:
-        raise ValueError(f"{path}/config.json has no num_attention_heads")
-    kv_heads, head_dim, value_dim = family.cache_dims(text)
+    check_config(config)
+    text = {**config, **config.get("text_config", {})}
+    heads = text.get("num_attention_heads") or text.get("n_head") or 1
+    hidden = text.get("hidden_size") or text.get("d_model") or heads
+    kv_heads = text.get("num_key_value_heads") or heads
+    head_dim = text.get("head_dim") or hidden // heads
     eos = config.get("eos_token_id", text.get("eos_token_id", []))
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     digest = hashlib.sha256()
@@ -115,14 +122,13 @@ def read_model_spec(path: Path, model_id: Optional[str] = None) -> ModelSpec:
     return ModelSpec(
         model_id=model_id or path.name,
         revision=digest.hexdigest()[:16],
-        num_layers=family.kv_layers(text),
+        num_layers=text.get("num_hidden_layers") or text.get("n_layer") or 1,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        vocab_size=text["vocab_size"],
+        vocab_size=text.get("vocab_size") or 0,
         max_model_len=int(text.get("max_position_embeddings") or 4096),
         eos_token_ids=eos_ids,
-        value_dim=value_dim,
     )
 
 
@@ -131,8 +137,8 @@ def load_model(path: Path, dtype: str = "float32"):
 
     Returns the mlx-lm `nn.Module` (called as `model(tokens[B, T], cache=[per-layer caches])` ->
     logits[B, T, vocab]) and mlx-lm's `TokenizerWrapper`. Raises ValueError, before any weights load, for
-    a `model_type` outside the verified families (`cluster.model_families`); the engine checks the loaded
-    model's layers and head (`verify_model`) when it is built.
+    a `model_type` the installed mlx-lm has no class for (`cluster.model_families.check_config`); the engine
+    checks the loaded model's caches, ropes and head (`cluster.model_structure.verify_model`) when it is built.
     """
     import mlx.core as mx
     from mlx.utils import tree_map

@@ -27,7 +27,7 @@ from cluster.kv.attention_groups import FullAttentionGroup
 from cluster.kv.groups import KVCacheGroup
 from cluster.kv.manager import KVManager
 from cluster.kv.store import KVStore
-from cluster.model_families import VerifiedModel, verify_model
+from cluster.model_structure import VerifiedModel, verify_model
 from cluster.request import TokenLogprob
 from cluster.sampling import prompt_logprobs, sample, sample_tokens
 from cluster.sequence import Sequence

@@ -84,6 +84,7 @@ class Worker:
 
     def start(self) -> dict:
         """Load the model, bind the sockets, start the loop; returns {"name", "role", "control", "kv"}."""
+        from cluster.load_check import checked_engine
         from cluster.model import load_model, served_model
 
         if self.engine is None:
@@ -93,7 +94,7 @@ class Worker:
                 model, tokenizer = load_model(path, dtype)
                 self._loaded = (model, tokenizer, model_spec)
             model, tokenizer, model_spec = self._loaded
-            self.engine = EngineCore(model, tokenizer, model_spec, self.spec.engine)
+            self.engine = checked_engine(model, tokenizer, model_spec, self.spec.engine)
         if self.channel is None:
             sock, endpoint = server_socket(self.ctx, zmq.ROUTER, self.spec.host, self.spec.control_port, self.keys,
                                            options={zmq.MAXMSGSIZE: CONTROL_MAX_MESSAGE_BYTES})

@@ -65,7 +65,6 @@ CONFIGS = {
 # families whose layers are not all plain full attention: sliding windows, attention sinks, latent attention
 OTHER_LAYER_KINDS = ["gemma3_text", "gpt_oss", "deepseek_v3"]
 RECURRENT = ["qwen3_next", "falcon_h1"]  # families with recurrent-state layers
-UNVERIFIED = ("mamba2", "granitemoe", "minicpm", "gemma3", "llava")
 
 @functools.lru_cache(maxsize=1)
 def tokenizer():

@@ -14,7 +14,7 @@ from cluster.engine import EngineCore
 from cluster.kv.block_pool import BlockPool
 from cluster.kv.groups import GroupHit, KVCacheGroup
 from cluster.kv.plan import plan_kv
-from cluster.model_families import verify_model
+from cluster.model_structure import verify_model
 from tests.family_helpers import family, make_engine, prompts, request, tokenizer
 
 MODEL = "llama"

@@ -15,7 +15,7 @@ from tests.test_dependency_rule import imports
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCT = ("cluster", "kv_transfer", "prefill_node", "decode_node", "router")
 # the wing, and the two files that map a model's layers onto groups
-ALLOWED = ("cluster/kv/", "cluster/runner.py", "cluster/model_families.py")
+ALLOWED = ("cluster/kv/", "cluster/runner.py", "cluster/model_structure.py")
 # the kinds and their fields: sliding windows (`window_table`, `seq.window`...), recurrent state, its snapshots and
 # the restore points they make (a plain local `window` elsewhere is a text or time window, not a KV group's)
 KIND_WORDS = ("recurrent", "sliding", "state_snapshot", "snapshots", "restore_point", "restorable")

@@ -6,12 +6,10 @@ tests/test_model_families.py with every family."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import pytest
 
-from cluster.model_families import FAMILIES, verify_model
 from cluster.kv.recurrent_state import state_nbytes
 from tests.engine_helpers import run
 from tests.family_helpers import (VOCAB, COMMON, CONFIGS, RECURRENT, family, make_engine, engine, prompts,
@@ -309,12 +307,3 @@ def test_workers_whose_layer_kinds_differ_are_refused_at_the_handshake_by_name()
     diff = plain.mismatches(hybrid)
     assert [d.split(":")[0] for d in diff] == ["layer_kinds", "state"]
     assert "state + attention" not in diff[0] and "'state'" in diff[0] and "float32" in diff[1]
-
-
-def test_recurrent_layers_in_a_family_not_read_for_them_are_refused(monkeypatch):
-    """The gate serves recurrent state only in families whose layers were read to keep padding out of it:
-    with that mark taken off qwen3_next, its Gated DeltaNet layer is refused by layer and cache type."""
-    model, _ = family("qwen3_next")
-    monkeypatch.setitem(FAMILIES, "qwen3_next", dataclasses.replace(FAMILIES["qwen3_next"], recurrent=False))
-    with pytest.raises(ValueError, match="layer 0 uses ArraysCache"):
-        verify_model(model)

@@ -32,7 +32,7 @@ from cluster.kv.snapshots import StateSnapshots
 from cluster.kv.state_group import RecurrentStateGroup
 from cluster.kv.store import KVStore, kv_bytes_per_block
 from cluster.model import ModelSpec
-from cluster.model_families import VerifiedModel
+from cluster.model_structure import VerifiedModel
 from cluster.ownership import ThreadOwner
 
 # an extra group's factory: (the plan, the anchor pool, the engine's owner) -> the group
@@ -48,7 +48,8 @@ class KVPlan:
     window in positions; None without a window group); `num_blocks` / `num_window_blocks`: each pool's blocks,
     null block included (0: no window pool); `block_bytes`: one block over every block group; `state_shapes`:
     per recurrent layer its state arrays (empty without); `snapshot_bytes`: the snapshots' budget; `extra`:
-    factories of groups beyond the model's own (they add no layers the model runs over unless they say so)."""
+    factories of groups beyond the model's own (they add no layers the model runs over unless they say so);
+    `kv_shapes`: per KV layer (heads, key width, value width), from the model (empty: every layer `spec`'s)."""
 
     spec: ModelSpec
     config: EngineConfig
@@ -62,6 +63,7 @@ class KVPlan:
     snapshot_bytes: int = 0
     dequantize_for_attention: Optional[bool] = None
     extra: tuple[GroupFactory, ...] = field(default=())
+    kv_shapes: tuple = ()
 
     @property
     def kv_args(self) -> tuple:
@@ -78,14 +80,14 @@ class KVPlan:
         c = self.config
         caching = c.enable_prefix_caching
         pool = BlockPool(self.num_blocks, enable_caching=caching, needs_restore_points=bool(self.state_shapes))
-        main_spec = dataclasses.replace(self.spec, num_layers=len(self.full_layers))
+        main_spec = group_spec(self.spec, self.kv_shapes, self.full_layers)
         mirror = mirror_budget_bytes(c, self.num_blocks * kv_bytes_per_block(main_spec, *self.kv_args))
         store = KVStore(main_spec, self.num_blocks, *self.kv_args, mirror_budget_bytes=mirror,
                         dequantize_for_attention=self.dequantize_for_attention, owner=owner)
         groups: list[KVCacheGroup] = [FullAttentionGroup(pool, store, self.full_layers)]
         if self.window is not None:
             window_pool = BlockPool(self.num_window_blocks, enable_caching=caching, event_log=pool.event_log, group=1)
-            window_store = KVStore(dataclasses.replace(self.spec, num_layers=len(self.window_layers)),
+            window_store = KVStore(group_spec(self.spec, self.kv_shapes, self.window_layers),
                                    self.num_window_blocks, *self.kv_args,
                                    dequantize_for_attention=self.dequantize_for_attention, owner=owner)
             groups.append(SlidingWindowGroup(window_pool, window_store, self.window_layers, self.window))
@@ -98,6 +100,7 @@ class KVPlan:
         return KVManager(groups, c.block_size, store.copy_block)
 
 
+STATE_ONLY_BLOCKS = 1 << 16  # blocks of a model without KV layers: they cost no KV bytes
 AUTO_TOKENS_PER_SEQ = 256  # KV tokens of the pool per running sequence when max_num_seqs follows the budget
 AUTO_MIN_SEQS, AUTO_MAX_SEQS = 16, 256
 
@@ -117,27 +120,40 @@ def mirror_budget_bytes(config: EngineConfig, pool_bytes: int) -> int:
     return pool_bytes if config.decode_mirror_gb is None else int(config.decode_mirror_gb * 2**30)
 
 
-def plan_kv(spec: ModelSpec, config: EngineConfig, verified: VerifiedModel,
-            state_shapes: StateShapes = ()) -> KVPlan:
-    """The plan for `spec`'s model (`verified`: its layers; `state_shapes`: its recurrent layers' state, probed
-    from the model, `probe_state_shapes`) within `config.kv_cache_gb`. Raises ValueError when the budget holds no
-    block, or when a set token budget cannot hold one token of every running sequence and a block."""
-    layer_windows = verified.layer_windows
+def group_spec(spec: ModelSpec, kv_shapes: tuple, layers: tuple[int, ...]) -> ModelSpec:
+    """`spec` for the KV layers `layers` of one group, with their shape from `kv_shapes` (per KV layer, from
+    the model; empty: `spec`'s own). Raises ValueError when the group's layers differ in shape."""
+    shapes = {kv_shapes[i] for i in layers} if kv_shapes else set()
+    if len(shapes) > 1:
+        raise ValueError(f"KV layers {list(layers)} of one KV cache group cache different shapes "
+                         f"{sorted(shapes)} (KV heads, key width, value width): not a layout the engine serves")
+    if not shapes:
+        return dataclasses.replace(spec, num_layers=len(layers))
+    return spec.with_kv_shape(len(layers), shapes.pop())
+
+
+def plan_kv(spec: ModelSpec, config: EngineConfig, verified: VerifiedModel) -> KVPlan:
+    """The plan for `spec`'s model (`verified`: its cache slots, KV shapes and recurrent states, read from the
+    model) within `config.kv_cache_gb`. Raises ValueError when the budget holds no block, when a set token budget
+    cannot hold one token of every running sequence and a block, or when one group's layers differ in shape."""
+    layer_windows, state_shapes, kv_shapes = verified.layer_windows, verified.state_shapes, verified.kv_shapes
     full = tuple(i for i, w in enumerate(layer_windows) if w is None)
     windowed = tuple(i for i, w in enumerate(layer_windows) if w is not None)
     if not full or not windowed:
         full, windowed = tuple(range(len(layer_windows))), ()
     window = max(w for w in layer_windows if w is not None) if windowed else None
     kv_args = (config.block_size, config.dtype, config.kv_bits, config.kv_group_size)
-    per_block = kv_bytes_per_block(dataclasses.replace(spec, num_layers=len(full)), *kv_args)
-    window_block = kv_bytes_per_block(dataclasses.replace(spec, num_layers=len(windowed)), *kv_args) if windowed \
+    per_block = kv_bytes_per_block(group_spec(spec, kv_shapes, full), *kv_args)
+    window_block = kv_bytes_per_block(group_spec(spec, kv_shapes, windowed), *kv_args) if windowed \
         else 0
     state_gb = config.kv_cache_gb / 2 if config.state_cache_gb is None else config.state_cache_gb
     snapshot_bytes = int(state_gb * 2**30) if state_shapes and config.enable_prefix_caching else 0
     per_state = state_nbytes(state_shapes)
     config = resolve_limits(config, snapshot_bytes, per_block + window_block, per_state)
     budget = int(config.kv_cache_gb * 2**30) - snapshot_bytes - config.max_num_seqs * per_state
-    if window is None:
+    if not per_block:  # no layer caches KV (a recurrent-only model): blocks only count tokens and hold snapshots
+        num_blocks, num_window = config.num_blocks or 1 + STATE_ONLY_BLOCKS, 0
+    elif window is None:
         num_blocks, num_window = config.num_blocks or 1 + budget // per_block, 0
     elif config.num_blocks:
         num_blocks = num_window = config.num_blocks
@@ -151,7 +167,7 @@ def plan_kv(spec: ModelSpec, config: EngineConfig, verified: VerifiedModel,
                             f"of max_num_seqs={config.max_num_seqs} running sequences: raise kv_cache_gb or "
                             "lower state_cache_gb or max_num_seqs" if state_shapes else ""))
     return KVPlan(spec, config, full, num_blocks, per_block + window_block, windowed, window, num_window,
-                  state_shapes, snapshot_bytes, None if verified.reads_quantized_kv else True)
+                  state_shapes, snapshot_bytes, None if verified.reads_quantized_kv else True, kv_shapes=kv_shapes)
 
 
 def resolve_limits(config: EngineConfig, snapshot_bytes: int, block_bytes: int, state_bytes: int) -> EngineConfig:

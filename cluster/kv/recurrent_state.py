@@ -56,15 +56,6 @@ class RecurrentStateView:
         return mx.arange(n)[None] < self.lengths[:, None]
 
 
-def probe_state_shapes(model, state_caches) -> StateShapes:
-    """The shapes and dtypes of each recurrent layer's state, read from mlx-lm itself: one token through the
-    model over its own `make_cache()`, then the arrays `state_caches(caches)` picks out (one `ArraysCache`
-    per recurrent layer, in layer order). Costs one single-token forward at load."""
-    caches = model.make_cache()
-    mx.eval(model(mx.zeros((1, 1), dtype=mx.int32), cache=caches))
-    return tuple(tuple((tuple(a.shape[1:]), a.dtype) for a in c.cache) for c in state_caches(caches))
-
-
 def state_nbytes(shapes: StateShapes) -> int:
     """Bytes of one sequence's state across all recurrent layers."""
     total = 0

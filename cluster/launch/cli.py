@@ -77,6 +77,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "8, ... intervals stay. Smaller lets prompts that share shorter prefixes (a system "
                         "prompt) restore them, at the cost of shorter prefill chunks")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix-cache reuse")
+    p.add_argument("--skip-load-check", action="store_true",
+                   help="skip the load check (a short probe proving the paged path equals mlx-lm's own on the real "
+                        "weights) for a family the tests cover; any other family is checked regardless")
     p.add_argument("--speculative-method", default=None, choices=["prompt_lookup", "draft_model"],
                    help="speculative decoding for requests that do not choose (default: off; a request turns it "
                         'on with "speculative": {"method": ..., "num_draft_tokens": k})')
@@ -106,6 +109,8 @@ def _engine_config(args: argparse.Namespace, topology) -> EngineConfig:
     overrides = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
     if args.no_prefix_caching:
         overrides["enable_prefix_caching"] = False
+    if getattr(args, "skip_load_check", False):
+        overrides["skip_load_check"] = True
     return dataclasses.replace(topology.engine, **overrides)
 
 

@@ -122,12 +122,12 @@ def start_single_node_engine(model: Optional[str] = None, config: Optional[Engin
     accepts (None = the default SmolLM2). Runs the model load on the calling thread, then hands the
     engine to the worker's loop thread.
     """
-    from cluster.engine import EngineCore
+    from cluster.load_check import checked_engine
     from cluster.model import load_model, served_model
 
     config = config or EngineConfig()
     path, spec = served_model(model, model_name, config.dtype)
     model_obj, tokenizer = load_model(path, dtype=config.dtype)
-    client = start_in_process_worker(EngineCore(model_obj, tokenizer, spec, config), model, spec.model_id)
+    client = start_in_process_worker(checked_engine(model_obj, tokenizer, spec, config), model, spec.model_id)
     atexit.register(client.stop)  # stop stepping before the interpreter tears MLX down
     return client, path

@@ -1,0 +1,117 @@
+"""The load check: before a server says ready, a short probe through the engine's paged pool and through mlx-lm's
+own cache path must agree; a model made wrong on purpose is refused at load naming where the paths part, and a
+family nobody listed is served when its structure is known and the probe agrees."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+import pytest
+
+from cluster.config import EngineConfig
+from cluster.load_check import LoadCheckError, checked_engine, run_load_check
+from cluster.model_families import FAMILIES
+from cluster.model_structure import verify_model
+from tests.family_helpers import COMMON, CONFIGS, build, family, tokenizer, write_config
+
+CONFIG = EngineConfig(dtype="float32", block_size=8, kv_cache_gb=0.05)
+
+
+def test_the_probe_runs_on_the_paged_pool_crossing_blocks_chunks_and_the_window():
+    """gemma3_text's probe holds blocks in both KV cache groups, reuses cached blocks for a prefix hit, and its
+    longest prompt crosses the 8-position sliding window, 8-token blocks and chunks; the checks say so."""
+    model, spec = family("gemma3_text")
+    check = run_load_check(model, tokenizer(), spec, CONFIG)
+    peak = dict(check.peak_blocks)
+    assert peak["full"] >= 3 and peak["sliding_window"] >= 2
+    text = "; ".join(check.checks)
+    assert "window of 8 positions crossed" in text and "8-token blocks, 8-token chunks" in text
+    assert "prefix hit reusing 16 tokens" in text and "output head equals the model's own call" in text
+
+
+def test_a_mask_rank_declared_wrong_is_refused_at_load(monkeypatch):
+    """gemma2 splits grouped queries into [B, kv_heads, repeats, T, L]: declared as taking a [B, 1, T, L] mask
+    (a test double of its family entry), the probe's batch of three prompts fails and the model is refused."""
+    model, spec = family("gemma2")
+    monkeypatch.setitem(FAMILIES, "gemma2", dataclasses.replace(FAMILIES["gemma2"], mask_rank=4))
+    with pytest.raises(LoadCheckError, match="gemma2 model: a probe request failed on the paged path.*broadcast"):
+        run_load_check(model, tokenizer(), spec, CONFIG)
+
+
+def test_an_unlisted_family_learns_its_mask_rank_from_the_probe(monkeypatch):
+    """With gemma2 taken off the tested list, the probe finds that its batched mask has rank 5 and the engine
+    built from the check serves with it."""
+    model, spec = family("gemma2")
+    monkeypatch.delitem(FAMILIES, "gemma2")
+    check = run_load_check(model, tokenizer(), spec, CONFIG)
+    assert check.verified.mask_rank == 5 and not check.verified.tested
+    assert "batched mask of rank 5" in check.checks
+
+
+def test_a_paged_path_that_parts_from_mlx_lm_is_refused_naming_the_layer_and_position(monkeypatch):
+    """A llama whose second layer's attention drops the causal mask when the cache is not mlx-lm's own (made
+    wrong on purpose) is refused at load: the message names layer 1 and position 0 of the prompt."""
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import KVCache
+
+    model, spec = family("llama")
+    target = model.model.layers[1].self_attn
+    original = llama.Attention.__call__
+
+    def unmasked(self, x, mask=None, cache=None):
+        if self is target and not isinstance(cache, KVCache):
+            mask = None
+        return original(self, x, mask, cache)
+
+    monkeypatch.setattr(llama.Attention, "__call__", unmasked)
+    with pytest.raises(LoadCheckError, match="first part at layer 1, position 0"):
+        run_load_check(model, tokenizer(), spec, CONFIG)
+
+
+def test_a_head_that_reads_the_input_tokens_is_refused_before_the_probe(monkeypatch):
+    """The engine applies the head to the body's output alone: a model whose own call also reads the input tokens
+    after its body (a bonus on each input token's own logit, made up for this test) is refused at load, naming the head."""
+    model, spec = family("qwen3")
+    cls = type(model)
+
+    class TokenBiased(cls):
+        def __call__(self, inputs, cache=None, **kw):
+            logits = cls.__call__(self, inputs, cache=cache, **kw)
+            return logits + 2.0 * (mx.arange(logits.shape[-1]) == inputs[..., None])
+
+    monkeypatch.setattr(model, "__class__", TokenBiased)
+    with pytest.raises(LoadCheckError, match="qwen3 model: the output head found .* differs from the model's own"):
+        run_load_check(model, tokenizer(), spec, CONFIG)
+
+
+def test_skipping_the_check_applies_to_tested_families_only(monkeypatch):
+    """`skip_load_check` skips the probe for a family the tests cover, and is ignored for any other family."""
+    model, spec = family("llama")
+    config = dataclasses.replace(CONFIG, skip_load_check=True)
+    assert checked_engine(model, tokenizer(), spec, config).load_check.skipped
+    monkeypatch.delitem(FAMILIES, "llama")
+    check = checked_engine(model, tokenizer(), spec, config).load_check
+    assert not check.skipped and check.checks
+
+
+def test_an_unlisted_family_built_from_known_kinds_is_served(tmp_path):
+    """starcoder2 (full attention, a plain rope, layer norms with biases) is on no list: its structure is known,
+    the probe agrees, and the engine built from the check serves it."""
+    config = {"model_type": "starcoder2", **COMMON, "norm_epsilon": 1e-5, "tie_word_embeddings": False}
+    model = build("starcoder2", config)
+    from cluster.model import read_model_spec
+
+    spec = read_model_spec(write_config(tmp_path, config))
+    assert "starcoder2" not in FAMILIES
+    engine = checked_engine(model, tokenizer(), spec, CONFIG)
+    assert not engine.load_check.skipped and not engine.runner.verified.tested
+    assert engine.load_check.verified.mask_rank == 4
+
+
+def test_a_length_dependent_rope_is_refused_with_the_reason():
+    """Dynamic NTK rope's frequencies depend on the sequence's length: with one offset per row a batched step
+    is not each row alone, so the model is refused at load with that reason."""
+    model = build("llama", dict(COMMON, **CONFIGS["llama"], rope_scaling={"type": "dynamic", "factor": 2.0}))
+    with pytest.raises(ValueError, match="rotary embedding DynamicNTKScalingRoPE.*offset per row"):
+        verify_model(model)
