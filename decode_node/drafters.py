@@ -33,7 +33,7 @@ import mlx.core as mx
 from cluster.kv.plan import mirror_budget_bytes
 from cluster.kv.store import KVStore, kv_bytes_per_block
 from cluster.model import ModelSpec, load_draft_model
-from cluster.model_families import verify_model
+from cluster.model_structure import verify_model
 from cluster.runner import BatchItem, Logits, ModelRunner
 from cluster.sampling import adjusted, probabilities
 from cluster.sequence import Sequence
