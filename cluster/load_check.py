@@ -93,8 +93,18 @@ def run_load_check(model, tokenizer, spec: ModelSpec, config: EngineConfig,
                    verified: Optional[VerifiedModel] = None) -> LoadCheck:
     """Run the probe (module docstring) for `model` as `config` would serve it. Returns the `LoadCheck`; raises
     `LoadCheckError` naming where the paths part."""
+    verified = verified or verify_model(model)  # a structural refusal is raised as it is
+    try:
+        return _run_load_check(model, tokenizer, spec, config, verified)
+    except LoadCheckError:
+        raise
+    except Exception as exc:  # mlx-lm's own path or the probe's setup cannot run this model here
+        raise LoadCheckError(f"{verified.model_type} model: the load check could not run ({type(exc).__name__}: "
+                             f"{exc})") from exc
+
+
+def _run_load_check(model, tokenizer, spec, config, verified: VerifiedModel) -> LoadCheck:
     t0 = time.monotonic()
-    verified = verified or verify_model(model)
     tol = tolerance(config.dtype)
     checks = [_check_head(model, verified, spec, tol)]
     prompts, prefix, notes = _probe_prompts(verified, config, spec)
@@ -117,10 +127,14 @@ def run_load_check(model, tokenizer, spec: ModelSpec, config: EngineConfig,
 def _check_head(model, verified: VerifiedModel, spec: ModelSpec, tol: float) -> str:
     """The head found (`call_head`) over the body's output equals the model's own call on 8 tokens."""
     tokens = mx.array([_tokens(8, spec.vocab_size, 1)], dtype=mx.int32)
-    own = model(tokens).astype(mx.float32)
+    own = model(tokens, cache=make_prompt_cache(model)).astype(mx.float32)
     _, body = body_of(text_model(model))
-    ours = verified.head(body(tokens)[0]).astype(mx.float32)
-    diff = float(mx.max(mx.abs(_logprobs(ours) - _logprobs(own[0]))).item())
+    try:
+        ours = verified.head(body(tokens, cache=make_prompt_cache(model))[0]).astype(mx.float32)
+        diff = float(mx.max(mx.abs(_logprobs(ours) - _logprobs(own[0]))).item())
+    except Exception as exc:  # the model's own call does what a stand-in body cannot answer
+        raise LoadCheckError(f"{verified.model_type} model: its output head cannot be run apart from its body "
+                             f"({type(exc).__name__}: {exc})") from None
     if diff > tol:
         raise LoadCheckError(f"{verified.model_type} model: the output head found by calling its Model.__call__ "
                              f"on the body's output differs from the model's own call by {diff:.3g} nats; the "
@@ -269,7 +283,8 @@ def _locate(model, tokenizer, spec, verified: VerifiedModel, dtype: str, prompt:
         bad = np.nonzero(diff > max(tol, 1e-3) * scale)[0]
         if bad.size:
             return f"; the paths first part at layer {i}, position {int(bad[0])} of the prompt"
-    return "; every layer's output on the prompt's first step agrees, the paths part in a later step"
+    return ("; every layer's output agrees when the prompt runs in one step: the paths part across prefill chunks or "
+            "in a later step")
 
 
 def _paged_prefill(model, tokenizer, spec, verified: VerifiedModel, dtype: str, prompt: list[int]) -> None:

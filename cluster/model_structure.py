@@ -7,8 +7,7 @@ generation when:
 - the text model is found: the model itself, or a multimodal wrapper's `language_model`; its body (the module
   `Model.__call__` runs before the head: `model`, `backbone` or `transformer`) takes `(tokens, cache=[...])`;
 - every slot of the model's own `make_cache()` is a kind the KV wing serves: full attention (`KVCache`), a
-  sliding window without kept tokens (`RotatingKVCache(keep=0)`), chunked local attention (`ChunkedKVCache`),
-  recurrent state (`ArraysCache`: Gated DeltaNet, Mamba, short convolutions), or state beside attention in
+  sliding window without kept tokens (`RotatingKVCache(keep=0)`), recurrent state (`ArraysCache`: Gated DeltaNet, Mamba, short convolutions), or state beside attention in
   one layer (`CacheList(ArraysCache, KVCache)`); the slots are what the body iterates, so layers without a
   cache and layers that read another layer's KV (KV sharing) need nothing;
 - every rotary embedding gives each row of a batch, at its own offset, what it gives that row alone
@@ -36,25 +35,23 @@ from cluster.model_families import FAMILIES, module_of
 KVShape = tuple[int, int, int]
 
 BODY_NAMES = ("model", "backbone", "transformer")
+LAYER_NAMES = ("layers", "h", "blocks")
 
 
 @dataclass(frozen=True)
 class LayerKind:
     """What one cache slot holds: `kv` its index among the pool's KV layers (None: no KV), `window` its sliding
-    window in positions (None: none), `chunk` its local-attention chunk in positions (None: none), `state` its
-    index among the recurrent layers (None: none)."""
+    window in positions (None: none), `state` its index among the recurrent layers (None: none)."""
 
     kv: Optional[int] = None
     window: Optional[int] = None
     state: Optional[int] = None
-    chunk: Optional[int] = None
 
     @property
     def name(self) -> str:
         """What the slot caches in words, as the KV transfer's handshake compares them: "attention",
-        "window 4096", "chunk 8192", "state", "state + attention", "state + window 4096"."""
-        kv = None if self.kv is None else "attention" if self.window is None and self.chunk is None \
-            else f"window {self.window}" if self.chunk is None else f"chunk {self.chunk}"
+        "window 4096", "state", "state + attention", "state + window 4096"."""
+        kv = None if self.kv is None else "attention" if self.window is None else f"window {self.window}"
         return " + ".join(p for p in ("state" if self.state is not None else None, kv) if p)
 
 
@@ -82,13 +79,8 @@ class VerifiedModel:
 
     @property
     def layer_windows(self) -> tuple[Optional[int], ...]:
-        """Per KV layer, None for full attention or the positions it attends back (window or chunk)."""
-        return tuple(k.window or k.chunk for k in self.layer_kinds if k.kv is not None)
-
-    @property
-    def layer_chunks(self) -> tuple[Optional[int], ...]:
-        """Per KV layer, its local-attention chunk in positions, or None."""
-        return tuple(k.chunk for k in self.layer_kinds if k.kv is not None)
+        """Per KV layer, None for full attention or its sliding window in positions."""
+        return tuple(k.window for k in self.layer_kinds if k.kv is not None)
 
     @property
     def layer_kind_names(self) -> tuple[str, ...]:
@@ -108,7 +100,7 @@ class VerifiedModel:
         """The per-slot cache list the body runs over: slot i gets its KV view, its state view, or both as
         (state, kv) when it holds both (mlx-lm's `CacheList(ArraysCache, KVCache)` order)."""
         out = []
-        for kind in self.layer_kinds:
+        for kind in self.layer_kinds:  # a slot with neither gets None (its layer reads no cache)
             kv = None if kind.kv is None else kv_views[kind.kv]
             state = None if kind.state is None else state_views[kind.state]
             out.append(kv if state is None else state if kv is None else (state, kv))
@@ -116,18 +108,40 @@ class VerifiedModel:
 
 
 def text_model(model):
-    """The model that generates text: a multimodal wrapper's `language_model`, else the model itself."""
+    """The model that generates text: a multimodal wrapper's `language_model` (when it has a body), else the
+    model itself."""
     inner = getattr(model, "language_model", None)
-    return inner if callable(inner) and hasattr(inner, "layers") else model
+    if callable(inner):
+        try:
+            body_of(inner)
+            return inner
+        except ValueError:
+            pass
+    return model
+
+
+def layers_of(body, depth: int = 2) -> list:
+    """The body's list of decoder layers (`layers`, `h` or `blocks`, or such a list one module down, as in a
+    body whose `layers` is a decoder module); empty when it has none of them."""
+    for name in LAYER_NAMES:
+        layers = getattr(body, name, None)
+        if isinstance(layers, (list, tuple)) and layers:
+            return list(layers)
+        if depth > 1 and layers is not None and not isinstance(layers, (list, tuple)):
+            inner = layers_of(layers, depth - 1)
+            if inner:
+                return inner
+    return []
 
 
 def body_of(text) -> tuple[str, Callable]:
-    """(attribute name, module) of the text model's body. Raises ValueError when none is found."""
+    """(attribute name, module) of the text model's body: the first of `BODY_NAMES` that is a module with
+    decoder layers (`layers_of`). Raises ValueError when none is found."""
     for name in BODY_NAMES:
         body = getattr(text, name, None)
-        if callable(body) and hasattr(body, "layers"):
+        if callable(body) and layers_of(body):
             return name, body
-    raise ValueError(f"no body with layers under {', '.join(BODY_NAMES)}")
+    raise ValueError(f"no body with decoder layers ({', '.join(LAYER_NAMES)}) under {', '.join(BODY_NAMES)}")
 
 
 class _BodyOutput:
@@ -205,7 +219,7 @@ def verify_model(model, mask_rank: Optional[int] = None) -> VerifiedModel:
     """Gate on a loaded mlx-lm model (module docstring). `mask_rank`: the batched mask's rank when the load
     check found it (None: the tested family's, else 4). Returns the `VerifiedModel`; raises ValueError naming
     the model type and the slot, rope or head at fault."""
-    from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache
+    from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
     args = getattr(model, "args", None)
     model_type = getattr(model, "model_type", None) or getattr(args, "model_type", None)
@@ -213,15 +227,17 @@ def verify_model(model, mask_rank: Optional[int] = None) -> VerifiedModel:
     text = text_model(model)
 
     def refuse(what: str) -> ValueError:
-        return ValueError(f"{model_type} model: {what}; the engine serves full attention, sliding windows, "
-                          "chunked local attention and recurrent state (alone or beside attention in a layer) "
-                          "with rotary embeddings that depend on the position alone")
+        return ValueError(f"{model_type} model: {what}; the engine serves full attention, sliding windows and "
+                          "recurrent state (alone or beside attention in a layer) with rotary embeddings that "
+                          "depend on the position alone")
 
     try:
         body_name, body = body_of(text)
     except ValueError as exc:
         raise refuse(str(exc)) from None
-    make_cache = model.make_cache if hasattr(model, "make_cache") else (lambda: [KVCache() for _ in body.layers])
+    def make_cache():
+        return make_prompt_cache(model)
+
     caches = make_cache()
     kinds: list[LayerKind] = []
     num_kv = num_state = 0
@@ -230,11 +246,15 @@ def verify_model(model, mask_rank: Optional[int] = None) -> VerifiedModel:
         if type(cache) is ArraysCache:
             state, kv_cache = cache, None
         elif type(cache) is CacheList:
-            if len(cache.caches) != 2 or type(cache[0]) is not ArraysCache or type(cache[1]) is not KVCache:
-                raise refuse(f"cache slot {i} is a CacheList of {', '.join(type(c).__name__ for c in cache.caches)}"
-                             " (served: recurrent state, then full attention)")
+            inner = [type(c) for c in cache.caches]
+            if len(inner) != 2 or inner[0] is not ArraysCache or inner[1] not in (KVCache, RotatingKVCache):
+                names = ", ".join(c.__name__ for c in inner)
+                what = ("keeps two KV caches (as sparse attention keeps its indexer's keys beside the layer's "
+                        "KV)" if inner.count(KVCache) == 2 else f"keeps a CacheList of {names}")
+                raise refuse(f"cache slot {i} {what}: served in one layer are recurrent state beside full "
+                             "attention or a sliding window")
             state, kv_cache = cache[0], cache[1]
-        window = chunk = None
+        window = None
         if kv_cache is None or type(kv_cache) is KVCache:
             pass
         elif type(kv_cache) is RotatingKVCache:
@@ -243,10 +263,12 @@ def verify_model(model, mask_rank: Optional[int] = None) -> VerifiedModel:
                              f"{kv_cache.keep} tokens (attention sinks kept in the cache are not a kind served)")
             window = kv_cache.max_size
         elif type(kv_cache) is ChunkedKVCache:
-            chunk = kv_cache.chunk_size
+            raise refuse(f"cache slot {i} is chunked local attention (ChunkedKVCache of {kv_cache.chunk_size}), "
+                         "whose mask the model's body builds from mlx-lm's own trimmed one-sequence cache "
+                         "(start_position): not a kind the engine serves yet")
         else:
             raise refuse(f"cache slot {i} uses {type(kv_cache).__name__}, not a kind of KV the engine serves")
-        kinds.append(LayerKind(kv=None if kv_cache is None else num_kv, window=window, chunk=chunk,
+        kinds.append(LayerKind(kv=None if kv_cache is None else num_kv, window=window,
                                state=None if state is None else num_state))
         num_kv += kv_cache is not None
         num_state += state is not None
@@ -257,29 +279,51 @@ def verify_model(model, mask_rank: Optional[int] = None) -> VerifiedModel:
     family = FAMILIES.get(module)
     if mask_rank is None:
         rank = family.mask_rank if family is not None else 4
-        mask_rank = (5 if any(getattr(getattr(layer, "self_attn", None), "repeats", 1) > 1 for layer in body.layers)
-                     else 4) if rank == "grouped" else rank
-    kv_shapes, state_shapes = _probe_shapes(model, make_cache, kinds)
+        mask_rank = (5 if any(getattr(getattr(layer, "self_attn", None), "repeats", 1) > 1
+                              for layer in layers_of(body)) else 4) if rank == "grouped" else rank
+    try:
+        kv_shapes, state_shapes, unused = _probe_shapes(model, make_cache, kinds)
+    except Exception as exc:  # e.g. a kernel this backend lacks
+        raise refuse(f"one token through the model over its own caches failed ({type(exc).__name__}: {exc})") \
+            from None
+    if unused:  # slots the body hands a KV cache its layer never writes (a layer without attention)
+        kinds = _without(kinds, unused)
     return VerifiedModel(model_type, body, call_head(text, body_name), mask_rank,
                          family.reads_quantized_kv if family is not None else False, tuple(kinds), kv_shapes,
                          state_shapes, family is not None)
 
 
-def _probe_shapes(model, make_cache, kinds: list[LayerKind]) -> tuple[tuple[KVShape, ...], StateShapes]:
-    """Per KV layer (heads, key width, value width) and per recurrent layer its state arrays, read from mlx-lm
-    itself: one token through the model over its own caches. Costs one single-token forward."""
+def _probe_shapes(model, make_cache, kinds: list[LayerKind]):
+    """(per KV layer (heads, key width, value width), per recurrent layer its state arrays, the slots whose KV
+    cache no layer wrote), read from mlx-lm itself: one token through the model over its own caches. Costs one
+    single-token forward."""
     caches = make_cache()
     mx.eval(model(mx.zeros((1, 1), dtype=mx.int32), cache=caches))
     kv: list[KVShape] = []
-    states = []
-    for cache, kind in zip(caches, kinds):
+    states, unused = [], set()
+    for i, (cache, kind) in enumerate(zip(caches, kinds)):
         state, kv_cache = (cache, None) if kind.kv is None else (None, cache) if kind.state is None else cache.caches
         if state is not None:
             states.append(tuple((tuple(a.shape[1:]), a.dtype) for a in state.cache))
         if kv_cache is not None:
             keys, values = kv_cache.keys, kv_cache.values
+            if keys is None:
+                unused.add(i)
+                continue
             kv.append((keys.shape[1], keys.shape[-1], values.shape[-1]))
-    return tuple(kv), tuple(states)
+    return tuple(kv), tuple(states), unused
+
+
+def _without(kinds: list[LayerKind], unused: set) -> list[LayerKind]:
+    """`kinds` with the KV of the `unused` slots dropped and the KV layers renumbered."""
+    out, num_kv = [], 0
+    for i, kind in enumerate(kinds):
+        if kind.kv is None or i in unused:
+            out.append(dataclasses.replace(kind, kv=None, window=None))
+        else:
+            out.append(dataclasses.replace(kind, kv=num_kv))
+            num_kv += 1
+    return out
 
 
 def kv_spec(spec, verified: VerifiedModel):
