@@ -227,6 +227,12 @@ def test_up_serves_chat_through_the_router(cluster):
     assert info["dashboard"].startswith("http://127.0.0.1:") and set(info["workers"]) == {"prefill-0", "decode-0"}
     baseline = _rows(path, state)
     assert "Paris" in _chat(info["endpoint"], "What is the capital of France?")
+    import httpx
+
+    checks = httpx.get(f"{info['endpoint']}/models", timeout=30).json()["data"][0]["load_checks"]
+    assert [c["worker"] for c in checks] == ["prefill-0", "decode-0"], checks  # each worker's, over its pongs
+    assert all(c["model_type"] == "llama" and not c["skipped"] and
+               "output head equals the model's own call" in c["passed"] for c in checks), checks
     long_prompt = ("Here are some facts. " + "The Seine flows through Paris. " * 12 +
                    "Question: which river flows through Paris? Answer in one word.")
     assert "Seine" in _chat(info["endpoint"], long_prompt, max_tokens=8)  # over local_prefill_max_tokens

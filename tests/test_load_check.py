@@ -115,3 +115,64 @@ def test_a_length_dependent_rope_is_refused_with_the_reason():
     model = build("llama", dict(COMMON, **CONFIGS["llama"], rope_scaling={"type": "dynamic", "factor": 2.0}))
     with pytest.raises(ValueError, match="rotary embedding DynamicNTKScalingRoPE.*offset per row"):
         verify_model(model)
+
+
+# -- where users see it: GET /v1/models and `mlx-pd status` ----------------------------------------------------
+
+def test_a_single_node_server_lists_the_checks_its_model_passed():
+    """A server started as `mlx-pd serve --model` starts it (the random-weight fast model, a llama) shows in each
+    model card of `GET /v1/models` and `GET /v1/models/{model}` its one worker's load check: the checks it
+    passed, in the words the log gives, what it cost, and that it was not skipped."""
+    import httpx
+
+    from benchmarks.reliability_long import fast_model_dir
+    from tests.live_server import live_model_server
+
+    with live_model_server(fast_model_dir(), dtype="float32", kv_cache_gb=0.05) as (base, client):
+        ran = client.worker.engine.load_check
+        card = httpx.get(f"{base}/v1/models").json()["data"][0]
+        assert card["load_checks"] == [{"worker": "engine", "model_type": "llama", "passed": list(ran.checks),
+                                        "seconds": round(ran.seconds, 3), "skipped": False}]
+        assert "output head equals the model's own call" in card["load_checks"][0]["passed"]
+        assert any(c.startswith("prefix hit reusing") for c in card["load_checks"][0]["passed"])
+        assert 0 < card["load_checks"][0]["seconds"] < 60
+        assert httpx.get(f"{base}/v1/models/{card['id']}").json()["load_checks"] == card["load_checks"]
+
+
+def test_a_skipped_check_shows_as_skipped_with_nothing_passed():
+    """`--skip-load-check` on a tested family: the model card says the check was skipped and lists no check as
+    passed (it proved nothing)."""
+    import httpx
+
+    from benchmarks.reliability_long import fast_model_dir
+    from tests.live_server import live_model_server
+
+    with live_model_server(fast_model_dir(), dtype="float32", kv_cache_gb=0.05, skip_load_check=True) as (base, _):
+        checks = httpx.get(f"{base}/v1/models").json()["data"][0]["load_checks"]
+    assert checks == [{"worker": "engine", "model_type": "llama", "passed": [], "seconds": 0.0, "skipped": True}]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A prefill and a decode worker over the fast model, on threads of this process behind the router over
+    ZeroMQ (tests/cluster_helpers.py); each worker ran its own load check as it started."""
+    from tests.cluster_helpers import running_cluster
+    from tests.engine_helpers import fast_model
+
+    with running_cluster(loaded=fast_model()) as running:
+        yield running
+
+
+def test_a_cluster_router_lists_each_workers_load_check(cluster):
+    """In cluster mode the router learns each worker's load check from its pongs over ZeroMQ and lists one per
+    worker in the model card, in the topology's order, each with the checks that worker passed."""
+    import httpx
+
+    base, _, workers = cluster
+    checks = httpx.get(f"{base}/v1/models").json()["data"][0]["load_checks"]
+    assert [c["worker"] for c in checks] == ["prefill-0", "decode-0"]
+    for c in checks:
+        ran = workers[c["worker"]].engine.load_check
+        assert c["passed"] == list(ran.checks) and c["model_type"] == "llama" and not c["skipped"]
+        assert "output head equals the model's own call" in c["passed"]
+

@@ -162,14 +162,29 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class ModelLoadCheck(BaseModel):
+    """One worker's load check (cluster/load_check.py) in a `ModelCard`: the worker (`engine` in single-node
+    mode), the `model_type` it checked, each check it `passed` (in words), what the check cost in `seconds`,
+    and whether it was `skipped` (`--skip-load-check` for a family the tests cover: then `passed` is empty)."""
+
+    worker: str
+    model_type: str
+    passed: list[str]
+    seconds: float
+    skipped: bool
+
+
 class ModelCard(BaseModel):
-    """One entry of GET /v1/models."""
+    """One entry of GET /v1/models. `load_checks`: each worker's load check that ran, in the topology's order
+    (one, `engine`, in single-node mode); null when none ran (an engine built without one) or none has reported
+    yet."""
 
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "mlx-pd"
     max_model_len: Optional[int] = None
+    load_checks: Optional[list[ModelLoadCheck]] = None
 
 
 class ModelList(BaseModel):
