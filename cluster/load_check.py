@@ -66,10 +66,8 @@ class LoadCheck:
                                seconds=round(self.seconds, 3), skipped=self.skipped)
 
     def summary(self) -> str:
-        """One line for the log."""
-        if self.skipped:
-            return f"load check skipped for {self.verified.model_type} (a family the tests cover)"
-        return f"load check passed for {self.verified.model_type} in {self.seconds:.1f} s: " + "; ".join(self.checks)
+        """One line for the log (`LoadCheckReport.summary`, as `mlx-pd status` shows it)."""
+        return self.report().summary()
 
 
 def tolerance(dtype: str) -> float:

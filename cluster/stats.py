@@ -176,6 +176,12 @@ class LoadCheckReport:
         if not math.isfinite(self.seconds) or self.seconds < 0:
             raise ValueError(f"seconds={self.seconds!r} must be a finite number >= 0")
 
+    def summary(self) -> str:
+        """One line: the worker's log line of its load check, and `mlx-pd status`'s."""
+        if self.skipped:
+            return f"load check skipped for {self.model_type} (a family the tests cover)"
+        return f"load check passed for {self.model_type} in {self.seconds:.1f} s: " + "; ".join(self.passed)
+
     def report(self) -> dict:
         """A JSON-able map of the fields (`passed` a list)."""
         return {"model_type": self.model_type, "passed": list(self.passed), "seconds": self.seconds,

@@ -5,6 +5,7 @@ family nobody listed is served when its structure is known and the probe agrees.
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
@@ -176,3 +177,40 @@ def test_a_cluster_router_lists_each_workers_load_check(cluster):
         assert c["passed"] == list(ran.checks) and c["model_type"] == "llama" and not c["skipped"]
         assert "output head equals the model's own call" in c["passed"]
 
+
+def test_status_shows_each_workers_load_check(cluster, monkeypatch):
+    """`mlx-pd status` reads each worker actor's report (what `WorkerActor.stats` returns: the worker's
+    `stats().report()`, here of the running workers, Ray's calls stood in for) and prints one line per worker
+    saying its load check: passed, in how long and which checks; a worker whose engine ran none says "not run",
+    one that did not answer "unknown"."""
+    import os
+
+    import ray
+
+    from cluster.launch import ray_up
+    from cluster.launch.ray_driver import collect_status
+
+    _, client, workers = cluster
+    reports = {w.spec.actor_name: {**w.stats().report(), "pid": os.getpid()} for w in workers.values()}
+    router = {"endpoint": "http://127.0.0.1:8000/v1", "healthy": True, "workers_alive": {}}
+
+    def get_actor(name):  # a handle whose stats() (info() for the router) answers at once
+        method = SimpleNamespace(remote=lambda: reports.get(name, router))
+        return SimpleNamespace(stats=method, info=method)
+
+    monkeypatch.setattr(ray, "get_actor", get_actor)
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: ref)
+    topology = client.topology
+    actors = {name: {"state": "ALIVE"} for name in [ray_up.router_actor_name(topology), *reports]}
+    text = ray_up.format_status(collect_status(topology, actors, 5.0, ""))
+    for w in workers.values():
+        line = next(ln for ln in text.splitlines() if ln.startswith(f"{w.spec.actor_name}: load check"))
+        assert line.startswith(f"{w.spec.actor_name}: load check passed for llama in ")
+        assert line.endswith(": " + "; ".join(w.engine.load_check.checks)), line
+
+    decode = next(w for w in workers.values() if w.role == "decode").spec.actor_name
+    reports[decode]["load_check"] = None  # an engine built without a check
+    del actors[next(w for w in workers.values() if w.role == "prefill").spec.actor_name]  # no such actor
+    text = ray_up.format_status(collect_status(topology, actors, 5.0, ""))
+    assert f"{decode}: load check not run" in text.splitlines()
+    assert any(ln.endswith(": load check unknown (no report)") for ln in text.splitlines())
