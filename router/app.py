@@ -91,7 +91,7 @@ def _is_glob(name: str) -> bool:
 
 def load_checks(engine: EngineClient) -> Optional[list[ModelLoadCheck]]:
     """Each worker's load check from its latest report (the engine client's `worker_stats()`: the single-node
-    worker's own, or each cluster worker's last pong), in the client's worker order; None when no worker
+    worker's own, or each live cluster worker's last pong), in the client's worker order; None when no worker
     reports one (an engine client without `worker_stats`, engines built without a check, no report yet)."""
     reports = getattr(engine, "worker_stats", None)
     if reports is None:

@@ -175,9 +175,9 @@ class ModelLoadCheck(BaseModel):
 
 
 class ModelCard(BaseModel):
-    """One entry of GET /v1/models. `load_checks`: each worker's load check that ran, in the topology's order
-    (one, `engine`, in single-node mode); null when none ran (an engine built without one) or none has reported
-    yet."""
+    """One entry of GET /v1/models. `load_checks`: the load check of each worker that reports one, in the
+    topology's order (one, `engine`, in single-node mode; a worker the router counts as dead is left out until
+    it answers again, with the check its restart ran); null when none does (engines built without a check)."""
 
     id: str
     object: Literal["model"] = "model"
