@@ -4,7 +4,8 @@ summed over workers by `EngineStats.from_reports`, and read by every stat logger
 Ray exporter, the dashboard) through one table of metric names (cluster/stats_metrics.py).
 
 `EngineStats` holds the figures (field names are the same everywhere: the report, the sum, the metric table);
-`WorkerStats` adds the worker's identity and what its load check proved (`LoadCheckReport`). The KV figures are per KV cache group (`KVGroupStats`, made by
+`WorkerStats` adds the worker's identity and what its load check proved (`LoadCheckReport`, never added up).
+The KV figures are per KV cache group (`KVGroupStats`, made by
 `cluster.kv.manager.KVManager.group_stats`, each group's `stats`): a group is named by a string and carries only the figures it has
 (None: not a figure of that group), so nothing here names a kind of layer.
 """
