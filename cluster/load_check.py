@@ -34,6 +34,7 @@ from cluster.config import EngineConfig
 from cluster.model import ModelSpec
 from cluster.model_structure import VerifiedModel, body_of, text_model, verify_model
 from cluster.request import GenerateRequest, SamplingParams
+from cluster.stats import LoadCheckReport
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +60,14 @@ class LoadCheck:
     skipped: bool = False
     peak_blocks: tuple[tuple[str, int], ...] = ()
 
+    def report(self) -> LoadCheckReport:
+        """What a worker reports of it (in its stats, to the router's `GET /v1/models` and `mlx-pd status`)."""
+        return LoadCheckReport(model_type=self.verified.model_type, passed=self.checks,
+                               seconds=round(self.seconds, 3), skipped=self.skipped)
+
     def summary(self) -> str:
-        """One line for the log."""
-        if self.skipped:
-            return f"load check skipped for {self.verified.model_type} (a family the tests cover)"
-        return f"load check passed for {self.verified.model_type} in {self.seconds:.1f} s: " + "; ".join(self.checks)
+        """One line for the log (`LoadCheckReport.summary`, as `mlx-pd status` shows it)."""
+        return self.report().summary()
 
 
 def tolerance(dtype: str) -> float:

@@ -28,8 +28,8 @@ Worker -> anyone subscribed (its PUB socket, `events_port`):
               sequence numbers are consecutive per boot; a gap or a new boot_id means resync from a snapshot
 
 `generate.request` is a `GenerateRequest`, `output.output` a `RequestOutput` and `pong.stats` a `WorkerStats`
-(cluster/stats.py; its KV cache groups a list of records): typed in the message models, validated with the
-message in one pass (`from_wire`, exact types) and packed as maps of built-in values (`to_wire`). In-process (single-node mode) the same models carry the objects unconverted.
+(cluster/stats.py; its KV cache groups a list of records, its load check a record or null): typed in the
+message models, validated with the message in one pass (`from_wire`, exact types) and packed as maps of built-in values (`to_wire`). In-process (single-node mode) the same models carry the objects unconverted.
 """
 
 from __future__ import annotations

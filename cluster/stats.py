@@ -4,7 +4,8 @@ summed over workers by `EngineStats.from_reports`, and read by every stat logger
 Ray exporter, the dashboard) through one table of metric names (cluster/stats_metrics.py).
 
 `EngineStats` holds the figures (field names are the same everywhere: the report, the sum, the metric table);
-`WorkerStats` adds the worker's identity. The KV figures are per KV cache group (`KVGroupStats`, made by
+`WorkerStats` adds the worker's identity and what its load check proved (`LoadCheckReport`, never added up).
+The KV figures are per KV cache group (`KVGroupStats`, made by
 `cluster.kv.manager.KVManager.group_stats`, each group's `stats`): a group is named by a string and carries only the figures it has
 (None: not a figure of that group), so nothing here names a kind of layer.
 """
@@ -12,6 +13,7 @@ Ray exporter, the dashboard) through one table of metric names (cluster/stats_me
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -161,11 +163,46 @@ class EngineStats:
 
 
 @dataclass(frozen=True)
+class LoadCheckReport:
+    """What a worker's load check proved (`cluster.load_check.LoadCheck.report`), as a worker reports it: the
+    `model_type` checked, each check `passed` (in words), the check's cost in `seconds`, and whether it was
+    `skipped` (a family the tests cover, `EngineConfig.skip_load_check`; then nothing is listed as passed)."""
+
+    model_type: str = ""
+    passed: tuple[str, ...] = ()
+    seconds: float = 0.0
+    skipped: bool = False
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.seconds) or self.seconds < 0:
+            raise ValueError(f"seconds={self.seconds!r} must be a finite number >= 0")
+
+    def summary(self) -> str:
+        """One line: the worker's log line of its load check, and `mlx-pd status`'s."""
+        if self.skipped:
+            return f"load check skipped for {self.model_type} (a family the tests cover)"
+        return f"load check passed for {self.model_type} in {self.seconds:.1f} s: " + "; ".join(self.passed)
+
+    def report(self) -> dict:
+        """A JSON-able map of the fields (`passed` a list)."""
+        return {"model_type": self.model_type, "passed": list(self.passed), "seconds": self.seconds,
+                "skipped": self.skipped}
+
+
+@dataclass(frozen=True)
 class WorkerStats(EngineStats):
     """One worker's report (`cluster.worker.Worker.stats`, `Pong.stats`): its identity (`name`, Ray `actor`
-    name, `role` "prefill" or "decode", `host`) and its engine's figures (`EngineStats`)."""
+    name, `role` "prefill" or "decode", `host`), what its load check proved (`load_check`; None when its engine
+    was built without one, as tests build it) and its engine's figures (`EngineStats`)."""
 
     name: str = ""
     actor: str = ""
     role: str = ""
     host: str = ""
+    load_check: Optional[LoadCheckReport] = None
+
+    def report(self) -> dict:
+        """`EngineStats.report` with the identity, and `load_check` as a map (`LoadCheckReport.report`) or None."""
+        out = super().report()
+        out["load_check"] = None if self.load_check is None else self.load_check.report()
+        return out

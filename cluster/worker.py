@@ -77,6 +77,7 @@ class Worker:
         self._stats = WorkerStats()
         self._stats_at = 0.0
         self.endpoints: dict = {}
+        self._load_check = None  # the engine's load check as its stats report it (`LoadCheck.report`)
         self.tokens_out = 0
         self.registry = CollectorRegistry()  # this worker's Prometheus metrics (KV transfer)
 
@@ -95,6 +96,8 @@ class Worker:
                 self._loaded = (model, tokenizer, model_spec)
             model, tokenizer, model_spec = self._loaded
             self.engine = checked_engine(model, tokenizer, model_spec, self.spec.engine)
+        check = getattr(self.engine, "load_check", None)  # an engine built without one: not run
+        self._load_check = check.report() if check is not None else None
         if self.channel is None:
             sock, endpoint = server_socket(self.ctx, zmq.ROUTER, self.spec.host, self.spec.control_port, self.keys,
                                            options={zmq.MAXMSGSIZE: CONTROL_MAX_MESSAGE_BYTES})
@@ -275,6 +278,7 @@ class Worker:
         sched = e.scheduler
         self._stats = WorkerStats(
             name=self.spec.name, actor=self.spec.actor_name, role=self.role, host=self.spec.host,
+            load_check=self._load_check,
             num_running=len(sched.running), num_waiting=len(sched.waiting), kv_block_size=e.block_size,
             num_preemptions=sched.num_preemptions, prefix_cache_queries=sched.prefix_queries,
             prefix_cache_hits=sched.prefix_hits, tokens_out=self.tokens_out, requests=len(self.routes),

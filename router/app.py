@@ -4,7 +4,7 @@
     POST /v1/responses          OpenAI's Responses API, stateless (router/responses/endpoints.py)
     POST /v1/messages           Anthropic's Messages API (router/anthropic/endpoints.py), and
     POST /v1/messages/count_tokens   its prompt's token count
-    GET  /v1/models             GET  /v1/models/{model}
+    GET  /v1/models             GET  /v1/models/{model}   (each with the checks its workers passed at load)
     GET  /health                200 while engine.is_healthy(), else 503
     GET  /metrics               Prometheus text (registry per app)
     POST /reset_prefix_cache    engine.clear_prefix_cache() (vLLM's name)
@@ -39,7 +39,7 @@ from router.errors import APIError, engine_unavailable, install_error_handlers
 from router.metrics import MetricsMiddleware, RouterMetrics
 from router.openapi import install_openapi
 from router.openai.endpoints import install_openai_api
-from router.openai.request import ModelCard, ModelList
+from router.openai.output import ModelCard, ModelList, ModelLoadCheck
 from router.responses.endpoints import install_responses_api
 from router.serving import ServingContext
 from router.tokenizer import RouterTokenizer
@@ -87,6 +87,18 @@ def resolves(requested: str, names: list[str]) -> bool:
 
 def _is_glob(name: str) -> bool:
     return any(c in name for c in "*?[")
+
+
+def load_checks(engine: EngineClient) -> Optional[list[ModelLoadCheck]]:
+    """Each worker's load check from its latest report (the engine client's `worker_stats()`: the single-node
+    worker's own, or each live cluster worker's last pong), in the client's worker order; None when no worker
+    reports one (an engine client without `worker_stats`, engines built without a check, no report yet)."""
+    reports = getattr(engine, "worker_stats", None)
+    if reports is None:
+        return None
+    found = [ModelLoadCheck(worker=str(r.get("name", "?")), **r["load_check"])
+             for r in reports() if r.get("load_check") is not None]
+    return found or None
 
 
 def create_app(engine: EngineClient, tokenizer: RouterTokenizer, *, served_model_names: list[str],
@@ -152,14 +164,17 @@ def create_app(engine: EngineClient, tokenizer: RouterTokenizer, *, served_model
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        """The served model names."""
-        return ModelList(data=[ModelCard(id=n, created=created, max_model_len=engine.max_model_len)
+        """The served model names, each with its context length and the checks its workers passed at load."""
+        checks = load_checks(engine)
+        return ModelList(data=[ModelCard(id=n, created=created, max_model_len=engine.max_model_len,
+                                         load_checks=checks)
                                for n in names if not _is_glob(n)])
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> ModelCard:
         """One served model; 404 for others."""
-        return ModelCard(id=resolve_model(model), created=created, max_model_len=engine.max_model_len)
+        return ModelCard(id=resolve_model(model), created=created, max_model_len=engine.max_model_len,
+                         load_checks=load_checks(engine))
 
     @app.get("/health")
     async def health() -> Response:

@@ -115,18 +115,33 @@ def test_metric_values_turn_stats_into_gauges_and_counter_increments():
 
 
 def test_status_table_shows_each_worker_and_the_router():
+    """One table line per worker, then one line per worker saying its load check (passed: in how long and which
+    checks; skipped; not run; unknown for a worker that gave no report), then the router's endpoint."""
+    passed = {"model_type": "llama", "seconds": 1.234, "skipped": False,
+              "passed": ["output head equals the model's own call", "prefix hit reusing 64 tokens"]}
     rows = [{"actor": "router@127.0.0.1", "name": "router", "role": "router", "host": "127.0.0.1", "state": "alive",
              "endpoint": "http://127.0.0.1:8000/v1", "dashboard": "http://127.0.0.1:8265"},
             {"actor": "decode-0@127.0.0.1", "name": "decode-0", "role": "decode", "host": "127.0.0.1", "state": "alive",
-             "running": 1, "waiting": 0, "kv_blocks_used": 3, "kv_blocks_free": 725, "prefix_cache_hit_rate": 0.25},
+             "running": 1, "waiting": 0, "kv_blocks_used": 3, "kv_blocks_free": 725, "prefix_cache_hit_rate": 0.25,
+             "load_check": passed},
             {"actor": "prefill-0@127.0.0.1", "name": "prefill-0", "role": "prefill", "host": "127.0.0.1",
-             "state": "restarting"}]
+             "state": "restarting"},
+            {"actor": "decode-1@127.0.0.1", "name": "decode-1", "role": "decode", "host": "127.0.0.1", "state": "alive",
+             "load_check": {"model_type": "llama", "passed": [], "seconds": 0.0, "skipped": True}},
+            {"actor": "decode-2@127.0.0.1", "name": "decode-2", "role": "decode", "host": "127.0.0.1", "state": "alive",
+             "load_check": None}]
     text = ray_up.format_status(rows)
     lines = text.splitlines()
     assert lines[0].split() == ["ACTOR", "ROLE", "HOST", "STATE", "RUNNING", "WAITING", "KV", "USED/FREE",
                                 "PREFIX", "HIT"]
     assert lines[1].split() == ["decode-0@127.0.0.1", "decode", "127.0.0.1", "alive", "1", "0", "3/725", "25.0%"]
     assert lines[2].split()[3:] == ["restarting", "-", "-", "-", "-"]
+    assert lines[5:9] == [
+        "decode-0@127.0.0.1: load check passed for llama in 1.2 s: output head equals the model's own call; "
+        "prefix hit reusing 64 tokens",
+        "prefill-0@127.0.0.1: load check unknown (no report)",
+        "decode-1@127.0.0.1: load check skipped for llama (a family the tests cover)",
+        "decode-2@127.0.0.1: load check not run"]
     assert "OpenAI API at http://127.0.0.1:8000/v1" in text and "Ray dashboard: http://127.0.0.1:8265" in text
 
 
@@ -227,6 +242,12 @@ def test_up_serves_chat_through_the_router(cluster):
     assert info["dashboard"].startswith("http://127.0.0.1:") and set(info["workers"]) == {"prefill-0", "decode-0"}
     baseline = _rows(path, state)
     assert "Paris" in _chat(info["endpoint"], "What is the capital of France?")
+    import httpx
+
+    checks = httpx.get(f"{info['endpoint']}/models", timeout=30).json()["data"][0]["load_checks"]
+    assert [c["worker"] for c in checks] == ["prefill-0", "decode-0"], checks  # each worker's, over its pongs
+    assert all(c["model_type"] == "llama" and not c["skipped"] and
+               "output head equals the model's own call" in c["passed"] for c in checks), checks
     long_prompt = ("Here are some facts. " + "The Seine flows through Paris. " * 12 +
                    "Question: which river flows through Paris? Answer in one word.")
     assert "Seine" in _chat(info["endpoint"], long_prompt, max_tokens=8)  # over local_prefill_max_tokens
@@ -253,6 +274,9 @@ def test_status_cli_prints_the_table(cluster):
     assert r.returncode == 0, r.stdout + r.stderr
     assert re.search(r"prefill-0@127\.0\.0\.1\s+prefill\s+127\.0\.0\.1\s+alive", r.stdout), r.stdout
     assert re.search(r"decode-0@127\.0\.0\.1\s+decode\s+127\.0\.0\.1\s+alive", r.stdout), r.stdout
+    for worker in ("prefill-0", "decode-0"):  # each worker's load check, as the worker ran it when it started
+        assert re.search(rf"^{worker}@127\.0\.0\.1: load check passed for llama in [0-9.]+ s: output head equals",
+                         r.stdout, flags=re.M), r.stdout
     assert info["endpoint"] in r.stdout
     # the Ray token that guards this cluster never shows in `mlx-pd status` or in what `up` returned
     token = os.environ.get("RAY_AUTH_TOKEN") or Path(os.environ.get(

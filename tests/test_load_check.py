@@ -5,6 +5,7 @@ family nobody listed is served when its structure is known and the probe agrees.
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
@@ -115,3 +116,101 @@ def test_a_length_dependent_rope_is_refused_with_the_reason():
     model = build("llama", dict(COMMON, **CONFIGS["llama"], rope_scaling={"type": "dynamic", "factor": 2.0}))
     with pytest.raises(ValueError, match="rotary embedding DynamicNTKScalingRoPE.*offset per row"):
         verify_model(model)
+
+
+# -- where users see it: GET /v1/models and `mlx-pd status` ----------------------------------------------------
+
+def test_a_single_node_server_lists_the_checks_its_model_passed():
+    """A server started as `mlx-pd serve --model` starts it (the random-weight fast model, a llama) shows in each
+    model card of `GET /v1/models` and `GET /v1/models/{model}` its one worker's load check: the checks it
+    passed, in the words the log gives, what it cost, and that it was not skipped."""
+    import httpx
+
+    from benchmarks.reliability_long import fast_model_dir
+    from tests.live_server import live_model_server
+
+    with live_model_server(fast_model_dir(), dtype="float32", kv_cache_gb=0.05) as (base, client):
+        ran = client.worker.engine.load_check
+        card = httpx.get(f"{base}/v1/models").json()["data"][0]
+        assert card["load_checks"] == [{"worker": "engine", "model_type": "llama", "passed": list(ran.checks),
+                                        "seconds": round(ran.seconds, 3), "skipped": False}]
+        assert "output head equals the model's own call" in card["load_checks"][0]["passed"]
+        assert any(c.startswith("prefix hit reusing") for c in card["load_checks"][0]["passed"])
+        assert 0 < card["load_checks"][0]["seconds"] < 60
+        assert httpx.get(f"{base}/v1/models/{card['id']}").json()["load_checks"] == card["load_checks"]
+
+
+def test_a_skipped_check_shows_as_skipped_with_nothing_passed():
+    """`--skip-load-check` on a tested family: the model card says the check was skipped and lists no check as
+    passed (it proved nothing)."""
+    import httpx
+
+    from benchmarks.reliability_long import fast_model_dir
+    from tests.live_server import live_model_server
+
+    with live_model_server(fast_model_dir(), dtype="float32", kv_cache_gb=0.05, skip_load_check=True) as (base, _):
+        checks = httpx.get(f"{base}/v1/models").json()["data"][0]["load_checks"]
+    assert checks == [{"worker": "engine", "model_type": "llama", "passed": [], "seconds": 0.0, "skipped": True}]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A prefill and a decode worker over the fast model, on threads of this process behind the router over
+    ZeroMQ (tests/cluster_helpers.py); each worker ran its own load check as it started."""
+    from tests.cluster_helpers import running_cluster
+    from tests.engine_helpers import fast_model
+
+    with running_cluster(loaded=fast_model()) as running:
+        yield running
+
+
+def test_a_cluster_router_lists_each_workers_load_check(cluster):
+    """In cluster mode the router learns each worker's load check from its pongs over ZeroMQ and lists one per
+    worker in the model card, in the topology's order, each with the checks that worker passed."""
+    import httpx
+
+    base, _, workers = cluster
+    checks = httpx.get(f"{base}/v1/models").json()["data"][0]["load_checks"]
+    assert [c["worker"] for c in checks] == ["prefill-0", "decode-0"]
+    for c in checks:
+        ran = workers[c["worker"]].engine.load_check
+        assert c["passed"] == list(ran.checks) and c["model_type"] == "llama" and not c["skipped"]
+        assert "output head equals the model's own call" in c["passed"]
+
+
+def test_status_shows_each_workers_load_check(cluster, monkeypatch):
+    """`mlx-pd status` reads each worker actor's report (what `WorkerActor.stats` returns: the worker's
+    `stats().report()`, here of the running workers, Ray's calls stood in for) and prints one line per worker
+    saying its load check: passed, in how long and which checks; a worker whose engine ran none says "not run",
+    one that did not answer "unknown"."""
+    import os
+
+    import ray
+
+    from cluster.launch import ray_up
+    from cluster.launch.ray_driver import collect_status
+
+    _, client, workers = cluster
+    reports = {w.spec.actor_name: {**w.stats().report(), "pid": os.getpid()} for w in workers.values()}
+    router = {"endpoint": "http://127.0.0.1:8000/v1", "healthy": True, "workers_alive": {}}
+
+    def get_actor(name):  # a handle whose stats() (info() for the router) answers at once
+        method = SimpleNamespace(remote=lambda: reports.get(name, router))
+        return SimpleNamespace(stats=method, info=method)
+
+    monkeypatch.setattr(ray, "get_actor", get_actor)
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: ref)
+    topology = client.topology
+    actors = {name: {"state": "ALIVE"} for name in [ray_up.router_actor_name(topology), *reports]}
+    text = ray_up.format_status(collect_status(topology, actors, 5.0, ""))
+    for w in workers.values():
+        line = next(ln for ln in text.splitlines() if ln.startswith(f"{w.spec.actor_name}: load check"))
+        assert line.startswith(f"{w.spec.actor_name}: load check passed for llama in ")
+        assert line.endswith(": " + "; ".join(w.engine.load_check.checks)), line
+
+    decode = next(w for w in workers.values() if w.role == "decode").spec.actor_name
+    reports[decode]["load_check"] = None  # an engine built without a check
+    del actors[next(w for w in workers.values() if w.role == "prefill").spec.actor_name]  # no such actor
+    text = ray_up.format_status(collect_status(topology, actors, 5.0, ""))
+    assert f"{decode}: load check not run" in text.splitlines()
+    assert any(ln.endswith(": load check unknown (no report)") for ln in text.splitlines())

@@ -373,6 +373,7 @@ def test_models_and_reset_prefix_cache(client, engine):
     data = client.get("/v1/models").json()
     assert data["object"] == "list" and [m["id"] for m in data["data"]] == [MODEL, "alias"]
     assert data["data"][0]["max_model_len"] == engine.max_model_len
+    assert data["data"][0]["load_checks"] is None  # an engine client that reports no load check
     r = client.post("/reset_prefix_cache")
     assert r.status_code == 200 and r.json()["dropped_blocks"] == 7 and engine.cleared == 1
 

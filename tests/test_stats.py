@@ -14,7 +14,7 @@ from cluster.kv.manager import KVManager
 from cluster.kv.state_group import RecurrentStateGroup
 from cluster.launch import actors
 from cluster.protocol import PROTOCOL_VERSION, TO_ROUTER, Pong, ProtocolError, pack, to_wire, unpack
-from cluster.stats import EngineStats, KVGroupStats, WorkerStats
+from cluster.stats import EngineStats, KVGroupStats, LoadCheckReport, WorkerStats
 from cluster.stats_metrics import GROUP_METRICS, METRICS, exported_names
 from kv_transfer.metrics import TransferMetrics
 from router.metrics import RouterMetrics
@@ -27,6 +27,8 @@ REPORT = WorkerStats(
     transfers_inflight=1, awaiting_kv=1, orphans=0, handed_off=0, transfers_pending=0, kv_bytes_sent=0.0,
     kv_blocks_sent=0.0, kv_bytes_received=4096.0, kv_blocks_received=4.0, transfer_timeouts=1.0,
     reservations_busy=2.0, ttft_p50_s=0.25,
+    load_check=LoadCheckReport("llama", ("output head equals the model's own call", "prefix hit reusing 64 tokens"),
+                               0.42),
     kv_groups=(KVGroupStats("full", blocks_total=100, blocks_free=60),
                KVGroupStats("recurrent", entries=2, bytes_used=512, budget_bytes=4096, restores=1, bytes_sent=0.0,
                             bytes_received=256.0)))
@@ -116,6 +118,23 @@ def test_a_report_crosses_the_wire_as_it_is():
     with pytest.raises(ProtocolError, match="unknown field"):
         unpack(pack_raw({"type": "pong", "version": 1, "seq": 1, "stats": {**wire, "kv_groups": groups}}),
                TO_ROUTER, PROTOCOL_VERSION)
+
+
+def test_a_load_check_crosses_the_wire_and_a_wrong_one_is_refused_by_name():
+    """The load check a worker reports reaches the router as it went out (a report without one as null); a
+    passed check that is not a string, a negative cost or an unknown key is refused naming the field."""
+    got = unpack(pack(Pong(seq=1, stats=REPORT)), TO_ROUTER, PROTOCOL_VERSION).stats.load_check
+    assert got == REPORT.load_check and got.passed[1] == "prefix hit reusing 64 tokens" and not got.skipped
+    assert unpack(pack(Pong(seq=2, stats=WorkerStats())), TO_ROUTER, PROTOCOL_VERSION).stats.load_check is None
+    assert REPORT.report()["load_check"] == {"model_type": "llama", "passed": list(REPORT.load_check.passed),
+                                             "seconds": 0.42, "skipped": False}
+    wire = to_wire(REPORT)
+    for bad, where in (({"passed": ["ok", 3]}, "load_check.passed\\[1\\] must be a string"),
+                       ({"seconds": -1.0}, "seconds=-1.0 must be a finite number >= 0"),
+                       ({"verified": True}, "unknown field")):
+        stats = {**wire, "load_check": {**wire["load_check"], **bad}}
+        with pytest.raises(ProtocolError, match=where):
+            unpack(pack_raw({"type": "pong", "version": 1, "seq": 1, "stats": stats}), TO_ROUTER, PROTOCOL_VERSION)
 
 
 def test_engine_stats_add_up_groups_by_name_with_blocks_from_decode_workers():

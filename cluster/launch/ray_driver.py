@@ -11,7 +11,8 @@ from cluster.launch.ray_up import (Connection, Echo, LaunchError, error_summary,
 from cluster.topology import TopologySpec
 
 _PROGRESS_EVERY_S = 15.0
-_PASSED_ON = ("prefix_cache_hit_rate", "tokens_out", "kv_bytes_sent", "kv_bytes_received", "ttft_p50_s", "pid")
+_PASSED_ON = ("prefix_cache_hit_rate", "tokens_out", "kv_bytes_sent", "kv_bytes_received", "ttft_p50_s", "load_check",
+              "pid")
 _STATE_NAMES = {"ALIVE": "alive", "RESTARTING": "restarting", "DEAD": "dead", "PENDING_CREATION": "starting",
                 "DEPENDENCIES_UNREADY": "starting"}
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from cluster.launch import ray_address, ray_head
+from cluster.stats import LoadCheckReport
 from cluster.topology import TopologySpec, WorkerSpec, load_topology
 from cluster.transport import is_loopback
 
@@ -215,8 +216,9 @@ def status(topology_path: str, *, state_dir: Optional[Path] = None, timeout_s: f
 
     `state` is "alive", "unhealthy" (the actor lives but its loop or engine does not), "starting",
     "restarting", "dead", "absent" (no such actor) or "stopped" (the local Ray head is not running).
-    Worker rows add running, waiting, kv_blocks_used/free/total, prefix_cache_hit_rate; the router row
-    adds its endpoint. Nothing secret is included.
+    Worker rows add running, waiting, kv_blocks_used/free/total, prefix_cache_hit_rate and load_check (the
+    worker's `LoadCheckReport.report()` map, None when its engine ran none; absent when the worker did not
+    answer); the router row adds its endpoint. Nothing secret is included.
     """
     from cluster.launch.ray_driver import collect_status
 
@@ -272,7 +274,8 @@ def ray_session_dir(topology: TopologySpec, state_dir: Optional[Path] = None) ->
 
 
 def format_status(rows: list[dict]) -> str:
-    """The `mlx-pd status` table (pure)."""
+    """The `mlx-pd status` table (pure): a line per worker, then a line per worker saying its load check
+    (`load_check_line`), then the router's endpoint and the Ray dashboard."""
     head = ("ACTOR", "ROLE", "HOST", "STATE", "RUNNING", "WAITING", "KV USED/FREE", "PREFIX HIT")
     lines = [head]
     for r in rows:
@@ -284,6 +287,7 @@ def format_status(rows: list[dict]) -> str:
                       _cell(r.get("waiting")), kv, hit))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
     text = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
+    text += [f"{r['actor']}: {load_check_line(r)}" for r in rows if r["role"] != "router"]
     for r in rows:
         if r["role"] == "router":
             where = r.get("endpoint") or f"http://{r['host']}:?/v1"
@@ -291,6 +295,18 @@ def format_status(rows: list[dict]) -> str:
             if r.get("dashboard"):
                 text.append(f"Ray dashboard: {r['dashboard']}")
     return "\n".join(text)
+
+
+def load_check_line(row: dict) -> str:
+    """What a worker's status row says of its load check: the worker's log line of it (`LoadCheckReport.summary`:
+    "load check passed for llama in 1.2 s: CHECK; CHECK; ..." or "load check skipped for llama (...)"),
+    "load check not run" (its engine was built without one) or "load check unknown" (the worker did not answer)."""
+    if "load_check" not in row:
+        return "load check unknown (no report)"
+    if row["load_check"] is None:
+        return "load check not run"
+    check = row["load_check"]
+    return LoadCheckReport(check["model_type"], tuple(check["passed"]), check["seconds"], check["skipped"]).summary()
 
 
 def _cell(value) -> str:

@@ -162,14 +162,29 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class ModelLoadCheck(BaseModel):
+    """One worker's load check (cluster/load_check.py) in a `ModelCard`: the worker (`engine` in single-node
+    mode), the `model_type` it checked, each check it `passed` (in words), what the check cost in `seconds`,
+    and whether it was `skipped` (`--skip-load-check` for a family the tests cover: then `passed` is empty)."""
+
+    worker: str
+    model_type: str
+    passed: list[str]
+    seconds: float
+    skipped: bool
+
+
 class ModelCard(BaseModel):
-    """One entry of GET /v1/models."""
+    """One entry of GET /v1/models. `load_checks`: the load check of each worker that reports one, in the
+    topology's order (one, `engine`, in single-node mode; a worker the router counts as dead is left out until
+    it answers again, with the check its restart ran); null when none does (engines built without a check)."""
 
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "mlx-pd"
     max_model_len: Optional[int] = None
+    load_checks: Optional[list[ModelLoadCheck]] = None
 
 
 class ModelList(BaseModel):
