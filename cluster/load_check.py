@@ -110,8 +110,9 @@ def run_load_check(model, tokenizer, spec: ModelSpec, config: EngineConfig,
 def _run_load_check(model, tokenizer, spec, config, verified: VerifiedModel) -> LoadCheck:
     t0 = time.monotonic()
     tol = tolerance(config.dtype)
-    checks = [_check_head(model, verified, spec, tol)]
-    prompts, prefix, notes = _probe_prompts(verified, config, spec)
+    vocab = int(model(mx.zeros((1, 1), dtype=mx.int32), cache=make_prompt_cache(model)).shape[-1])
+    checks = [_check_head(model, verified, vocab, tol)]
+    prompts, prefix, notes = _probe_prompts(verified, config, spec, vocab)
     ranks = [verified.mask_rank] if verified.tested else [4, 5]
     failure: Optional[LoadCheckError] = None
     for rank in ranks:
@@ -128,9 +129,9 @@ def _run_load_check(model, tokenizer, spec, config, verified: VerifiedModel) -> 
     raise failure
 
 
-def _check_head(model, verified: VerifiedModel, spec: ModelSpec, tol: float) -> str:
+def _check_head(model, verified: VerifiedModel, vocab: int, tol: float) -> str:
     """The head found (`call_head`) over the body's output equals the model's own call on 8 tokens."""
-    tokens = mx.array([_tokens(8, spec.vocab_size, 1)], dtype=mx.int32)
+    tokens = mx.array([_tokens(8, vocab, 1)], dtype=mx.int32)
     own = model(tokens, cache=make_prompt_cache(model)).astype(mx.float32)
     _, body = body_of(text_model(model))
     try:
@@ -146,8 +147,9 @@ def _check_head(model, verified: VerifiedModel, spec: ModelSpec, tol: float) -> 
     return "output head equals the model's own call"
 
 
-def _probe_prompts(verified: VerifiedModel, config: EngineConfig, spec: ModelSpec):
-    """(three prompts, a prompt sharing the first one's first blocks, notes on what was not crossed)."""
+def _probe_prompts(verified: VerifiedModel, config: EngineConfig, spec: ModelSpec, vocab: int):
+    """(three prompts of tokens below `vocab`, a prompt sharing the first one's first blocks, notes on what was
+    not crossed)."""
     bs = config.block_size
     windows = [w for w in verified.layer_windows if w is not None]
     crossed = [w for w in windows if w <= MAX_PROBE_WINDOW]
@@ -156,9 +158,9 @@ def _probe_prompts(verified: VerifiedModel, config: EngineConfig, spec: ModelSpe
     longest = max([2 * _chunk(config)] + [w + bs for w in crossed]) + bs // 2 + 1
     longest = min(longest, spec.max_model_len - PROBE_TOKENS - 1)
     lengths = (longest, bs + 3, 3)
-    prompts = [_tokens(n, spec.vocab_size, i + 2) for i, n in enumerate(lengths)]
+    prompts = [_tokens(n, vocab, i + 2) for i, n in enumerate(lengths)]
     shared = max(1, (longest - 1) // bs) * bs
-    prefix = prompts[0][:shared] + _tokens(bs // 2 + 2, spec.vocab_size, 9)
+    prefix = prompts[0][:shared] + _tokens(bs // 2 + 2, vocab, 9)
     return prompts, prefix, notes
 
 

@@ -108,15 +108,16 @@ class VerifiedModel:
 
 
 def text_model(model):
-    """The model that generates text: a multimodal wrapper's `language_model` (when it has a body), else the
-    model itself."""
-    inner = getattr(model, "language_model", None)
-    if callable(inner):
-        try:
-            body_of(inner)
-            return inner
-        except ValueError:
-            pass
+    """The model that generates text: a multimodal wrapper's `language_model` (on the model or on its `model`,
+    when it has a body), else the model itself."""
+    for owner in (model, getattr(model, "model", None)):
+        inner = getattr(owner, "language_model", None) if owner is not None else None
+        if callable(inner):
+            try:
+                body_of(inner)
+                return inner
+            except ValueError:
+                pass
     return model
 
 
@@ -234,6 +235,9 @@ def verify_model(model, mask_rank: Optional[int] = None) -> VerifiedModel:
     try:
         body_name, body = body_of(text)
     except ValueError as exc:
+        if layers_of(text):
+            exc = ValueError("its text model runs its decoder layers and its output head in one call (no body "
+                             "apart from the head, which the engine applies to the rows it samples only)")
         raise refuse(str(exc)) from None
     def make_cache():
         return make_prompt_cache(model)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache
 
 # per recurrent layer, the state arrays [1, *shape]
 State = tuple[tuple[mx.array, ...], ...]
@@ -27,9 +28,10 @@ State = tuple[tuple[mx.array, ...], ...]
 StateShapes = tuple[tuple[tuple[tuple[int, ...], mx.Dtype], ...], ...]
 
 
-class RecurrentStateView:
+class RecurrentStateView(ArraysCache):
     """mlx-lm's `ArraysCache` protocol for one recurrent layer and one step (mlx_lm/models/cache.py):
-    `cache[i]` get/set, `lengths`, `left_padding`, `advance`, `make_mask`.
+    `cache[i]` get/set, `lengths`, `left_padding`, `advance`, `make_mask`. It is an `ArraysCache` (a subclass),
+    because some mixers write their state back only into one (`isinstance(cache, ArraysCache)`, mlx-lm's mamba).
 
     `arrays`: the layer's state arrays [B, *shape], stacked from the rows; `lengths`: int32 [B], each row's
     new tokens, or None when no row is padded. The layer replaces `arrays[i]` with the state after the step.
