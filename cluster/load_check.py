@@ -5,8 +5,9 @@ what mlx-lm's own cache path gives (`run_load_check`), and build the serving eng
 The structural gate (cluster/model_structure.py) says that every cache slot, rope and head is of a kind the
 engine serves; the load check proves that the model's code uses them as the engine assumes. A probe engine, over
 a small pool of the serving block size and a short prefill chunk, generates `PROBE_TOKENS` greedy tokens for
-three prompts of different lengths batched together (the longest crossing every block, chunk, sliding window and
-local-attention chunk the model has, when that window is at most `MAX_PROBE_WINDOW` positions), then for a fourth
+three prompts of different lengths batched together (the longest crossing every block, chunk and sliding window
+the model has; a window longer than `MAX_PROBE_WINDOW` positions is shrunk for the probe,
+`windows_shrunk`, so that a few dozen tokens cross it on the same code path), then for a fourth
 prompt that shares the longest one's first blocks (a prefix hit that reuses them). mlx-lm's own forward over the
 model's own `make_cache()` then runs each prompt with the tokens the engine chose (teacher forcing: one forward
 per prompt): each chosen token must be mlx-lm's greedy choice (or within the tolerance of it: a near tie) and its
@@ -23,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
@@ -39,7 +41,7 @@ from cluster.stats import LoadCheckReport
 logger = logging.getLogger(__name__)
 
 PROBE_TOKENS = 4  # greedy tokens generated per probe prompt
-MAX_PROBE_WINDOW = 1024  # a longer sliding window or local-attention chunk is not crossed (said in the checks)
+MAX_PROBE_WINDOW = 1024  # a longer sliding window is shrunk for the probe (`windows_shrunk`)
 PROBE_SEED = 20261206
 
 
@@ -112,21 +114,52 @@ def _run_load_check(model, tokenizer, spec, config, verified: VerifiedModel) -> 
     tol = tolerance(config.dtype)
     vocab = int(model(mx.zeros((1, 1), dtype=mx.int32), cache=make_prompt_cache(model)).shape[-1])
     checks = [_check_head(model, verified, vocab, tol)]
-    prompts, prefix, notes = _probe_prompts(verified, config, spec, vocab)
-    ranks = [verified.mask_rank] if verified.tested else [4, 5]
-    failure: Optional[LoadCheckError] = None
-    for rank in ranks:
-        candidate = verified.with_mask_rank(rank)
-        try:
-            found, peak = _probe(model, tokenizer, spec, config, candidate, prompts, prefix, tol)
-        except LoadCheckError as exc:
-            failure = failure or exc
-            continue
-        if not verified.tested:
-            checks.append(f"batched mask of rank {rank}")
-        checks += found + notes
-        return LoadCheck(tuple(checks), time.monotonic() - t0, candidate, peak_blocks=peak)
+    long = sorted({w for w in verified.layer_windows if w is not None and w > MAX_PROBE_WINDOW})
+    small = {w: config.block_size + config.block_size // 2 + 2 * i for i, w in enumerate(long)}
+    with windows_shrunk(model, small):
+        probed = verify_model(model, verified.mask_rank) if long else verified
+        if long and set(long) & set(probed.layer_windows):  # the window is not an attribute found: run as is
+            probed, small = verified, {}
+        prompts, prefix, notes = _probe_prompts(probed, config, spec, vocab)
+        ranks = [verified.mask_rank] if verified.tested else [4, 5]
+        failure: Optional[LoadCheckError] = None
+        for rank in ranks:
+            try:
+                found, peak = _probe(model, tokenizer, spec, config, probed.with_mask_rank(rank), prompts, prefix,
+                                     tol)
+            except LoadCheckError as exc:
+                failure = failure or exc
+                continue
+            if not verified.tested:
+                checks.append(f"batched mask of rank {rank}")
+            checks += found + notes + [f"window of {w} positions shrunk to {v} for the probe" for w, v in small.items()]
+            return LoadCheck(tuple(checks), time.monotonic() - t0, verified.with_mask_rank(rank), peak_blocks=peak)
     raise failure
+
+
+@contextmanager
+def windows_shrunk(model, sizes: dict[int, int]):
+    """Within the block, every integer attribute whose name says "window" and whose value is a key of `sizes` (a
+    sliding window of that many positions), on the model's modules and on their `args` / `config` objects (where
+    `make_cache` and the bodies read them), holds the key's value instead; restored on exit. A probe then crosses
+    a long window in a few tokens on the same code path."""
+    changed: list = []
+    if sizes:
+        seen: set = set()
+        for _, module in model.named_modules():
+            for owner in (module, getattr(module, "args", None), getattr(module, "config", None)):
+                if owner is None or id(owner) in seen or not hasattr(owner, "__dict__"):
+                    continue
+                seen.add(id(owner))
+                for name, value in list(vars(owner).items()):
+                    if "window" in name and type(value) is int and value in sizes:
+                        changed.append((owner, name, value))
+                        object.__setattr__(owner, name, sizes[value])
+    try:
+        yield
+    finally:
+        for owner, name, value in changed:
+            object.__setattr__(owner, name, value)
 
 
 def _check_head(model, verified: VerifiedModel, vocab: int, tol: float) -> str:
@@ -153,8 +186,8 @@ def _probe_prompts(verified: VerifiedModel, config: EngineConfig, spec: ModelSpe
     bs = config.block_size
     windows = [w for w in verified.layer_windows if w is not None]
     crossed = [w for w in windows if w <= MAX_PROBE_WINDOW]
-    notes = [f"window of {w} positions not crossed (longer than {MAX_PROBE_WINDOW})" for w in sorted(set(windows))
-             if w > MAX_PROBE_WINDOW]
+    notes = [f"window of {w} positions not crossed (longer than {MAX_PROBE_WINDOW} and not found to shrink)"
+             for w in sorted(set(windows)) if w > MAX_PROBE_WINDOW]
     longest = max([2 * _chunk(config)] + [w + bs for w in crossed]) + bs // 2 + 1
     longest = min(longest, spec.max_model_len - PROBE_TOKENS - 1)
     lengths = (longest, bs + 3, 3)

@@ -214,3 +214,20 @@ def test_status_shows_each_workers_load_check(cluster, monkeypatch):
     text = ray_up.format_status(collect_status(topology, actors, 5.0, ""))
     assert f"{decode}: load check not run" in text.splitlines()
     assert any(ln.endswith(": load check unknown (no report)") for ln in text.splitlines())
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "gpt_oss"])
+def test_a_long_window_is_shrunk_so_the_probe_crosses_it(model_type, tmp_path):
+    """A sliding window of 4,096 positions (longer than the probe's prompts) is shrunk on the model for the probe
+    (the body and its caches read the same attribute), the probe crosses the shrunk window on the paged pool, and
+    afterwards the model has its own window again."""
+    from cluster.model import read_model_spec
+
+    config = {"model_type": model_type, **COMMON, **CONFIGS[model_type], "sliding_window": 4096}
+    model = build(model_type, config)
+    spec = read_model_spec(write_config(tmp_path, config))
+    check = run_load_check(model, tokenizer(), spec, CONFIG)
+    assert "window of 4096 positions shrunk to 12 for the probe" in check.checks
+    assert "window of 12 positions crossed" in check.checks
+    assert dict(check.peak_blocks)["sliding_window"] >= 2
+    assert verify_model(model).layer_windows.count(4096) == 1 and check.verified.layer_windows == (4096, None)
