@@ -17,9 +17,11 @@ from tests.live_server import serve_app
 def topology_text(prefill: int = 1, decode: int = 1, engine: str = "", routing: str = "", transfer: str = "",
                   security: str = "") -> str:
     """A cluster topology with free ports; `engine`/`routing`/`transfer`/`security` are extra TOML lines of
-    those tables."""
+    those tables. The workers skip their load check (a family the tests cover; tests/test_load_check.py and
+    tests/test_families_served.py run it) unless `engine` sets `skip_load_check`."""
+    skip = '' if re.search(r'(?m)^skip_load_check', engine) else 'skip_load_check = true'
     lines = ['[model]', 'source = "SmolLM2-135M-Instruct"', 'served_name = "SmolLM2-135M-Instruct"',
-             '[engine]', 'dtype = "float32"', 'kv_cache_gb = 0.25', engine,
+             '[engine]', 'dtype = "float32"', 'kv_cache_gb = 0.25', skip, engine,
              '[routing]', 'heartbeat_s = 0.5', 'dead_after_s = 30.0', routing,
              '[transfer]', '' if re.search(r'(?m)^timeout_s', transfer) else 'timeout_s = 120', transfer,
              '[security]', security]

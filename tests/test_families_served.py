@@ -160,7 +160,7 @@ def test_priority_families_through_a_prefill_decode_pair_match_mlx_lm(model_type
     for token, lps in generate_step(mx.array(prompt), model, max_tokens=6):
         want.append(int(token))
         want_lps.append(float(lps[int(token)].item()))
-    engine = "block_size = 8\nprefill_chunk_size = 16\nskip_load_check = true"
+    engine = "block_size = 8\nprefill_chunk_size = 16"
     with running_cluster(1, 1, loaded=(model, tokenizer(), spec), engine=engine,
                          routing="local_prefill_max_tokens = 0") as (base, _, workers):
         r = httpx.post(base + "/v1/completions", timeout=300, json={

@@ -160,7 +160,7 @@ def cluster():
     from tests.cluster_helpers import running_cluster
     from tests.engine_helpers import fast_model
 
-    with running_cluster(loaded=fast_model()) as running:
+    with running_cluster(loaded=fast_model(), engine="skip_load_check = false") as running:
         yield running
 
 
