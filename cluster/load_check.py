@@ -41,7 +41,7 @@ from cluster.stats import LoadCheckReport
 logger = logging.getLogger(__name__)
 
 PROBE_TOKENS = 4  # greedy tokens generated per probe prompt
-MAX_PROBE_WINDOW = 1024  # a longer sliding window is shrunk for the probe (`windows_shrunk`)
+MAX_PROBE_WINDOW = 128  # a longer sliding window is shrunk for the probe (`windows_shrunk`): a cheap probe
 PROBE_SEED = 20261206
 
 

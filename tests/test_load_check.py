@@ -218,7 +218,7 @@ def test_status_shows_each_workers_load_check(cluster, monkeypatch):
 
 @pytest.mark.parametrize("model_type", ["gemma3_text", "gpt_oss"])
 def test_a_long_window_is_shrunk_so_the_probe_crosses_it(model_type, tmp_path):
-    """A sliding window of 4,096 positions (longer than the probe's prompts) is shrunk on the model for the probe
+    """A sliding window of 4,096 positions (longer than the probe crosses itself) is shrunk on the model for the probe
     (the body and its caches read the same attribute), the probe crosses the shrunk window on the paged pool, and
     afterwards the model has its own window again."""
     from cluster.model import read_model_spec
