@@ -50,9 +50,9 @@ class LayerKind:
     @property
     def name(self) -> str:
         """What the slot caches in words, as the KV transfer's handshake compares them: "attention",
-        "window 4096", "state", "state + attention", "state + window 4096"."""
+        "window 4096", "state", "state + attention", "state + window 4096", or "none" (a slot no layer uses)."""
         kv = None if self.kv is None else "attention" if self.window is None else f"window {self.window}"
-        return " + ".join(p for p in ("state" if self.state is not None else None, kv) if p)
+        return " + ".join(p for p in ("state" if self.state is not None else None, kv) if p) or "none"
 
 
 @dataclass(frozen=True)
@@ -220,7 +220,7 @@ def verify_model(model, mask_rank: Optional[int] = None) -> VerifiedModel:
     """Gate on a loaded mlx-lm model (module docstring). `mask_rank`: the batched mask's rank when the load
     check found it (None: the tested family's, else 4). Returns the `VerifiedModel`; raises ValueError naming
     the model type and the slot, rope or head at fault."""
-    from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache, make_prompt_cache
+    from mlx_lm.models.cache import make_prompt_cache
 
     args = getattr(model, "args", None)
     model_type = getattr(model, "model_type", None) or getattr(args, "model_type", None)
@@ -239,10 +239,37 @@ def verify_model(model, mask_rank: Optional[int] = None) -> VerifiedModel:
             exc = ValueError("its text model runs its decoder layers and its output head in one call (no body "
                              "apart from the head, which the engine applies to the rows it samples only)")
         raise refuse(str(exc)) from None
-    def make_cache():
-        return make_prompt_cache(model)
+    try:
+        kinds = slot_kinds(make_prompt_cache(model))
+    except ValueError as exc:
+        raise refuse(str(exc)) from None
+    for path, rope in _ropes(model):
+        reason = row_separable_rope(rope)
+        if reason:
+            raise refuse(f"rotary embedding {type(rope).__name__} at {path}: {reason}")
+    family = FAMILIES.get(module)
+    if mask_rank is None:
+        rank = family.mask_rank if family is not None else 4
+        mask_rank = (5 if any(getattr(getattr(layer, "self_attn", None), "repeats", 1) > 1
+                              for layer in layers_of(body)) else 4) if rank == "grouped" else rank
+    try:
+        kv_shapes, state_shapes, unused = _probe_shapes(model, lambda: make_prompt_cache(model), kinds)
+    except Exception as exc:  # e.g. a kernel this backend lacks
+        raise refuse(f"one token through the model over its own caches failed ({type(exc).__name__}: {exc})") \
+            from None
+    if unused:  # slots the body hands a KV cache its layer never writes (a layer without attention)
+        kinds = _without(kinds, unused)
+    return VerifiedModel(model_type, body, call_head(text, body_name), mask_rank,
+                         family.reads_quantized_kv if family is not None else False, tuple(kinds), kv_shapes,
+                         state_shapes, family is not None)
 
-    caches = make_cache()
+
+def slot_kinds(caches: list) -> list[LayerKind]:
+    """What each of a model's own caches (`make_prompt_cache`) holds, as a `LayerKind` per slot, KV layers and
+    recurrent layers numbered in slot order. Raises ValueError naming the first slot of a kind the engine does
+    not serve."""
+    from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache
+
     kinds: list[LayerKind] = []
     num_kv = num_state = 0
     for i, cache in enumerate(caches):
@@ -255,46 +282,26 @@ def verify_model(model, mask_rank: Optional[int] = None) -> VerifiedModel:
                 names = ", ".join(c.__name__ for c in inner)
                 what = ("keeps two KV caches (as sparse attention keeps its indexer's keys beside the layer's "
                         "KV)" if inner.count(KVCache) == 2 else f"keeps a CacheList of {names}")
-                raise refuse(f"cache slot {i} {what}: served in one layer are recurrent state beside full "
-                             "attention or a sliding window")
+                raise ValueError(f"cache slot {i} {what}: served in one layer are recurrent state beside full "
+                                 "attention or a sliding window")
             state, kv_cache = cache[0], cache[1]
         window = None
-        if kv_cache is None or type(kv_cache) is KVCache:
-            pass
-        elif type(kv_cache) is RotatingKVCache:
+        if type(kv_cache) is RotatingKVCache:
             if kv_cache.keep:
-                raise refuse(f"cache slot {i} is a sliding window of {kv_cache.max_size} that keeps its first "
-                             f"{kv_cache.keep} tokens (attention sinks kept in the cache are not a kind served)")
+                raise ValueError(f"cache slot {i} is a sliding window of {kv_cache.max_size} that keeps its first "
+                                 f"{kv_cache.keep} tokens (attention sinks kept in the cache are not a kind served)")
             window = kv_cache.max_size
         elif type(kv_cache) is ChunkedKVCache:
-            raise refuse(f"cache slot {i} is chunked local attention (ChunkedKVCache of {kv_cache.chunk_size}), "
-                         "whose mask the model's body builds from mlx-lm's own trimmed one-sequence cache "
-                         "(start_position): not a kind the engine serves yet")
-        else:
-            raise refuse(f"cache slot {i} uses {type(kv_cache).__name__}, not a kind of KV the engine serves")
+            raise ValueError(f"cache slot {i} is chunked local attention (ChunkedKVCache of {kv_cache.chunk_size}), "
+                             "whose mask the model's body builds from mlx-lm's own trimmed one-sequence cache "
+                             "(start_position): not a kind the engine serves yet")
+        elif kv_cache is not None and type(kv_cache) is not KVCache:
+            raise ValueError(f"cache slot {i} uses {type(kv_cache).__name__}, not a kind of KV the engine serves")
         kinds.append(LayerKind(kv=None if kv_cache is None else num_kv, window=window,
                                state=None if state is None else num_state))
         num_kv += kv_cache is not None
         num_state += state is not None
-    for path, rope in _ropes(model):
-        reason = row_separable_rope(rope)
-        if reason:
-            raise refuse(f"rotary embedding {type(rope).__name__} at {path}: {reason}")
-    family = FAMILIES.get(module)
-    if mask_rank is None:
-        rank = family.mask_rank if family is not None else 4
-        mask_rank = (5 if any(getattr(getattr(layer, "self_attn", None), "repeats", 1) > 1
-                              for layer in layers_of(body)) else 4) if rank == "grouped" else rank
-    try:
-        kv_shapes, state_shapes, unused = _probe_shapes(model, make_cache, kinds)
-    except Exception as exc:  # e.g. a kernel this backend lacks
-        raise refuse(f"one token through the model over its own caches failed ({type(exc).__name__}: {exc})") \
-            from None
-    if unused:  # slots the body hands a KV cache its layer never writes (a layer without attention)
-        kinds = _without(kinds, unused)
-    return VerifiedModel(model_type, body, call_head(text, body_name), mask_rank,
-                         family.reads_quantized_kv if family is not None else False, tuple(kinds), kv_shapes,
-                         state_shapes, family is not None)
+    return kinds
 
 
 def _probe_shapes(model, make_cache, kinds: list[LayerKind]):
