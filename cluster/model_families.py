@@ -76,6 +76,18 @@ FAMILIES: dict[str, Family] = {
     "granitemoehybrid": Family(),
     "lfm2": Family(),
     "llama4_text": Family(),
+    "glm4_moe_lite": Family(reads_quantized_kv=False),  # latent attention, as deepseek_v3
+    "kimi_linear": Family(reads_quantized_kv=False),  # latent attention beside Kimi delta attention
+    "exaone4": Family(),
+    "ernie4_5_moe": Family(),
+    "seed_oss": Family(),
+    "hunyuan_v1_dense": Family(),
+    "bailing_moe": Family(),
+    "apertus": Family(),
+    "cohere2": Family(),
+    "starcoder2": Family(),
+    "lfm2_moe": Family(),
+    "mamba2": Family(),  # no attention: Mamba-2 layers alone
 }
 
 

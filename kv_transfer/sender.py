@@ -118,6 +118,8 @@ class KVSender:
         encrypting, sending, receiving and decrypting messages overlap; never below one block of one layer).
         Raises ValueError when one block of one layer does not fit `max_frame_bytes`."""
         blocks = self.config.max_blocks_per_message
+        if not self.store.spec.num_layers:  # no layer caches KV (a recurrent-only model): no blocks messages
+            return blocks, 1
         layers = self.config.layers_per_message or self.store.spec.num_layers
 
         def frame_bytes(b: int, n: int) -> list[int]:  # one array frame each, for b blocks of n layers
@@ -303,7 +305,8 @@ class KVSender:
 
     def _send_blocks(self, t: _Outgoing, group: int, store: KVStore, start: int, ids: list[int]) -> None:
         """Queue the `blocks` messages of blocks `ids` (positions from block `start`) of KV cache group
-        `group`, `layers_per_message` layers each."""
+        `group`, `layers_per_message` layers each (none for a group without layers: its blocks hold no KV, and
+        the receiver counts them complete)."""
         num_layers, step = store.spec.num_layers, self.layers_per_message
         for l0 in range(0, num_layers, step):
             layers = range(l0, min(num_layers, l0 + step))

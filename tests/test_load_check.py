@@ -97,14 +97,14 @@ def test_skipping_the_check_applies_to_tested_families_only(monkeypatch):
 
 
 def test_an_unlisted_family_built_from_known_kinds_is_served(tmp_path):
-    """starcoder2 (full attention, a plain rope, layer norms with biases) is on no list: its structure is known,
+    """stablelm (full attention, a partial rope, layer norms with biases) is on no list: its structure is known,
     the probe agrees, and the engine built from the check serves it."""
-    config = {"model_type": "starcoder2", **COMMON, "norm_epsilon": 1e-5, "tie_word_embeddings": False}
-    model = build("starcoder2", config)
+    import tests.family_configs as fc
     from cluster.model import read_model_spec
 
-    spec = read_model_spec(write_config(tmp_path, config))
-    assert "starcoder2" not in FAMILIES
+    model = fc.build("stablelm")
+    spec = read_model_spec(write_config(tmp_path, fc.config("stablelm")))
+    assert "stablelm" not in FAMILIES
     engine = checked_engine(model, tokenizer(), spec, CONFIG)
     assert not engine.load_check.skipped and not engine.runner.verified.tested
     assert engine.load_check.verified.mask_rank == 4

@@ -189,7 +189,8 @@ class KVStore:
         the head of a cached block (`PrefixMatcher`) starts its sequence's own block from a copy. The rules of
         `write_blocks` apply: the owner thread, between steps, `dst` read by no running sequence."""
         layers = range(self.spec.num_layers)
-        self.write_blocks([dst], layers, self.read_blocks([src], layers))
+        if layers:  # a store without layers (a recurrent-only model's) has nothing to copy
+            self.write_blocks([dst], layers, self.read_blocks([src], layers))
 
     def views(self, batch: BatchLayout) -> list[LayerCacheView]:
         """One mlx-lm cache object per layer for this step's batch."""
