@@ -144,13 +144,14 @@ FAMILIES = [
            content=None, history_parses=True, keeps_reasoning=True, reasoning="think", switch="enable_thinking",
            on="<|turn>model\n", off="<|turn>model\n<|channel>thought\n<channel|>", on_inside=False,
            off_inside=False),
-    # mlx-lm knows no [THINK] markers: the reasoning is not split from the answer
+    # mlx-lm knows no [THINK] markers; the router finds them itself. No switch: the template's default system
+    # prompt (left out when the client sends a system message) asks for [THINK]...[/THINK]; off = budget 0
     Family("ministral-3", "mistralai-Ministral-3-14B-Reasoning-2512.jinja", MISTRAL + ("[THINK]", "[/THINK]"),
            parser="mistral", native=True, inferred="mistral",
            output='[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}', calls=(CALL,), content=None,
-           history_parses=True, keeps_reasoning=False, reasoning=None, switch=None,
-           on="[INST]Weather in Paris?[/INST]", off="[INST]Weather in Paris?[/INST]", on_inside=None,
-           off_inside=None),
+           history_parses=True, keeps_reasoning=False, reasoning="think", switch=None,
+           on="[INST]Weather in Paris?[/INST]", off="[INST]Weather in Paris?[/INST]", on_inside=False,
+           off_inside=False),
     # the template writes a history call as NAME[CALL_ID]ID[ARGS]..., which the parser reads as a call of ID
     Family("mistral-small-3.2", "Mistral-Small-3.2-24B-Instruct-2506.jinja",
            MISTRAL + ("[CALL_ID]", "[TOOL_CONTENT]"),

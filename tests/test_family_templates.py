@@ -13,7 +13,12 @@ import random
 import re
 
 import pytest
+from fastapi.testclient import TestClient
 
+from cluster.detokenizer import OutputText
+from cluster.reasoning import start_reasoning
+from cluster.request import FinishReason, RequestOutput
+from router.app import create_app
 from router.errors import APIError
 from router.openai.request import ChatCompletionRequest
 from router.params import prepare_chat
@@ -22,6 +27,7 @@ from router.tool_calls import ContentDelta, ToolCallArguments, ToolCallStarted, 
 from router.tool_prompt import tools_section
 from tests.template_families import (BY_NAME, CALL, CALL_ID, FAMILIES, FIXTURES, HERMES_CALL, HISTORY, QUESTION,
                                      REASONING, WEATHER, tokenizer)
+from tests.router_fakes import MODEL, FakeEngine, parse_sse
 
 IDS = [f.name for f in FAMILIES]
 
@@ -138,10 +144,10 @@ def test_the_generation_prompt_opens_or_closes_reasoning_as_the_template_does(fa
             assert prepared.prompt_text == default.prompt_text
 
 
-def test_gemma_4_thinks_by_default_because_mlx_lm_turns_its_switch_on():
-    """Gemma 4's template thinks only when `enable_thinking` is set; mlx-lm's wrapper sets it to True for any
-    tokenizer with think markers, so a request without reasoning_effort gets the `<|think|>` system line, and one
-    with reasoning_effort none does not."""
+def test_gemma_4_thinks_by_default_because_its_switch_is_set_on():
+    """Gemma 4's template thinks only when `enable_thinking` is set; a request without reasoning_effort has the
+    switch on (the router sets it, as mlx-lm's wrapper does for the think markers it knows), so it gets the
+    `<|think|>` system line, and one with reasoning_effort none does not."""
     gemma = BY_NAME["gemma-4"]
     assert "<|turn>system\n<|think|>\n" in prepare(gemma, messages=QUESTION).prompt_text
     assert "<|think|>" not in prepare(gemma, messages=QUESTION, reasoning_effort="none").prompt_text
@@ -214,3 +220,54 @@ def test_lfm2_drops_the_previous_tool_call_from_the_history():
     text = prepare(BY_NAME["lfm2"], messages=HISTORY, tools=[WEATHER]).prompt_text
     assert "<|im_start|>assistant\n<|im_end|>\n<|im_start|>tool\n<|tool_response_start|>18 C" in text
     assert text.count("Paris") == 1  # the user's question only
+
+
+class SplittingEngine(FakeEngine):
+    """Answers every request with `answer`'s tokens, one per delta, split into reasoning and answer by the engine's
+    own machinery: the reasoning state of the request's ReasoningParams (cluster/reasoning.py) behind
+    `cluster.detokenizer.OutputText`, as the engine runs them."""
+
+    answer = ""
+
+    async def generate(self, request):
+        self.submitted.append(request)
+        sp = request.sampling
+        wrapper = self.tok.wrapped
+        state = start_reasoning(sp.reasoning, False, wrapper.decode) if sp.reasoning is not None else None
+        text = OutputText(wrapper, request.prompt_token_ids, sp.stop, sp.skip_special_tokens, state)
+        ids = wrapper.encode(self.answer, add_special_tokens=False)
+        for i, token in enumerate(ids):
+            delta = text.add(token)
+            answer, reasoning = delta.text, delta.reasoning
+            last = i == len(ids) - 1
+            if last:
+                tail = text.finish()
+                answer, reasoning = answer + tail.text, reasoning + tail.reasoning
+            yield RequestOutput(request.request_id, (token,), answer,
+                                finish_reason=FinishReason.STOP if last else None,
+                                num_prompt_tokens=len(request.prompt_token_ids), num_output_tokens=i + 1,
+                                reasoning_text=reasoning, num_reasoning_tokens=state.count if state else 0)
+
+
+def test_ministral_3_reasoning_in_think_brackets_comes_apart_from_the_answer_whole_and_streamed():
+    """Ministral 3 writes `[THINK]reasoning[/THINK]answer`; the router finds those markers (single tokens mlx-lm
+    does not know), so over Chat Completions the reasoning arrives as `reasoning_content` and the answer as
+    `content`, whole and streamed, and a tool call after the reasoning is still a call."""
+    ministral = tokenizer(BY_NAME["ministral-3"])
+    engine = SplittingEngine(ministral)
+    engine.answer = f"[THINK]{REASONING}[/THINK]It is 18 C in Paris."
+    body = {"model": MODEL, "max_tokens": 64, "messages": QUESTION}
+    with TestClient(create_app(engine, ministral, served_model_names=[MODEL])) as client:
+        whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert (whole["reasoning_content"], whole["content"]) == (REASONING, "It is 18 C in Paris.")
+        reasoning, content = "", ""
+        for chunk in parse_sse(client.post("/v1/chat/completions", json={**body, "stream": True}).text)[:-1]:
+            for choice in chunk["choices"]:
+                reasoning += choice["delta"].get("reasoning_content") or ""
+                content += choice["delta"].get("content") or ""
+        assert (reasoning, content) == (REASONING, "It is 18 C in Paris.")
+        engine.answer = f"[THINK]{REASONING}[/THINK]" + BY_NAME["ministral-3"].output
+        called = client.post("/v1/chat/completions", json={**body, "tools": [WEATHER]}).json()["choices"][0]
+        assert called["message"]["reasoning_content"] == REASONING and called["finish_reason"] == "tool_calls"
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                for c in called["message"]["tool_calls"]] == [CALL]
