@@ -28,7 +28,7 @@ from router.openai.request import (CONTEXT_LENGTH_EXCEEDED, INT64_MAX, ChatCompl
 from router.structured import build_grammar
 from router.tokenizer import ChatTemplateError, PromptTooLong, RouterTokenizer
 from router.reasoning import ReasoningPlan, plan_reasoning, reasoning_support
-from router.tool_calls import ToolParser, forced_tool_parser_for, tool_parser_for
+from router.tool_calls import ToolParser, forced_tool_parser_for, short_call_ids_for, tool_parser_for
 from router.tool_prompt import chat_messages
 
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (as in vLLM): dividing by ~0 overflows
@@ -143,7 +143,8 @@ async def tokenize_chat(req: ChatCompletionRequest, tok: RouterTokenizer, max_mo
     when the rendered prompt has at least `max_model_len` tokens and is far longer (found after bounded work)."""
     plan = plan or plan_tools(req, tok)
     reasoning = reasoning or reasoning_plan(req, tok)
-    messages, template_tools = chat_messages(req.messages, plan.shown, plan.native)
+    short_ids = plan.native and any(m.tool_calls for m in req.messages) and short_call_ids_for(tok)
+    messages, template_tools = chat_messages(req.messages, plan.shown, plan.native, short_ids)
     if template_tools and reasoning.support.format == "harmony":  # gpt-oss's template reads every description
         template_tools = [{**t, "function": {**t["function"], "description": t["function"].get("description", "")}}
                           for t in template_tools]

@@ -4,9 +4,10 @@ The engine splits the output token by token (cluster/reasoning.py, `SamplingPara
 once per tokenizer (`reasoning_support`):
 
     format     "think": the tokenizer has think markers (mlx-lm's `TokenizerWrapper` finds `<think>`/`</think>` and
-               the other pairs it knows, multi-token ones included); "harmony": the gpt-oss specials (`<|channel|>`,
-               `<|message|>`, ...) are single tokens; None: the model answers directly and every reasoning field
-               is accepted as a no-op
+               the other pairs it knows, multi-token ones included; the router adds the pairs of `THINK_MARKERS`
+               that mlx-lm does not know, such as Mistral's `[THINK]`/`[/THINK]`, when each is one token of the
+               vocabulary); "harmony": the gpt-oss specials (`<|channel|>`, `<|message|>`, ...) are single tokens;
+               None: the model answers directly and every reasoning field is accepted as a no-op
     switch     the chat template's on/off variable (`enable_thinking`, or the name mlx-lm finds for it) when the
                template reads it; None for models that always think (DeepSeek-R1, gpt-oss) or never do
     effort     "reasoning_effort" when the template reads that variable (gpt-oss: "Reasoning: low|medium|high")
@@ -16,8 +17,10 @@ and per request (`plan_reasoning`), from the API fields the doors translate into
     reasoning_effort "none" | "minimal"  thinking off: the switch set to false where there is one; a model
                                          without a switch is told a budget of 0 (the end marker is forced first),
                                          except that harmony's "minimal" is its "low" effort
-    reasoning_effort low | medium | high | xhigh | max   thinking on; the template's effort variable gets the
-                                         level (xhigh and max as high, minimal as low)
+    reasoning_effort low | medium | high | xhigh | max, or none given   thinking on: the switch set to true
+                                         where there is one (mlx-lm's wrapper would default it so only for the
+                                         markers it knows); the template's effort variable gets the level
+                                         (xhigh and max as high, minimal as low)
     thinking_token_budget N              the engine forces the end marker after N reasoning tokens
     chat_template_kwargs                 passed to the template last, so an explicit `enable_thinking` wins;
                                          the keys the router itself sets (messages, tools, add_generation_prompt,
@@ -47,6 +50,9 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "docu
                                       "cycler", "joiner"})
 OFF_EFFORTS = ("none", "minimal")
 _EFFORT_LEVELS = {"minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
+# think markers mlx-lm's TokenizerWrapper does not know (start, end), each a single token where a model has it:
+# Mistral's reasoning models (Ministral 3 Reasoning, Magistral) write `[THINK]reasoning[/THINK]answer`
+THINK_MARKERS = (("[THINK]", "[/THINK]"),)
 
 
 @dataclass(frozen=True)
@@ -115,7 +121,24 @@ def _detect(wrapper: Any) -> ReasoningSupport:
         if start and end:
             kwarg = getattr(wrapper, "_thinking_kwarg", "enable_thinking") or "enable_thinking"
             return ReasoningSupport("think", start, end, kwarg if kwarg in source else None, effort)
+    for start_text, end_text in THINK_MARKERS:
+        start, end = _single_token(wrapper, vocab, start_text), _single_token(wrapper, vocab, end_text)
+        if start is not None and end is not None:
+            switch = "enable_thinking" if "enable_thinking" in source else None
+            return ReasoningSupport("think", (start,), (end,), switch, effort)
     return ReasoningSupport(None, (), (), None, effort)
+
+
+def _single_token(wrapper: Any, vocab: dict, text: str) -> Optional[int]:
+    """The id of `text` when the tokenizer has it as one token (encoding it gives that id alone), else None."""
+    token_id = vocab.get(text)
+    if token_id is None:
+        return None
+    try:
+        encoded = list(wrapper.encode(text, add_special_tokens=False))
+    except Exception:
+        return None
+    return token_id if encoded == [token_id] else None
 
 
 def reasoning_support(wrapper: Any) -> ReasoningSupport:
@@ -149,7 +172,7 @@ def plan_reasoning(support: ReasoningSupport, effort: Optional[str], budget: Opt
             kwargs["enable_thinking"] = False  # mlx-lm's wrapper renames it to the template's own variable
         elif support.format is not None:
             budget = 0
-    elif effort is not None and support.switch is not None:
+    elif support.switch is not None:
         kwargs["enable_thinking"] = True
     if effort is not None and support.effort is not None:
         kwargs[support.effort] = _EFFORT_LEVELS.get(effort, "low")

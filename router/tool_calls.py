@@ -19,6 +19,11 @@ against that tool's `parameters` JSON schema (jsonschema); otherwise its text, m
 content, so nothing the model wrote is lost. That holds for a complete call (its end marker came) that is
 invalid, and for a call beyond the request's `max_calls`.
 
+Text a format's calls may hold that mlx-lm's parser does not read is removed before it parses
+(`IGNORED_IN_CALLS`): Mistral's templates write a previous call as `NAME[CALL_ID]ID[ARGS]{...}` (Mistral
+Small 3.2), where mlx-lm's mistral parser reads `NAME[ARGS]{...}`, so a model that writes its call as its
+history shows it is read too (the id it writes is not used: every call gets a fresh id).
+
 A call the output ends inside (its end marker not yet seen) is decided by why the output ended:
 
     "length"     the output was cut by max_tokens (or the context's end): the call is cut off, and its
@@ -43,6 +48,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import re
 import uuid
 import weakref
 from dataclasses import dataclass
@@ -56,6 +62,8 @@ from router.reasoning import reasoning_support
 logger = logging.getLogger(__name__)
 
 FALLBACK_PARSER = "json_tools"  # the Hermes format the fallback rendering asks for
+# parser name -> the text its calls may hold that mlx-lm's parser does not read (module docstring)
+IGNORED_IN_CALLS = {"mistral": re.compile(r"\[CALL_ID\]\s*[A-Za-z0-9_-]*\s*(?=\[ARGS\])")}
 
 
 @dataclass(frozen=True)
@@ -145,6 +153,7 @@ class ToolParser:
         self.end: str = module.tool_call_end or ""
         self.native = native
         self.markers_are_special = markers_are_special
+        self._ignored = IGNORED_IN_CALLS.get(name)
 
     def __repr__(self) -> str:
         return f"ToolParser({self.name!r}, native={self.native})"
@@ -175,6 +184,8 @@ class ToolParser:
     def calls_from(self, body: str, tools: Sequence[dict]) -> Optional[list[tuple[str, str]]]:
         """[(name, arguments JSON)] of the text between one pair of markers, or None unless every call in it
         parses, names one of `tools` and has arguments valid for that tool."""
+        if self._ignored is not None:
+            body = self._ignored.sub("", body)
         try:
             parsed = self.module.parse_tool_call(body, list(tools))
         except Exception as exc:  # the parsers raise ValueError, JSONDecodeError, SyntaxError, KeyError...
@@ -388,6 +399,22 @@ def tool_parser_for(tok: Any) -> ToolParser:
     """The ToolParser of a RouterTokenizer (the model's own format, or the fallback), built on first use and
     kept for the tokenizer's life."""
     return _parsers(tok)[0]
+
+
+_SHORT_IDS: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+
+
+def short_call_ids_for(tok: Any) -> bool:
+    """True when a RouterTokenizer's chat template takes tool call ids only in Mistral's form (9 letters or
+    digits), so the router renders them so (router/tool_prompt.py): its parser is mistral's, or its template
+    refuses an OpenAI-style id that the short form passes (probed once, kept for the tokenizer's life)."""
+    short = _SHORT_IDS.get(tok)
+    if short is None:
+        from router.tool_prompt import template_refuses_long_call_ids
+
+        short = tool_parser_for(tok).name == "mistral" or template_refuses_long_call_ids(tok.wrapped)
+        _SHORT_IDS[tok] = short
+    return short
 
 
 def forced_tool_parser_for(tok: Any) -> ToolParser:

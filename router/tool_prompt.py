@@ -19,12 +19,25 @@ mlx-lm cannot parse), in the Hermes style the json_tools parser reads:
 
 Which rendering a request gets follows its parser (`ToolParser.native`). Whether a template renders tools is
 probed once per tokenizer: rendered with and without a probe tool, it must differ and name the tool.
+
+Call ids in Mistral's form: Mistral's templates take only tool call ids of 9 letters or digits (Mistral Small
+3.2's raises on any other), while clients send back the ids they were given: the router's own "call_" and 24
+hex digits, Anthropic's "toolu_...", a Responses client's call_id. For such a template (`short_ids`; the router
+decides it per tokenizer, router/tool_calls.py `short_call_ids_for`) native rendering writes every call's id and
+every tool turn's `tool_call_id` as `short_call_ids` maps them: an id already in that form stays; any other gets
+9 base-62 digits of its SHA-256; one already taken in the conversation gets those of its SHA-256 with a counter,
+the ids taken in order of first appearance. So a call and its result keep one id, two ids never share one, and
+a conversation that grows keeps the ids of its earlier turns from one request to the next. vLLM, whose Mistral
+parser gives 9-character ids, cuts longer ones to their last 9 characters instead. The mapping is for the
+template only: the ids the client sees are the router's own, unchanged.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from typing import Any, Optional, Sequence
+import string
+from typing import Any, Iterable, Optional, Sequence
 
 from router.errors import bad_request
 
@@ -49,6 +62,61 @@ def template_renders_tools(wrapper: Any) -> bool:
     except Exception:  # no template, or one that fails on tools
         return False
     return isinstance(with_tools, str) and with_tools != plain and _PROBE_NAME in with_tools
+
+
+SHORT_CALL_ID_LENGTH = 9  # Mistral's tool call ids: this many letters or digits
+_BASE62 = string.digits + string.ascii_letters
+
+
+def is_short_call_id(call_id: str) -> bool:
+    """True for an id in Mistral's form: exactly 9 ASCII letters or digits."""
+    return len(call_id) == SHORT_CALL_ID_LENGTH and call_id.isascii() and call_id.isalnum()
+
+
+def _derived_id(call_id: str, attempt: int) -> str:
+    """9 base-62 digits of the SHA-256 of `call_id` (with `attempt` after the first)."""
+    data = call_id if attempt == 0 else f"{call_id}\0{attempt}"
+    n = int.from_bytes(hashlib.sha256(data.encode("utf-8")).digest(), "big")
+    digits = []
+    for _ in range(SHORT_CALL_ID_LENGTH):
+        n, r = divmod(n, len(_BASE62))
+        digits.append(_BASE62[r])
+    return "".join(digits)
+
+
+def short_call_ids(call_ids: Iterable[str]) -> dict[str, str]:
+    """Each distinct id of `call_ids` (in the conversation's order) -> its id in Mistral's form, distinct ids to
+    distinct ones (rules in the module docstring)."""
+    out: dict[str, str] = {}
+    taken: set[str] = set()
+    for call_id in call_ids:
+        if call_id in out:
+            continue
+        attempt = 0
+        short = call_id if is_short_call_id(call_id) else _derived_id(call_id, attempt)
+        while short in taken:
+            attempt += 1
+            short = _derived_id(call_id, attempt)
+        out[call_id] = short
+        taken.add(short)
+    return out
+
+
+def template_refuses_long_call_ids(wrapper: Any) -> bool:
+    """True when the chat template refuses a previous call whose id is OpenAI-style ("call_" and 24 hex digits)
+    but renders it with an id in Mistral's form (probe: a call of the probe tool and its result)."""
+    def renders(call_id: str) -> bool:
+        messages = [{"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "", "tool_calls": [
+                        {"id": call_id, "type": "function", "function": {"name": _PROBE_NAME, "arguments": {}}}]},
+                    {"role": "tool", "tool_call_id": call_id, "name": _PROBE_NAME, "content": "ok"}]
+        try:
+            wrapper.apply_chat_template(messages, tools=[_PROBE_TOOL], add_generation_prompt=True, tokenize=False)
+        except Exception:
+            return False
+        return True
+
+    return not renders("call_" + "0" * 24) and renders("a1B2c3D4e")
 
 
 def tools_section(tools: Sequence[dict]) -> str:
@@ -88,7 +156,8 @@ def _check_tool_turns(messages: Sequence[Any]) -> dict[str, str]:
     return called
 
 
-def _native(messages: Sequence[Any], called: dict[str, str]) -> list[dict[str, Any]]:
+def _native(messages: Sequence[Any], called: dict[str, str], short_ids: bool) -> list[dict[str, Any]]:
+    ids = short_call_ids(c.id for m in messages for c in m.tool_calls or ()) if short_ids else {}
     out = []
     for m in messages:
         message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
@@ -97,11 +166,11 @@ def _native(messages: Sequence[Any], called: dict[str, str]) -> list[dict[str, A
         if m.role == "assistant" and m.reasoning_text:  # Qwen3's and GLM's templates read the first name,
             message["reasoning_content"] = message["thinking"] = m.reasoning_text  # gpt-oss's the second
         if m.tool_calls:
-            message["tool_calls"] = [{"id": c.id, "type": "function",
+            message["tool_calls"] = [{"id": ids.get(c.id, c.id), "type": "function",
                                       "function": {"name": c.function.name, "arguments": c.function.arguments}}
                                      for c in m.tool_calls]
         if m.role == "tool":
-            message["tool_call_id"] = m.tool_call_id
+            message["tool_call_id"] = ids.get(m.tool_call_id, m.tool_call_id)
             message["name"] = called[m.tool_call_id]
         out.append(message)
     return out
@@ -136,13 +205,14 @@ def _fallback(messages: Sequence[Any], tools: Sequence[dict]) -> list[dict[str, 
     return out
 
 
-def chat_messages(messages: Sequence[Any], tools: Sequence[dict], native: bool
+def chat_messages(messages: Sequence[Any], tools: Sequence[dict], native: bool, short_ids: bool = False
                   ) -> tuple[list[dict[str, Any]], Optional[list[dict]]]:
     """(messages for the chat template, `tools` argument for it or None) of validated ChatMessages.
 
     `tools`: the function tools to show the model (OpenAI-shaped; empty shows none); `native`: render them
-    with the template (True) or with the Hermes fallback (False). 400 for inconsistent tool turns."""
+    with the template (True) or with the Hermes fallback (False); `short_ids`: the template takes call ids only
+    in Mistral's form, so native rendering maps them (module docstring). 400 for inconsistent tool turns."""
     called = _check_tool_turns(messages)
     if native:
-        return _native(messages, called), (list(tools) or None)
+        return _native(messages, called, short_ids), (list(tools) or None)
     return _fallback(messages, tools), None

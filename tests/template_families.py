@@ -40,7 +40,7 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
                    "required": ["city"]}}}
 CALL = ("get_weather", {"city": "Paris", "days": 2})
-CALL_ID = "abc123XYZ"  # nine alphanumerics: the only ids Mistral Small 3.2's template accepts
+CALL_ID = "call_9f3b2c1d0e4a5b6c7d8e9f01"  # the router's own form, as clients send it back
 REASONING = "The user wants the forecast, so I call the tool."
 HISTORY = [
     {"role": "system", "content": "Be brief."},
@@ -144,19 +144,21 @@ FAMILIES = [
            content=None, history_parses=True, keeps_reasoning=True, reasoning="think", switch="enable_thinking",
            on="<|turn>model\n", off="<|turn>model\n<|channel>thought\n<channel|>", on_inside=False,
            off_inside=False),
-    # mlx-lm knows no [THINK] markers: the reasoning is not split from the answer
+    # mlx-lm knows no [THINK] markers; the router finds them itself. No switch: the template's default system
+    # prompt (left out when the client sends a system message) asks for [THINK]...[/THINK]; off = budget 0
     Family("ministral-3", "mistralai-Ministral-3-14B-Reasoning-2512.jinja", MISTRAL + ("[THINK]", "[/THINK]"),
            parser="mistral", native=True, inferred="mistral",
            output='[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}', calls=(CALL,), content=None,
-           history_parses=True, keeps_reasoning=False, reasoning=None, switch=None,
-           on="[INST]Weather in Paris?[/INST]", off="[INST]Weather in Paris?[/INST]", on_inside=None,
-           off_inside=None),
-    # the template writes a history call as NAME[CALL_ID]ID[ARGS]..., which the parser reads as a call of ID
+           history_parses=True, keeps_reasoning=False, reasoning="think", switch=None,
+           on="[INST]Weather in Paris?[/INST]", off="[INST]Weather in Paris?[/INST]", on_inside=False,
+           off_inside=False),
+    # the template takes call ids of 9 letters or digits only (the router maps the client's) and writes a history
+    # call as NAME[CALL_ID]ID[ARGS]..., which the router reads without the id
     Family("mistral-small-3.2", "Mistral-Small-3.2-24B-Instruct-2506.jinja",
            MISTRAL + ("[CALL_ID]", "[TOOL_CONTENT]"),
            parser="mistral", native=True, inferred="mistral",
            output='[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}', calls=(CALL,), content=None,
-           history_parses=False, keeps_reasoning=False, reasoning=None, switch=None,
+           history_parses=True, keeps_reasoning=False, reasoning=None, switch=None,
            on="[INST]Weather in Paris?[/INST]", off="[INST]Weather in Paris?[/INST]", on_inside=None,
            off_inside=None),
     # llama.cpp vendors Unsloth's edit of the template, which renders no tools: the Hermes fallback

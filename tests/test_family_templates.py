@@ -13,15 +13,22 @@ import random
 import re
 
 import pytest
+from fastapi.testclient import TestClient
 
+from cluster.detokenizer import OutputText
+from cluster.reasoning import start_reasoning
+from cluster.request import FinishReason, RequestOutput
+from router.app import create_app
 from router.errors import APIError
 from router.openai.request import ChatCompletionRequest
 from router.params import prepare_chat
 from router.reasoning import reasoning_support
-from router.tool_calls import ContentDelta, ToolCallArguments, ToolCallStarted, infer_parser_name, tool_parser_for
-from router.tool_prompt import tools_section
+from router.tool_calls import (ContentDelta, ToolCallArguments, ToolCallStarted, infer_parser_name,
+                               short_call_ids_for, tool_parser_for)
+from router.tool_prompt import short_call_ids, template_refuses_long_call_ids, tools_section
 from tests.template_families import (BY_NAME, CALL, CALL_ID, FAMILIES, FIXTURES, HERMES_CALL, HISTORY, QUESTION,
                                      REASONING, WEATHER, tokenizer)
+from tests.router_fakes import MODEL, FakeEngine, parse_sse
 
 IDS = [f.name for f in FAMILIES]
 
@@ -138,10 +145,10 @@ def test_the_generation_prompt_opens_or_closes_reasoning_as_the_template_does(fa
             assert prepared.prompt_text == default.prompt_text
 
 
-def test_gemma_4_thinks_by_default_because_mlx_lm_turns_its_switch_on():
-    """Gemma 4's template thinks only when `enable_thinking` is set; mlx-lm's wrapper sets it to True for any
-    tokenizer with think markers, so a request without reasoning_effort gets the `<|think|>` system line, and one
-    with reasoning_effort none does not."""
+def test_gemma_4_thinks_by_default_because_its_switch_is_set_on():
+    """Gemma 4's template thinks only when `enable_thinking` is set; a request without reasoning_effort has the
+    switch on (the router sets it, as mlx-lm's wrapper does for the think markers it knows), so it gets the
+    `<|think|>` system line, and one with reasoning_effort none does not."""
     gemma = BY_NAME["gemma-4"]
     assert "<|turn>system\n<|think|>\n" in prepare(gemma, messages=QUESTION).prompt_text
     assert "<|think|>" not in prepare(gemma, messages=QUESTION, reasoning_effort="none").prompt_text
@@ -182,16 +189,97 @@ def test_smollm3_writes_its_reasoning_mode_into_the_system_turn():
     assert "Reasoning Mode: /no_think\n" in prepare(smol, messages=QUESTION, reasoning_effort="none").prompt_text
 
 
-def test_mistral_small_3_2_refuses_call_ids_that_are_not_nine_alphanumerics():
-    """Mistral Small 3.2's template raises on a tool call id that is not 9 alphanumerics, so a conversation
-    carrying OpenAI-style ids (`call_` and 24 hex digits, as the router itself gives) is a 400 naming the
-    template's message."""
-    history = json.loads(json.dumps(HISTORY).replace(CALL_ID, "call_" + "0" * 24))
-    with pytest.raises(APIError) as caught:
-        prepare(BY_NAME["mistral-small-3.2"], messages=history, tools=[WEATHER])
-    assert (caught.value.status, caught.value.param) == (400, "messages")
-    assert "Tool call IDs should be alphanumeric strings with length 9" in str(caught.value)
-    prepare(BY_NAME["ministral-3"], messages=history, tools=[WEATHER])  # Ministral 3's template takes any id
+TOOLU_ID = "toolu_01A09q90qw90lq917835lq9"  # an Anthropic tool_use id, as an Anthropic client sends it back
+LONDON = ("get_weather", {"city": "London"})
+TWO_CALLS = [
+    QUESTION[1],
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": CALL_ID, "type": "function", "function": {"name": CALL[0], "arguments": json.dumps(CALL[1])}},
+        {"id": TOOLU_ID, "type": "function", "function": {"name": LONDON[0], "arguments": json.dumps(LONDON[1])}}]},
+    {"role": "tool", "tool_call_id": TOOLU_ID, "content": "12 C"},  # the results in the other order
+    {"role": "tool", "tool_call_id": CALL_ID, "content": "18 C"},
+]
+MISTRAL_HISTORY_CALL = re.compile(r"\[TOOL_CALLS\]get_weather\[CALL_ID\]([^\[]*)\[ARGS\](\{[^}]*\})")
+MISTRAL_RESULT = re.compile(r"\[TOOL_RESULTS\]([^\[]*)\[TOOL_CONTENT\]([^\[]*)\[/TOOL_RESULTS\]")
+
+
+def test_mistral_small_3_2_renders_client_call_ids_in_its_own_form_each_result_paired_with_its_call():
+    """Mistral Small 3.2's template takes only call ids of 9 letters or digits; a conversation whose calls carry
+    the ids clients send back (the router's `call_...`, Anthropic's `toolu_...`) renders with each id written in
+    that form, distinct ids distinct, each result under the id of the call it answers; the next turn's prompt
+    writes the same ids, the history's calls read back, and the model's next call parses, written with or
+    without a call id of its own, whole and streamed."""
+    mistral = BY_NAME["mistral-small-3.2"]
+    text = prepare(mistral, messages=TWO_CALLS, tools=[WEATHER]).prompt_text
+    calls = {json.loads(args)["city"]: short for short, args in MISTRAL_HISTORY_CALL.findall(text)}
+    results = dict(MISTRAL_RESULT.findall(text))
+    assert set(calls) == {"Paris", "London"} and calls["Paris"] != calls["London"]
+    assert all(len(short) == 9 and short.isascii() and short.isalnum() for short in calls.values())
+    assert results == {calls["Paris"]: "18 C", calls["London"]: "12 C"}
+    later = TWO_CALLS + [{"role": "assistant", "content": "18 C and 12 C."}, {"role": "user", "content": "Thanks"}]
+    again = prepare(mistral, messages=later, tools=[WEATHER]).prompt_text
+    assert MISTRAL_HISTORY_CALL.findall(again) == MISTRAL_HISTORY_CALL.findall(text)
+    assert MISTRAL_RESULT.findall(again) == MISTRAL_RESULT.findall(text)
+    parser = tool_parser_for(tokenizer(mistral))
+    _, read_back = parser.parse(text, [WEATHER])
+    assert calls_of(read_back) == [CALL, LONDON]
+    rng = random.Random("mistral-call-id")
+    for output in (mistral.output, mistral.output.replace("[ARGS]", "[CALL_ID]a1B2c3D4e[ARGS]")):
+        content, parsed = parser.parse(output, [WEATHER], "stop")
+        assert (content, calls_of(parsed)) == (None, [CALL])
+        for _ in range(5):
+            assert streamed(parser, output, rng) == (None, [CALL])
+
+
+def test_call_ids_in_mistrals_form_are_kept_derived_or_told_apart():
+    """An id of 9 letters or digits stays as it is; any other gets 9 letters or digits derived from the id itself,
+    so the same in every request; an id whose form is already taken by an earlier one of the conversation gets
+    another, so no two ids share one."""
+    first = short_call_ids([CALL_ID])[CALL_ID]
+    assert len(first) == 9 and first.isascii() and first.isalnum()
+    ids = short_call_ids(["abc123XYZ", "toolu_x", CALL_ID, "toolu_x", first])
+    assert list(ids) == ["abc123XYZ", "toolu_x", CALL_ID, first]
+    assert ids["abc123XYZ"] == "abc123XYZ" and ids[CALL_ID] == first
+    assert ids[first] != first and len(set(ids.values())) == 4
+    assert all(len(v) == 9 and v.isascii() and v.isalnum() for v in ids.values())
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=IDS)
+def test_only_mistral_templates_get_call_ids_in_mistrals_form(family):
+    """The router maps call ids for the templates read with the mistral parser; of all the families' templates
+    only Mistral Small 3.2's refuses an OpenAI-style id that a 9-character one passes (the probe that catches
+    such a template whatever its parser)."""
+    tok = tokenizer(family)
+    assert template_refuses_long_call_ids(tok.wrapped) == (family.name == "mistral-small-3.2")
+    assert short_call_ids_for(tok) == (family.parser == "mistral")
+
+
+def test_mistral_small_3_2_takes_anthropic_and_responses_call_ids_back():
+    """Over Anthropic's Messages (a tool_use id `toolu_...`) and the Responses API (a call_id), a Mistral Small
+    3.2 conversation holding a call and its result is served, not refused by the template, the result under the
+    call's id in the prompt."""
+    mistral = tokenizer(BY_NAME["mistral-small-3.2"])
+    engine = FakeEngine(mistral)
+    arguments = json.dumps(CALL[1])
+    anthropic_body = {"model": MODEL, "max_tokens": 4, "tools": [
+        {"name": "get_weather", "description": "Weather of a city", "input_schema": WEATHER["function"]["parameters"]}],
+        "messages": [{"role": "user", "content": "Weather in Paris?"},
+                     {"role": "assistant", "content": [{"type": "tool_use", "id": TOOLU_ID, "name": CALL[0],
+                                                        "input": CALL[1]}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": TOOLU_ID,
+                                                   "content": "18 C"}]}]}
+    responses_body = {"model": MODEL, "max_output_tokens": 4, "tools": [{"type": "function", **WEATHER["function"]}],
+                      "input": [{"role": "user", "content": "Weather in Paris?"},
+                                {"type": "function_call", "call_id": CALL_ID, "name": CALL[0],
+                                 "arguments": arguments},
+                                {"type": "function_call_output", "call_id": CALL_ID, "output": "18 C"}]}
+    with TestClient(create_app(engine, mistral, served_model_names=[MODEL])) as client:
+        for path, body in (("/v1/messages", anthropic_body), ("/v1/responses", responses_body)):
+            r = client.post(path, json=body)
+            assert r.status_code == 200, r.text
+            prompt = mistral.decode(engine.submitted[-1].prompt_token_ids)
+            (short, _), = MISTRAL_HISTORY_CALL.findall(prompt)
+            assert MISTRAL_RESULT.findall(prompt) == [(short, "18 C")]
 
 
 def test_kimi_k2_thinking_reads_back_a_history_call_only_with_kimis_own_call_id_and_heads_the_result_by_name():
@@ -214,3 +302,54 @@ def test_lfm2_drops_the_previous_tool_call_from_the_history():
     text = prepare(BY_NAME["lfm2"], messages=HISTORY, tools=[WEATHER]).prompt_text
     assert "<|im_start|>assistant\n<|im_end|>\n<|im_start|>tool\n<|tool_response_start|>18 C" in text
     assert text.count("Paris") == 1  # the user's question only
+
+
+class SplittingEngine(FakeEngine):
+    """Answers every request with `answer`'s tokens, one per delta, split into reasoning and answer by the engine's
+    own machinery: the reasoning state of the request's ReasoningParams (cluster/reasoning.py) behind
+    `cluster.detokenizer.OutputText`, as the engine runs them."""
+
+    answer = ""
+
+    async def generate(self, request):
+        self.submitted.append(request)
+        sp = request.sampling
+        wrapper = self.tok.wrapped
+        state = start_reasoning(sp.reasoning, False, wrapper.decode) if sp.reasoning is not None else None
+        text = OutputText(wrapper, request.prompt_token_ids, sp.stop, sp.skip_special_tokens, state)
+        ids = wrapper.encode(self.answer, add_special_tokens=False)
+        for i, token in enumerate(ids):
+            delta = text.add(token)
+            answer, reasoning = delta.text, delta.reasoning
+            last = i == len(ids) - 1
+            if last:
+                tail = text.finish()
+                answer, reasoning = answer + tail.text, reasoning + tail.reasoning
+            yield RequestOutput(request.request_id, (token,), answer,
+                                finish_reason=FinishReason.STOP if last else None,
+                                num_prompt_tokens=len(request.prompt_token_ids), num_output_tokens=i + 1,
+                                reasoning_text=reasoning, num_reasoning_tokens=state.count if state else 0)
+
+
+def test_ministral_3_reasoning_in_think_brackets_comes_apart_from_the_answer_whole_and_streamed():
+    """Ministral 3 writes `[THINK]reasoning[/THINK]answer`; the router finds those markers (single tokens mlx-lm
+    does not know), so over Chat Completions the reasoning arrives as `reasoning_content` and the answer as
+    `content`, whole and streamed, and a tool call after the reasoning is still a call."""
+    ministral = tokenizer(BY_NAME["ministral-3"])
+    engine = SplittingEngine(ministral)
+    engine.answer = f"[THINK]{REASONING}[/THINK]It is 18 C in Paris."
+    body = {"model": MODEL, "max_tokens": 64, "messages": QUESTION}
+    with TestClient(create_app(engine, ministral, served_model_names=[MODEL])) as client:
+        whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert (whole["reasoning_content"], whole["content"]) == (REASONING, "It is 18 C in Paris.")
+        reasoning, content = "", ""
+        for chunk in parse_sse(client.post("/v1/chat/completions", json={**body, "stream": True}).text)[:-1]:
+            for choice in chunk["choices"]:
+                reasoning += choice["delta"].get("reasoning_content") or ""
+                content += choice["delta"].get("content") or ""
+        assert (reasoning, content) == (REASONING, "It is 18 C in Paris.")
+        engine.answer = f"[THINK]{REASONING}[/THINK]" + BY_NAME["ministral-3"].output
+        called = client.post("/v1/chat/completions", json={**body, "tools": [WEATHER]}).json()["choices"][0]
+        assert called["message"]["reasoning_content"] == REASONING and called["finish_reason"] == "tool_calls"
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                for c in called["message"]["tool_calls"]] == [CALL]
