@@ -147,12 +147,14 @@ SUBCOMMANDS = {
                      "ratio to the link's rate; root (benchmarks/link_transfer.py)",
     "lab-ttft": "TTFT and the decode worker's first token of 2k-token prompts on a 1P2D lab over shaped links, per KV "
                 "format on the wire; root (benchmarks/lab_ttft.py)",
+    "load-check": "what the load check costs per model: seconds, seconds per billion parameters, and against one "
+                  "512-token prefill (benchmarks/load_check_bench.py)",
 }
 MODULES = {"cluster": "cluster_bench", "routing": "routing_bench", "routing-sim": "routing_sim",
            "speculative": "speculative_bench", "hybrid-turns": "hybrid_bench",
            "structured": "structured_bench", "interference": "interference_bench",
            "mixed-prefill": "mixed_prefill_bench", "aiperf": "aiperf_compare", "link-transfer": "link_transfer",
-           "lab-ttft": "lab_ttft"}  # own add/run/tables
+           "lab-ttft": "lab_ttft", "load-check": "load_check_bench"}  # own add/run/tables
 
 
 def build_subcommand_parser(name: str) -> argparse.ArgumentParser:
