@@ -19,7 +19,7 @@ both servers, cold and cached, in under half an hour.
 whose `language_model` is the text model, its fields under `text_config`, no vision tower). Its layers are the
 same: hidden 512, 12 layers with every 4th gated full attention (8 query heads over 2 KV heads of 64, a quarter
 of each head rotated, rope_theta 1e7 as above, given as Qwen 3.5's `rope_parameters`), 9 Gated DeltaNet with the
-same head sizes (Qwen 3.5 splits the input projections into qkv, z, b and a; the same weights in all), the same
+same head sizes (Qwen 3.5 splits the input projection into qkv, z, b and a: as many weights in all), the same
 vocabulary and untied head, float32. Its MLP is plain `qwen3_5`'s dense SwiGLU, 1,024 wide: the width qwen3_next's
 two routed experts of 256 and its 512-wide shared expert give each token, so both models do about the same work
 per token, while the qwen3_5 keeps no idle experts: 81.5M parameters, 326 MB. Its recurrent state and KV per token
