@@ -132,9 +132,9 @@ SUBCOMMANDS = {
                    "checked against single-node, faults, overload (benchmarks/reliability.py, docs/RELIABILITY.md)",
     "speculative": "speculative decoding on a rewrite/summarize workload: plain vs prompt lookup vs draft model, "
                    "output tokens/s and acceptance rates (benchmarks/speculative_bench.py)",
-    "hybrid-turns": "a hybrid model (qwen3_next) in a 16-turn chat: TTFT with its recurrent-state prefix cache vs "
-                    "cold, next to mlx_lm.server; snapshot bytes; RSS over many conversations "
-                    "(benchmarks/hybrid_bench.py)",
+    "hybrid-turns": "a hybrid model (qwen3_next, or qwen3_5 with --family) in a 16-turn chat: TTFT with its "
+                    "recurrent-state prefix cache vs cold, next to mlx_lm.server; snapshot bytes; RSS over many "
+                    "conversations (benchmarks/hybrid_bench.py)",
     "structured": "constrained decoding in process: decode tok/s with every request JSON-schema constrained vs "
                   "unconstrained at concurrency 8, and the grammar mask's cost per step (benchmarks/structured_bench.py)",
     "interference": "mlx-pd vs mlx_lm.server: decoding streams' ITL before and during a long prompt's prefill, and "

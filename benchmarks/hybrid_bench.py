@@ -4,7 +4,9 @@ whether the server's memory stays flat.
     mlx-pd bench hybrid-turns --out hybrid.json --markdown hybrid.md
 
 Model: a random-weight qwen3_next (benchmarks/hybrid_model.py: 9 Gated DeltaNet + 3 attention layers, 110M
-parameters, float32, SmolLM2's tokenizer), built once into the mlx-pd cache; `--model-dir` serves another folder.
+parameters, float32, SmolLM2's tokenizer), built once into the mlx-pd cache; `--family qwen3_5` builds and serves
+a random Qwen 3.5 of the same layers with a dense MLP instead (81.5M parameters); `--model-dir` serves another
+folder.
 Three phases (`--phases`, default all):
 
 **turns**: one conversation of `--turns` turns (16), each adding a user message of about `--user-tokens` tokens
@@ -65,6 +67,7 @@ from typing import Callable, Optional, Sequence
 import httpx
 
 from benchmarks.compare import OURS, REPO_ROOT, THEIRS, eos_token_ids, machine_info, round_order
+from benchmarks.hybrid_model import FAMILIES as HYBRID_FAMILIES
 from benchmarks.hybrid_replay import run_snapshots
 from benchmarks.hybrid_report import FAMILIES, OURS_COLD, THEIRS_COLD, _mean, _mib, _s, tables
 from benchmarks.loadgen import WorkloadConfig, load_prompts, send_request, warmup
@@ -346,7 +349,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="conversations after which the snapshot budget is full: growth is also reported from there (2)")
     p.add_argument("--replay-conversations", type=int, default=0,
                    help="rss conversations also replayed in process, to read the snapshots there (0 = none)")
-    p.add_argument("--model-dir", default=None, help="a hybrid mlx-lm model folder (default: the random qwen3_next)")
+    p.add_argument("--family", default="qwen3_next", choices=tuple(HYBRID_FAMILIES),
+                   help="which random hybrid to build and serve: qwen3_next (default) or qwen3_5")
+    p.add_argument("--model-dir", default=None,
+                   help="a hybrid mlx-lm model folder (default: the random model of --family)")
     p.add_argument("--seed", type=int, default=0, help="seed of the texts and the tags")
     p.add_argument("--out", default=None, help="write the full results as JSON")
     p.add_argument("--markdown", default=None, help="also write the tables as Markdown")
@@ -360,9 +366,9 @@ def run(args, log=None) -> dict:
     if min(args.turns, args.user_tokens, args.max_tokens, args.last_turns, args.rss_conversations, args.rss_turns,
            args.rss_user_tokens, args.rss_max_tokens) < 1:
         raise ValueError("turn counts, token counts and conversation counts must be >= 1")
-    from benchmarks.hybrid_model import HYBRID_CONFIG, hybrid_model_dir, num_parameters, state_bytes_per_sequence
+    from benchmarks.hybrid_model import GATED_DELTANET, hybrid_model_dir, num_parameters, state_bytes_per_sequence
 
-    model_dir = str(args.model_dir or hybrid_model_dir(seed=args.seed))
+    model_dir = str(args.model_dir or hybrid_model_dir(seed=args.seed, family=args.family))
     tokens = ChatTokens.from_model_dir(model_dir)
     nonce = f"{random.getrandbits(32):08x}"  # a fresh conversation on every run (also against a warm cache)
     rss_convs = [conversation(c, args.rss_turns, args.rss_user_tokens, tokens.count, tag=f"rss {nonce}",
@@ -372,8 +378,8 @@ def run(args, log=None) -> dict:
     config = json.loads((Path(model_dir) / "config.json").read_text())
     result = {"kind": "hybrid-turns", "machine": machine_info(), "model_dir": model_dir, "model_config": config,
               "parameters": num_parameters(Path(model_dir)),
-              "state_bytes_per_snapshot": state_bytes_per_sequence(config) if config.get("model_type") ==
-              HYBRID_CONFIG["model_type"] else None,
+              "state_bytes_per_snapshot": state_bytes_per_sequence(config) if config.get("model_type") in
+              GATED_DELTANET else None,
               "turns": args.turns, "user_tokens": args.user_tokens, "max_tokens": args.max_tokens,
               "last_turns": args.last_turns, "phases": phases, "errors": 0}
     t0 = time.perf_counter()

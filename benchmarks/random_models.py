@@ -4,6 +4,7 @@ SmolLM2's tokenizer: the fast-accelerator stand-in (benchmarks/reliability_long.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import os
@@ -39,7 +40,9 @@ def random_model_dir(name: str, config: dict, seed: int = 0, root: Optional[Path
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     os.chmod(tmp, 0o755)
     mx.random.seed(seed)
-    model = family.Model(family.ModelArgs.from_dict(config))
+    # a copy: some families' argument classes edit nested dicts in place (qwen3_5 renames rope_parameters'
+    # rope_type to type), which would change the config.json and marker written below, and the caller's dict
+    model = family.Model(family.ModelArgs.from_dict(copy.deepcopy(config)))
     weights = dict(tree_flatten(model.parameters()))
     mx.eval(weights)
     mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
