@@ -1,5 +1,5 @@
-"""The KV wing's boundaries: only it (and the runner and the model families, which map layers to groups) names a
-kind of KV cache group; `Sequence` holds tokens, counters and sampling state and nothing of the KV; the wing
+"""The KV wing's boundaries: only it (and the runner and the model structure, which map layers to groups, and the
+load check, which crosses each kind's boundaries on purpose) names a kind of KV cache group; `Sequence` holds tokens, counters and sampling state and nothing of the KV; the wing
 imports nothing of the engine."""
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from tests.test_dependency_rule import imports
 
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCT = ("cluster", "kv_transfer", "prefill_node", "decode_node", "router")
-# the wing, and the two files that map a model's layers onto groups
-ALLOWED = ("cluster/kv/", "cluster/runner.py", "cluster/model_structure.py")
+# the wing, the two files that map a model's layers onto groups, and the load check, whose probe crosses every
+# window and restores a recurrent state from a snapshot to prove them
+ALLOWED = ("cluster/kv/", "cluster/runner.py", "cluster/model_structure.py", "cluster/load_check.py")
 # the kinds and their fields: sliding windows (`window_table`, `seq.window`...), recurrent state, its snapshots and
 # the restore points they make (a plain local `window` elsewhere is a text or time window, not a KV group's)
 KIND_WORDS = ("recurrent", "sliding", "state_snapshot", "snapshots", "restore_point", "restorable")
