@@ -3,6 +3,8 @@
 The markers (`slow`: long tests over the real model, still run in CI; `ray`: tests that start a local
 Ray cluster) and the default per-test timeout (600 s, pytest-timeout) are declared in pyproject.toml.
 
+After each module the process hands MLX's cached buffers back (`_memory_back_after_each_module`).
+
 The timeout is sized for MLX's CPU backend with OpenBLAS preloaded (scripts/env.sh). Without it
 (`MLX_PD_NO_OPENBLAS=1`, or a machine without Debian's OpenBLAS) the wheel's reference BLAS does the same
 matmuls about ten times slower (the 3,000-token recall test in tests/test_quantized_kv.py: 45 s with
@@ -55,3 +57,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(base * REFERENCE_BLAS_FACTOR))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _memory_back_after_each_module():
+    """After each test module, collect its garbage and hand MLX's cached buffers back to the system: the suite runs
+    in one process on a 24 GiB machine, and buffers a module freed would otherwise stay in MLX's cache, sized for
+    that module's models, under the next module's."""
+    yield
+    import gc
+
+    import mlx.core as mx
+
+    gc.collect()
+    mx.clear_cache()

@@ -231,3 +231,19 @@ def test_a_long_window_is_shrunk_so_the_probe_crosses_it(model_type, tmp_path):
     assert "window of 12 positions crossed" in check.checks
     assert dict(check.peak_blocks)["sliding_window"] >= 2
     assert verify_model(model).layer_windows.count(4096) == 1 and check.verified.layer_windows == (4096, None)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_check_passes_on_quantized_weights(bits, tmp_path):
+    """A llama whose weights are quantized as mlx-lm's converter does (every linear and the embedding, groups of 32)
+    passes the load check in float32: the paged path and mlx-lm's own run the same quantized weights."""
+    import mlx.nn as nn
+
+    from cluster.model import read_model_spec
+
+    config = {"model_type": "llama", **COMMON, **CONFIGS["llama"]}
+    model = build("llama", config)
+    nn.quantize(model, group_size=32, bits=bits)
+    spec = read_model_spec(write_config(tmp_path, config))
+    check = run_load_check(model, tokenizer(), spec, CONFIG)
+    assert "prefix hit reusing 16 tokens" in "; ".join(check.checks)
