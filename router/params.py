@@ -28,7 +28,8 @@ from router.openai.request import (CONTEXT_LENGTH_EXCEEDED, INT64_MAX, ChatCompl
 from router.structured import build_grammar
 from router.tokenizer import ChatTemplateError, PromptTooLong, RouterTokenizer
 from router.reasoning import ReasoningPlan, plan_reasoning, reasoning_support
-from router.tool_calls import ToolParser, forced_tool_parser_for, short_call_ids_for, tool_parser_for
+from router.tool_calls import ToolParser, forced_tool_parser_for, tool_parser_for
+from router.tool_prompt import short_call_ids_for
 from router.tool_prompt import chat_messages
 
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (as in vLLM): dividing by ~0 overflows

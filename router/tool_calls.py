@@ -401,22 +401,6 @@ def tool_parser_for(tok: Any) -> ToolParser:
     return _parsers(tok)[0]
 
 
-_SHORT_IDS: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
-
-
-def short_call_ids_for(tok: Any) -> bool:
-    """True when a RouterTokenizer's chat template takes tool call ids only in Mistral's form (9 letters or
-    digits), so the router renders them so (router/tool_prompt.py): its parser is mistral's, or its template
-    refuses an OpenAI-style id that the short form passes (probed once, kept for the tokenizer's life)."""
-    short = _SHORT_IDS.get(tok)
-    if short is None:
-        from router.tool_prompt import template_refuses_long_call_ids
-
-        short = tool_parser_for(tok).name == "mistral" or template_refuses_long_call_ids(tok.wrapped)
-        _SHORT_IDS[tok] = short
-    return short
-
-
 def forced_tool_parser_for(tok: Any) -> ToolParser:
     """The json_tools ToolParser of a RouterTokenizer, for output a grammar forced into the Hermes form
     (router/structured.py): the model's own parser when it is json_tools, else the fallback one."""

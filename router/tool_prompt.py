@@ -23,7 +23,7 @@ probed once per tokenizer: rendered with and without a probe tool, it must diffe
 Call ids in Mistral's form: Mistral's templates take only tool call ids of 9 letters or digits (Mistral Small
 3.2's raises on any other), while clients send back the ids they were given: the router's own "call_" and 24
 hex digits, Anthropic's "toolu_...", a Responses client's call_id. For such a template (`short_ids`; the router
-decides it per tokenizer, router/tool_calls.py `short_call_ids_for`) native rendering writes every call's id and
+decides it per tokenizer, `short_call_ids_for`) native rendering writes every call's id and
 every tool turn's `tool_call_id` as `short_call_ids` maps them: an id already in that form stays; any other gets
 9 base-62 digits of its SHA-256; one already taken in the conversation gets those of its SHA-256 with a counter,
 the ids taken in order of first appearance. So a call and its result keep one id, two ids never share one, and
@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import string
+import weakref
 from typing import Any, Iterable, Optional, Sequence
 
 from router.errors import bad_request
@@ -216,3 +217,19 @@ def chat_messages(messages: Sequence[Any], tools: Sequence[dict], native: bool, 
     if native:
         return _native(messages, called, short_ids), (list(tools) or None)
     return _fallback(messages, tools), None
+
+
+_SHORT_IDS: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+
+
+def short_call_ids_for(tok: Any) -> bool:
+    """True when a RouterTokenizer's chat template takes tool call ids only in Mistral's form (9 letters or
+    digits), so the router renders them so (`short_call_ids`): its parser is mistral's, or its template
+    refuses an OpenAI-style id that the short form passes (probed once, kept for the tokenizer's life)."""
+    short = _SHORT_IDS.get(tok)
+    if short is None:
+        from router.tool_calls import tool_parser_for  # the parser is chosen there, from the same template
+
+        short = tool_parser_for(tok).name == "mistral" or template_refuses_long_call_ids(tok.wrapped)
+        _SHORT_IDS[tok] = short
+    return short

@@ -19,13 +19,11 @@ from cluster.detokenizer import OutputText
 from cluster.reasoning import start_reasoning
 from cluster.request import FinishReason, RequestOutput
 from router.app import create_app
-from router.errors import APIError
 from router.openai.request import ChatCompletionRequest
 from router.params import prepare_chat
 from router.reasoning import reasoning_support
-from router.tool_calls import (ContentDelta, ToolCallArguments, ToolCallStarted, infer_parser_name,
-                               short_call_ids_for, tool_parser_for)
-from router.tool_prompt import short_call_ids, template_refuses_long_call_ids, tools_section
+from router.tool_calls import ContentDelta, ToolCallArguments, ToolCallStarted, infer_parser_name, tool_parser_for
+from router.tool_prompt import short_call_ids, short_call_ids_for, template_refuses_long_call_ids, tools_section
 from tests.template_families import (BY_NAME, CALL, CALL_ID, FAMILIES, FIXTURES, HERMES_CALL, HISTORY, QUESTION,
                                      REASONING, WEATHER, tokenizer)
 from tests.router_fakes import MODEL, FakeEngine, parse_sse
