@@ -290,6 +290,7 @@ def test_workers_export_metrics_and_run_with_openblas(cluster):
     import httpx
 
     path, state, info = cluster
+    _chat(info["endpoint"], "What is the capital of France?", max_tokens=4)  # the decode worker's process decodes
     ray_head.enable_token_auth()
     import ray
 
@@ -299,13 +300,15 @@ def test_workers_export_metrics_and_run_with_openblas(cluster):
         url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
     finally:
         ray.shutdown()
+    blocks_free = r'ray_mlx_pd_kv_group_blocks_free\{[^}]*group="full"[^}]*role="decode"[^}]*worker="decode-0"'
+    decoded = r'ray_mlx_pd_output_tokens\S*\{[^}]*worker="decode-0"[^}]*\} [1-9]'
     deadline, text = time.monotonic() + 60, ""
-    while time.monotonic() < deadline and 'ray_mlx_pd_output_tokens' not in text:
+    # each worker's figures reach Ray's exporter on their own schedule: wait for the decode worker's, not any one's
+    while time.monotonic() < deadline and not (re.search(blocks_free, text) and re.search(decoded, text)):
         time.sleep(2)
         text = httpx.get(url, timeout=10).text
-    assert re.search(r'ray_mlx_pd_kv_group_blocks_free\{[^}]*group="full"[^}]*role="decode"[^}]*worker="decode-0"',
-                     text)
-    assert re.search(r'ray_mlx_pd_output_tokens\S*\{[^}]*worker="decode-0"[^}]*\} [1-9]', text)
+    assert re.search(blocks_free, text)
+    assert re.search(decoded, text)
     if sys.platform.startswith("linux") and os.environ.get("LD_PRELOAD"):
         for w in info["workers"].values():
             assert "openblas" in Path(f"/proc/{w['pid']}/maps").read_text(), w
