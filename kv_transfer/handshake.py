@@ -46,7 +46,7 @@ class KVFormat(BaseModel):
 
     `revision` is the weights' content hash (cluster.model.ModelSpec.revision); `value_dim` is the width of a
     cached value head where it differs from the key's `head_dim` (latent attention), else None;
-    `layer_kinds` names what each layer caches (`cluster.model_families.LayerKind.name`: attention, a
+    `layer_kinds` names what each layer caches (`cluster.model_structure.LayerKind.name`: attention, a
     sliding window, recurrent state, or state beside attention; empty when every layer is plain attention);
     `state` lists the arrays of one sequence's recurrent state, layer by layer (cluster/kv/recurrent_state.py),
     which a transfer carries after the blocks, in the model's dtype; `speculative_kv` is True when the

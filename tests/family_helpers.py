@@ -147,14 +147,15 @@ def reference(model_type: str, prompt: tuple[int, ...], temperature: float = 0.0
     return reference_of(family(model_type)[0], prompt, temperature, seed)
 
 
-def reference_of(model, prompt: tuple[int, ...], temperature: float = 0.0, seed: int = 0):
+def reference_of(model, prompt: tuple[int, ...], temperature: float = 0.0, seed: int = 0,
+                 max_tokens: int = NEW_TOKENS):
     """mlx-lm's own generation (`generate_step` over the model's own `make_cache`): (tokens, logprobs of
-    those tokens), NEW_TOKENS of them."""
+    those tokens), `max_tokens` of them."""
     from mlx_lm.generate import generate_step
 
     sampler = Sampler(temperature, seed) if temperature else None
     tokens, logprobs = [], []
-    for token, lp in generate_step(mx.array(prompt), model, max_tokens=NEW_TOKENS, sampler=sampler):
+    for token, lp in generate_step(mx.array(prompt), model, max_tokens=max_tokens, sampler=sampler):
         token = int(token.item()) if isinstance(token, mx.array) else int(token)
         tokens.append(token)
         logprobs.append(lp[token].item())

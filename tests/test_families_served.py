@@ -22,7 +22,7 @@ from cluster.config import EngineConfig
 from cluster.load_check import run_load_check
 from cluster.model import read_model_spec
 from cluster.model_families import FAMILIES, module_of
-from tests.family_helpers import tokenizer, write_config
+from tests.family_helpers import reference_of, tokenizer, write_config
 
 TOL = 1e-3
 CONFIG = EngineConfig(dtype="float32", block_size=8, kv_cache_gb=0.05)
@@ -103,7 +103,6 @@ def test_lab_families_are_exact_alone_batched_after_a_prefix_hit_and_across_chun
     with logprobs within 1e-3; the load check's batch of three prompts, its prefix hit (whole cached blocks, as
     `cached_tokens` reports) and its chunk and window crossings agree at 1e-3 as well."""
     from cluster.engine import EngineCore
-    from mlx_lm.generate import generate_step
     from cluster.request import GenerateRequest, SamplingParams
     from tests.engine_helpers import run
 
@@ -113,10 +112,7 @@ def test_lab_families_are_exact_alone_batched_after_a_prefix_hit_and_across_chun
     assert "prefix hit reusing 16 tokens" in text and "8-token blocks, 8-token chunks" in text
     model, spec = loaded(model_type)
     prompt = np.random.RandomState(3).randint(100, fc.vocab_size(model_type), size=20).tolist()
-    want, want_lps = [], []
-    for token, lps in generate_step(mx.array(prompt), model, max_tokens=32):
-        want.append(int(token))
-        want_lps.append(float(lps[int(token)].item()))
+    want, want_lps = reference_of(model, tuple(prompt), max_tokens=32)
     assert len(set(want)) >= 16
     engine = EngineCore(model, tokenizer(), spec, CONFIG, verified=check.verified)
     req = GenerateRequest(f"{model_type}-solo", tuple(prompt), SamplingParams(max_tokens=32, temperature=0.0,
@@ -154,7 +150,6 @@ def test_lab_families_through_a_prefill_decode_pair_match_mlx_lm(model_type, tmp
     import time
 
     import httpx
-    from mlx_lm.generate import generate_step
 
     from cluster.model import DEFAULT_MODEL
     from tests.cluster_helpers import running_cluster
@@ -162,10 +157,7 @@ def test_lab_families_through_a_prefill_decode_pair_match_mlx_lm(model_type, tmp
     model, _ = loaded(model_type)
     spec = read_model_spec(write_config(tmp_path, fc.config(model_type)), model_id=DEFAULT_MODEL)
     prompt = np.random.RandomState(11).randint(100, fc.vocab_size(model_type), size=29).tolist()
-    want, want_lps = [], []
-    for token, lps in generate_step(mx.array(prompt), model, max_tokens=6):
-        want.append(int(token))
-        want_lps.append(float(lps[int(token)].item()))
+    want, want_lps = reference_of(model, tuple(prompt), max_tokens=6)
     engine = "block_size = 8\nprefill_chunk_size = 16"
     with running_cluster(1, 1, loaded=(model, tokenizer(), spec), engine=engine,
                          routing="local_prefill_max_tokens = 0") as (base, _, workers):
