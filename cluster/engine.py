@@ -78,6 +78,7 @@ class EngineCore:
         # sequences count them in `num_inflight_tokens` until `_resolve` reads them back
         self._overlap = self.config.async_scheduling and not verified.num_state_layers
         self._inflight: Optional[InFlight] = None
+        self.clock = time.perf_counter  # times the steps for the step budget (a test may set a fake clock)
 
     @property
     def speculator(self) -> Speculator:
@@ -217,10 +218,9 @@ class EngineCore:
         batch = self.scheduler.schedule()
         inflight, self._inflight = self._inflight, None
         if batch is not None:
-            started = time.perf_counter()
+            started = self.clock()
             outputs += self._execute(batch, inflight)
-            self.scheduler.budget.observe(batch.num_decode_tokens, batch.num_prefill_tokens,
-                                          time.perf_counter() - started)
+            self.scheduler.budget.observe(batch.num_decode_tokens, batch.prefill_spans, self.clock() - started)
         else:
             outputs += self._resolve(inflight)
         self.scheduler.report_computed(batch)

@@ -154,8 +154,10 @@ class Scheduler:
         nothing to do."""
         decode = self._schedule_decode()
         num_decode = sum(n for _, n in decode)
-        prefill = self._schedule_prefill(self.budget.prefill_allowance(num_decode),
-                                         self.budget.max_batched_tokens - num_decode, may_preempt=not decode)
+        # a stream whose token is still on the device (the overlapped loop) waits on this step as well
+        streaming = bool(decode) or any(s.num_inflight_tokens for s in self.running)
+        prefill = self._schedule_prefill(self.budget.prefill_allowance(num_decode), self.budget.time_left(streaming),
+                                         may_preempt=not decode)
         return ScheduledBatch(decode, prefill) if decode or prefill else None
 
     def report_computed(self, batch: Optional[ScheduledBatch]) -> None:
@@ -293,12 +295,13 @@ class Scheduler:
                        stop_string=seq.output_text.stop_string if reason == FinishReason.STOP else None,
                        reasoning=reasoning)
 
-    def _chunk(self, seq: Sequence, allowance: int, whole_room: int, start: Optional[int] = None) -> int:
+    def _chunk(self, seq: Sequence, allowance: int, whole_room: int, time_left: Optional[float], floor: bool,
+               start: Optional[int] = None) -> int:
         """Tokens of `seq` to compute in this step from `start` (default: its computed tokens) given `allowance`
-        prompt tokens left (`StepBudget.chunk`), ending where a KV cache group wants it to
-        (`KVManager.chunk_end`)."""
+        prompt tokens and `time_left` seconds left (`StepBudget.chunk`), ending where a KV cache group wants it
+        to (`KVManager.chunk_end`)."""
         start = seq.num_computed_tokens if start is None else start
-        end = start + self.budget.chunk(len(seq.token_ids) - start, allowance, whole_room)
+        end = start + self.budget.chunk(len(seq.token_ids) - start, allowance, whole_room, start, time_left, floor)
         return self.kv.chunk_end(len(seq.token_ids), start, end) - start
 
     # -- internals ---------------------------------------------------------------------------------
@@ -306,30 +309,43 @@ class Scheduler:
     def _blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         return self.kv.blocks_needed(seq.request_id, seq.num_computed_tokens + num_tokens)
 
-    def _schedule_prefill(self, allowance: int, room: int, may_preempt: bool) -> list[tuple[Sequence, int]]:
-        """Prompt chunks within `allowance` tokens (`room`: the budget left, of which the step's new short
-        prompts may take `StepBudget.whole_room` together past the allowance): the running prompts first, then
-        new sequences admitted from the queue while a running slot and the blocks allow. One prompt at a time
-        is cut into chunks (vLLM's one partial prefill): a new prompt that would not finish in this step waits while another is partial,
-        so prompts finish in arrival order instead of all advancing slowly; short ones still join whole. Only
-        the first chunk of a step with no decode work (`may_preempt`) may preempt others for its blocks: decode
-        work is never preempted by a prompt."""
+    def _schedule_prefill(self, allowance: int, time_left: Optional[float],
+                          may_preempt: bool) -> list[tuple[Sequence, int]]:
+        """Prompt chunks within `allowance` tokens of the step's token budget and, while streams decode,
+        `time_left` seconds (None: no time bound; the chunks' predicted cost is subtracted as they are taken,
+        the first time-bounded one gets at least a block; the step's new short prompts may take
+        `StepBudget.whole_room` together past the time bound): the running prompts first, then new sequences
+        admitted from the queue while a running slot and the blocks allow. One prompt at a time is cut into
+        chunks (vLLM's one partial prefill): a new prompt that would not finish in this step waits while
+        another is partial, so prompts finish in arrival order instead of all advancing slowly; short ones
+        still join whole. Only the first chunk of a step with no decode work (`may_preempt`) may preempt
+        others for its blocks: decode work is never preempted by a prompt."""
         items: list[tuple[Sequence, int]] = []
-        partial = False
-        for seq in [s for s in self.running if s.is_prefilling]:  # a long prompt's rest: never past the allowance
-            n = self._chunk(seq, allowance, 0)
+        partial, floor = False, True
+
+        def took(start: int, n: int) -> None:
+            nonlocal allowance, time_left, floor
+            allowance -= n
+            if time_left is not None:
+                time_left = max(0.0, time_left - self.budget.chunk_seconds(start, n))
+                floor = False
+
+        for seq in [s for s in self.running if s.is_prefilling]:  # a long prompt's rest: never past the bound
+            start = seq.num_computed_tokens
+            n = self._chunk(seq, allowance, 0, time_left, floor)
             if not n or not self._reserve(seq, n, allow_preempt=may_preempt and not items):
                 break
             items.append((seq, n))
-            allowance, room, partial = allowance - n, room - n, partial or n < seq.num_uncomputed
-        whole_room = self.budget.whole_room(room)
+            took(start, n)
+            partial = partial or n < seq.num_uncomputed
+        whole_room = self.budget.whole_room(allowance)
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_inflight_tokens:  # preempted with its token on the device: after `resolve`
                 break
             hit = self.prefix.lookup(seq)  # no side effects: nothing to undo when it does not fit
             start = seq.num_computed_tokens if hit is None else hit.num_tokens
-            n = self._chunk(seq, allowance, whole_room, start)
+            n = self._chunk(seq, allowance, whole_room, time_left, floor, start)
             if n < len(seq.token_ids) - start and partial:
                 n = 0
             if hit is None:  # it holds its KV already
@@ -346,7 +362,8 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             items.append((seq, n))
-            allowance, whole_room, partial = allowance - n, whole_room - n, partial or n < seq.num_uncomputed
+            took(start, n)
+            whole_room, partial = whole_room - n, partial or n < seq.num_uncomputed
         return [(s, n) for s, n in items if s.status is SequenceStatus.RUNNING]
 
     def _schedule_decode(self) -> list[tuple[Sequence, int]]:

@@ -1,41 +1,57 @@
-"""One engine step's work (`ScheduledBatch`) and its token budget: how many prompt tokens may run beside the
-decode tokens (`StepBudget`).
+"""One engine step's work (`ScheduledBatch`) and its budget: how many prompt tokens may run beside the decode
+tokens (`StepBudget`), in tokens and, while streams decode, in time (`PrefillCost`).
 
 Every step carries one token (plus its drafts) for every decoding sequence first; prompt chunks fill the rest
-of `max_num_batched_tokens` (vLLM's token budget). While sequences are decoding, the prompt tokens of a step are
-also bounded by time, so that the streams' inter-token latency (ITL) stays within a target:
+of `max_num_batched_tokens` (vLLM's token budget). While streams decode, the prompt chunks of a step are also
+bounded by time, so that the streams' inter-token latency (ITL) stays within a target:
 
-    prefill tokens = (itl_target - t_decode) / t_token        (rounded down to whole blocks, at least one block)
+    seconds for prompt chunks = itl_target - t_decode
+    a chunk of n tokens from position p costs   c_chunk + c_token * n + c_attend * n * (p + n/2)
 
-where `t_decode` is the measured time of a step of decode tokens alone and `t_token` the measured time per
-prompt token (step time less `t_decode`, over the step's prompt tokens), both exponential moving averages of the
-engine's own steps. `itl_target` is `itl_target_ms`, or by default twice `t_decode` (a stream's ITL at most
-doubles while a long prompt is prefilled). A prompt of at most `long_prefill_token_threshold` tokens still to
-compute when it is admitted is never cut (vLLM's threshold of the same name): it goes whole in one step even past
-the time bound, so short requests keep their TTFT, and short prompts waiting together share one step while their
-tokens add up to at most the threshold (a step exceeds the time bound by at most `long_prefill_token_threshold`
-prompt tokens); longer prompts advance in the time-bounded chunks to their end. With nothing decoding (and always on a prefill worker, which never decodes) prompts go in full
-`prefill_chunk_size` chunks, as many as the budget holds.
+`t_decode` is the measured time of a step of decode tokens alone (an exponential moving average). The chunk
+cost is fitted online (`PrefillCost`: least squares with forgetting, coefficients kept non-negative) from the
+engine's own steps: a prompt token's cost grows with its position, as attention reads every earlier position,
+so a long prompt's chunks shrink as it advances and the step stays within the target at 1k, 4k or 32k tokens
+alike. `itl_target` is `itl_target_ms`, or by default twice `t_decode` (a stream's ITL at most doubles while a
+prompt prefills). A stream whose token is still on the device (the overlapped loop) is waiting on the step too,
+so it counts as streaming even when it gets no new token in the step. Before the cost is known (no step with
+prompt tokens timed yet), a streaming step takes one block of a long prompt: never the whole budget.
+
+Chunk ends stay on block boundaries, at least one block per step for the first time-bounded prompt so prompts
+always progress (where one block at the prompt's position costs more than the target, the step takes that
+long: the floor). A prompt of at most `long_prefill_token_threshold` tokens still to compute when it is admitted
+is never cut (vLLM's threshold of the same name): it goes whole in one step even past the time bound, so short
+requests keep their TTFT, and short prompts waiting together share one step while their tokens add up to at
+most the threshold. With nothing streaming (and always on a prefill worker, which never decodes) prompts go in
+full `prefill_chunk_size` chunks, as many as the budget holds.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Optional, Sequence as Seq
 
 from cluster.sequence import Sequence
 
-_EMA = 0.3  # weight of the newest measurement in the moving averages
+_EMA = 0.3  # weight of the newest measurement in the decode step's moving average
+_FORGET = 0.85  # weight each older prompt-step observation keeps at every new one (PrefillCost)
+_SCALES = (1.0, 1024.0, 2.0 ** 20)  # feature scales: chunks, tokens, token-positions
 
 
 @dataclass
 class ScheduledBatch:
     """The work of one step: (sequence, number of tokens to compute from num_computed_tokens on). `decode`: the
     decoding sequences, each with 1 + the draft tokens it may verify (blocks are reserved for all of them);
-    `prefill`: prompt chunks."""
+    `prefill`: prompt chunks. `prefill_spans`: (start position, tokens) of each prompt chunk, taken when the
+    batch is built (the chunk cost's features)."""
 
     decode: list[tuple[Sequence, int]]
     prefill: list[tuple[Sequence, int]]
+    prefill_spans: list[tuple[int, int]] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.prefill_spans:
+            self.prefill_spans = [(seq.num_computed_tokens, n) for seq, n in self.prefill]
 
     @property
     def items(self) -> list[tuple[Sequence, int]]:
@@ -53,8 +69,105 @@ class ScheduledBatch:
         return sum(n for _, n in self.prefill)
 
 
+def chunk_features(spans: Seq[tuple[int, int]]) -> tuple[float, float, float]:
+    """The cost model's features of a step's prompt chunks, each (start position, tokens): (chunks, tokens,
+    token-positions n * (p + n/2), i.e. the attention work), scaled to similar magnitudes."""
+    chunks = sum(1 for _, n in spans if n)
+    tokens = sum(n for _, n in spans)
+    attend = sum(n * (p + n / 2) for p, n in spans)
+    return chunks / _SCALES[0], tokens / _SCALES[1], attend / _SCALES[2]
+
+
+class PrefillCost:
+    """Seconds that a step's prompt chunks add to it: c_chunk * chunks + c_token * tokens + c_attend *
+    token-positions (`chunk_features`), fitted by least squares over the observed steps, each older step's
+    weight multiplied by `forget` at every new one (so the fit follows a machine whose speed changes), with
+    every coefficient kept at or above 0 (the best fit over the subsets of features whose solution is
+    non-negative). `predict` is None until a step with prompt tokens was observed."""
+
+    def __init__(self, forget: float = _FORGET):
+        self.forget = forget
+        self._xx = [[0.0] * 3 for _ in range(3)]  # weighted sum of x x^T
+        self._xy = [0.0] * 3  # weighted sum of x y
+        self._yy = 0.0
+        self._coef: Optional[tuple[float, float, float]] = None
+        self.num_observed = 0
+
+    def observe(self, spans: Seq[tuple[int, int]], seconds: float) -> None:
+        """Record that prompt chunks `spans` ((start, tokens) each) took `seconds` of a step."""
+        x = chunk_features(spans)
+        if not x[1]:
+            return
+        f = self.forget
+        for i in range(3):
+            self._xy[i] = f * self._xy[i] + x[i] * seconds
+            for j in range(3):
+                self._xx[i][j] = f * self._xx[i][j] + x[i] * x[j]
+        self._yy = f * self._yy + seconds * seconds
+        self._coef = None
+        self.num_observed += 1
+
+    @property
+    def coefficients(self) -> Optional[tuple[float, float, float]]:
+        """(c_chunk, c_token, c_attend) in seconds per scaled feature (`chunk_features`), or None before any
+        observation."""
+        if self.num_observed == 0:
+            return None
+        if self._coef is None:
+            self._coef = self._fit()
+        return self._coef
+
+    def predict(self, spans: Seq[tuple[int, int]]) -> Optional[float]:
+        """Seconds that prompt chunks `spans` would add to a step; None before any observation."""
+        coef = self.coefficients
+        if coef is None:
+            return None
+        return sum(c * x for c, x in zip(coef, chunk_features(spans)))
+
+    def _fit(self) -> tuple[float, float, float]:
+        best, best_err = (0.0, 0.0, 0.0), float("inf")
+        for subset in _SUBSETS:
+            sol = _solve([[self._xx[i][j] for j in subset] for i in subset], [self._xy[i] for i in subset])
+            if sol is None or min(sol) < 0:
+                continue
+            coef = [0.0, 0.0, 0.0]
+            for i, c in zip(subset, sol):
+                coef[i] = c
+            # weighted residual: yy - 2 c.xy + c^T xx c
+            err = self._yy - 2 * sum(c * b for c, b in zip(coef, self._xy)) + sum(
+                coef[i] * self._xx[i][j] * coef[j] for i in range(3) for j in range(3))
+            if err < 0.95 * best_err - 1e-12 * self._yy:  # a richer fit is taken when it fits clearly better
+                best, best_err = tuple(coef), err
+        return best  # type: ignore[return-value]
+
+
+# the fits tried, simplest first: a cost per token before one that also grows with position or has a fixed
+# part per chunk (with one observation every subset fits it exactly, and the per-token one extrapolates best)
+_SUBSETS = ((1,), (1, 2), (0, 1), (0, 1, 2), (2,), (0, 2), (0,))
+
+
+def _solve(a: list[list[float]], b: list[float]) -> Optional[list[float]]:
+    """x with a x = b (Gaussian elimination with partial pivoting), or None when `a` is (nearly) singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    scale = max(abs(v) for row in a for v in row) or 1.0
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) <= 1e-12 * scale:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, n):
+            k = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= k * m[col][c]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x
+
+
 class StepBudget:
-    """The per-step prompt-token allowance (see the module docstring). Times in seconds.
+    """The per-step prompt allowance (see the module docstring). Times in seconds.
 
     `max_batched_tokens`: tokens per step at most (decode tokens, drafts and prompt tokens together);
     `chunk_size`: a prompt's tokens per step at most (`prefill_chunk_size`); `block_size`: chunk ends stay on
@@ -67,29 +180,64 @@ class StepBudget:
         self.max_batched_tokens, self.chunk_size, self.block_size = max_batched_tokens, chunk_size, block_size
         self.itl_target_s, self.long_prefill_threshold = itl_target_s, long_prefill_threshold
         self.decode_step_s: Optional[float] = None  # t_decode
-        self.prefill_token_s: Optional[float] = None  # t_token
+        self.prefill_cost = PrefillCost()
+
+    @property
+    def target_s(self) -> Optional[float]:
+        """The ITL target in seconds: `itl_target_s`, or twice the measured decode step (None before one)."""
+        if self.itl_target_s is not None:
+            return self.itl_target_s
+        return None if self.decode_step_s is None else 2 * self.decode_step_s
 
     def prefill_allowance(self, num_decode_tokens: int) -> int:
-        """Prompt tokens the next step may compute beside `num_decode_tokens` decode and draft tokens: the rest
-        of the token budget, and while anything decodes at most what the ITL target leaves (whole blocks, at
-        least one block; before any measurement, the rest of the budget)."""
-        room = max(0, self.max_batched_tokens - num_decode_tokens)
-        if num_decode_tokens == 0 or self.decode_step_s is None or self.prefill_token_s is None:
-            return room
-        target = self.itl_target_s if self.itl_target_s is not None else 2 * self.decode_step_s
-        by_time = int(max(0.0, target - self.decode_step_s) / self.prefill_token_s)
-        by_time = max(self.block_size, by_time // self.block_size * self.block_size)
-        return min(room, by_time)
+        """Prompt tokens the next step may compute beside `num_decode_tokens` decode and draft tokens by the
+        token budget alone (the time bound applies per chunk: `time_left`, `chunk`)."""
+        return max(0, self.max_batched_tokens - num_decode_tokens)
 
-    def chunk(self, remaining: int, allowance: int, whole_room: int) -> int:
-        """Tokens of a prompt with `remaining` tokens left to run in this step, given `allowance` prompt tokens
-        left in the step and `whole_room` tokens that short prompts may still take whole past the allowance (the
-        step's new prompts start with `whole_room(room)` and subtract what each takes; 0 for a prompt already
-        partly computed). A prompt that fits the allowance runs whole; a short one (at most
+    def time_left(self, streaming: bool) -> Optional[float]:
+        """Seconds the next step's prompt chunks may take: None (no time bound) when no stream waits on the
+        step; else the ITL target less the decode step (0.0 before both are measured: the step then takes
+        the one-block floor)."""
+        if not streaming:
+            return None
+        target = self.target_s
+        if target is None or self.decode_step_s is None or self.prefill_cost.coefficients is None:
+            return 0.0
+        return max(0.0, target - self.decode_step_s)
+
+    def chunk_seconds(self, start: int, num_tokens: int) -> float:
+        """Predicted seconds of a chunk of `num_tokens` prompt tokens from position `start` (0.0 before any
+        prompt step was timed)."""
+        return self.prefill_cost.predict([(start, num_tokens)]) or 0.0
+
+    def tokens_within(self, seconds: float, start: int, floor: bool) -> int:
+        """The most prompt tokens from position `start` whose chunk fits in `seconds`, in whole blocks (in
+        whole chunks when `chunk_size` is under a block), at most `chunk_size`; with `floor`, at least one
+        unit even past `seconds` (so the prompt progresses)."""
+        unit = min(self.block_size, self.chunk_size)
+        lo, hi = 0, self.chunk_size // unit  # units: the answer is in [lo, hi]
+        if self.prefill_cost.coefficients is not None:
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if self.chunk_seconds(start, mid * unit) <= seconds:
+                    lo = mid
+                else:
+                    hi = mid - 1
+        return max(lo, 1 if floor else 0) * unit
+
+    def chunk(self, remaining: int, allowance: int, whole_room: int, start: int = 0,
+              time_left: Optional[float] = None, floor: bool = True) -> int:
+        """Tokens of a prompt with `remaining` tokens left from position `start` to run in this step, given
+        `allowance` prompt tokens left in the step's token budget, `time_left` seconds left for prompt chunks
+        (None: no time bound; `time_left`) and `whole_room` tokens that short prompts may still take whole past
+        the time bound (the step's new prompts start with `whole_room(room)` and subtract what each takes; 0
+        for a prompt already partly computed). A prompt that fits runs whole; a short one (at most
         `long_prefill_threshold` tokens) runs whole when it fits `whole_room`, even past the time bound; a
-        longer one gets the allowance in whole blocks (0: not this step; in whole chunks when `chunk_size` is
-        under a block). At most `chunk_size`."""
+        longer one gets what fits, in whole blocks (0: not this step; `floor`: at least one block by time, for
+        the step's first time-bounded chunk). At most `chunk_size`."""
         limit = max(0, min(allowance, self.chunk_size))
+        if time_left is not None:
+            limit = min(limit, self.tokens_within(time_left, start, floor))
         if remaining <= limit:
             return remaining
         if remaining <= min(self.long_prefill_threshold, self.chunk_size, whole_room):
@@ -102,16 +250,16 @@ class StepBudget:
         tokens left in the step's token budget: `long_prefill_threshold`, within the budget."""
         return max(0, min(self.long_prefill_threshold, room))
 
-    def observe(self, num_decode_tokens: int, num_prefill_tokens: int, seconds: float) -> None:
-        """Record one step's wall time: a decode-only step updates t_decode; a step with prompt tokens updates
-        t_token (its time less t_decode when it also decoded, over its prompt tokens)."""
-        if num_prefill_tokens == 0:
+    def observe(self, num_decode_tokens: int, prefill_spans: Seq[tuple[int, int]], seconds: float) -> None:
+        """Record one step's wall time: a decode-only step updates t_decode; a step with prompt chunks
+        (`prefill_spans`: (start, tokens) each) feeds the chunk cost its time less t_decode when it also
+        decoded."""
+        if not any(n for _, n in prefill_spans):
             if num_decode_tokens:
                 self.decode_step_s = _ema(self.decode_step_s, seconds)
             return
         decode = (self.decode_step_s or 0.0) if num_decode_tokens else 0.0
-        per_token = max(seconds - decode, 0.0) / num_prefill_tokens
-        self.prefill_token_s = _ema(self.prefill_token_s, max(per_token, 1e-7))
+        self.prefill_cost.observe(prefill_spans, max(seconds - decode, 0.0))
 
 
 def _ema(old: Optional[float], new: float) -> float:

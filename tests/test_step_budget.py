@@ -14,30 +14,40 @@ from cluster.step_budget import StepBudget
 from tests.engine_helpers import fast_model, greedy, make_engine
 
 
-def test_allowance_is_the_whole_budget_when_nothing_decodes_or_nothing_is_measured():
-    """With no decode tokens the prompt gets the whole budget; before any step was timed, the rest of it."""
+def test_no_time_bound_when_no_stream_waits_and_one_block_before_any_prompt_step_is_timed():
+    """With no stream waiting on the step the prompt gets the whole token budget; while streams decode but no
+    step with prompt tokens has been timed yet, a long prompt gets one block, never the whole budget."""
     b = StepBudget(2048, 2048, 32)
-    assert b.prefill_allowance(0) == 2048
-    assert b.prefill_allowance(10) == 2038
-    b.observe(10, 0, 0.05)
-    b.observe(10, 64, 0.05 + 64 * 0.01)
-    assert b.prefill_allowance(0) == 2048  # nothing decodes: full chunks even with timings known
+    assert b.prefill_allowance(10) == 2038 and b.time_left(streaming=False) is None
+    assert b.chunk(4000, 2038, 0, 0, None) == 2038 // 32 * 32
+    b.observe(10, [], 0.05)  # the decode step is known, the chunk cost is not
+    assert b.time_left(streaming=True) == 0.0
+    assert b.chunk(4000, 2038, 0, 0, b.time_left(True)) == 32
+    b.observe(10, [(0, 64)], 0.05 + 64 * 0.001)
+    assert b.time_left(streaming=False) is None
+    assert b.chunk(4000, 2048, 0, 0, b.time_left(False)) == 2048  # nothing streams: full chunks
 
 
-def test_allowance_follows_the_itl_target_in_whole_blocks():
-    """Decode step 50 ms, 1 ms per prompt token: twice the decode step leaves 50 ms, 50 tokens, one block of 32;
-    a 500 ms target leaves 450 tokens, 14 blocks; never less than one block, never more than the budget."""
-    b = StepBudget(2048, 2048, 32)
-    b.observe(8, 0, 0.050)
-    b.observe(8, 100, 0.050 + 100 * 0.001)
-    assert b.decode_step_s == pytest.approx(0.05) and b.prefill_token_s == pytest.approx(0.001)
-    assert b.prefill_allowance(8) == 32
-    b.itl_target_s = 0.5
-    assert b.prefill_allowance(8) == 448
-    b.itl_target_s = 0.001  # below the decode step itself: still one block, so prompts progress
-    assert b.prefill_allowance(8) == 32
-    b.itl_target_s = 100.0
-    assert b.prefill_allowance(8) == 2040
+def test_chunk_cost_fit_recovers_a_cost_that_grows_with_position():
+    """Steps timed from a known cost (2 ms a chunk, 0.2 ms a token, 50 ns a token-position) at growing
+    positions: the fit predicts unseen chunks within 2%, and the tokens that fit the ITL target shrink as the
+    prompt's position grows, in whole blocks, at least one."""
+    def cost(p, n):
+        return 0.002 + 0.0002 * n + 50e-9 * n * (p + n / 2)
+
+    b = StepBudget(4096, 2048, 32, itl_target_s=0.1)
+    b.observe(4, [], 0.05)
+    for p, n in [(0, 256), (256, 64), (320, 32), (352, 512), (864, 128), (992, 96), (1088, 1024), (2112, 32)]:
+        b.observe(4, [(p, n)], 0.05 + cost(p, n))
+    for p, n in [(0, 32), (4000, 64), (16000, 160), (500, 1000)]:
+        assert b.chunk_seconds(p, n) == pytest.approx(cost(p, n), rel=0.02)
+    left = b.time_left(streaming=True)
+    assert left == pytest.approx(0.05)
+    fits = [b.tokens_within(left, p, floor=True) for p in (0, 2000, 8000, 32000, 10**6)]
+    assert fits == sorted(fits, reverse=True) and fits[0] > fits[2] and fits[-1] == 32
+    assert all(n % 32 == 0 for n in fits)
+    assert all(cost(p, n) <= left * 1.02 for p, n in zip((0, 2000, 8000), fits))  # at 32k one block is over
+    assert b.tokens_within(left, 10**6, floor=False) == 0
 
 
 def test_chunk_keeps_short_prompts_whole_and_cuts_long_ones_on_block_boundaries():
@@ -52,6 +62,12 @@ def test_chunk_keeps_short_prompts_whole_and_cuts_long_ones_on_block_boundaries(
     assert b.chunk(1500, 20, whole_room=256) == 0  # less than a block left: not this step
     assert b.chunk(1500, -40, whole_room=0) == 0  # a short prompt overran the allowance: nothing more
     assert b.chunk(5000, 4096, whole_room=256) == 2048  # never more than a chunk
+    b.observe(4, [], 0.05)
+    b.observe(4, [(0, 100)], 0.05 + 100 * 0.001)  # 1 ms a token
+    assert b.chunk(1500, 2048, 0, 0, time_left=0.07) == 64  # 70 ms: two blocks
+    assert b.chunk(1500, 2048, 0, 0, time_left=0.0) == 32  # the floor: one block
+    assert b.chunk(1500, 2048, 0, 0, time_left=0.0, floor=False) == 0  # a later chunk of the step: none
+    assert b.chunk(200, 2048, 256, 0, time_left=0.0, floor=False) == 200  # short: whole past the bound
 
 
 def test_short_prompts_waiting_together_share_one_step_up_to_the_threshold():
@@ -296,3 +312,58 @@ def test_one_prompt_at_a_time_is_cut_into_chunks_so_prompts_finish_in_arrival_or
         partial.append(0 if batch is None else sum(s.num_computed_tokens < s.num_prompt_tokens for s, _ in batch.prefill))
     assert first == ["p0", "p1", "p2"]
     assert max(partial) == 1
+
+
+def _fake_clock(engine, decode_s: float, chunk_s: float, token_s: float, attend_s: float) -> list:
+    """Drive `engine`'s step timer from a fake clock: a step costs `decode_s` when it decodes, plus for each
+    prompt chunk of n tokens from position p `chunk_s + token_s * n + attend_s * n * (p + n / 2)` (a token's
+    cost grows with its position, as attention's does). Returns the list that records, per executed step,
+    (its fake seconds, the streams waiting on it: decoding or with a token still on the device)."""
+    now = [0.0]
+    steps: list = []
+    execute = engine.runner.execute
+
+    def timed(batch, *args, **kwargs):
+        waiting = {s.request_id for s in engine.scheduler.running
+                   if not s.is_prefilling and (s.num_output_tokens < s.max_tokens or s.num_inflight_tokens)}
+        cost = decode_s if batch.decode else 0.0
+        cost += sum(chunk_s + token_s * n + attend_s * n * (p + n / 2) for p, n in batch.prefill_spans)
+        now[0] += cost
+        steps.append((cost, waiting))
+        return execute(batch, *args, **kwargs)
+
+    engine.runner.execute = timed
+    engine.clock = lambda: now[0]
+    return steps
+
+
+@pytest.mark.parametrize("stream_tokens", [400, 60])
+def test_a_long_prompt_never_stretches_a_stream_gap_past_the_itl_target_whatever_its_position(stream_tokens):
+    """A fake clock whose per-token prompt cost grows with the token's position (no timing of real work): four
+    streams decode while a 4,000-token prompt prefills. Every step that a stream waits on (decoding, or with
+    its last token still on the device in the overlapped loop) stays within the ITL target (twice the decode
+    step), at the prompt's start and at 4k alike, and the prompt still finishes. With 60-token streams they end
+    while the prompt is being computed: the step that reads back their last tokens is bounded too, and once
+    nothing streams the rest of the prompt goes in full chunks."""
+    loaded = fast_model()
+    tok = loaded[1]
+    engine = make_engine(loaded, kv_cache_gb=0.5)
+    decode_s = 0.010
+    steps = _fake_clock(engine, decode_s, chunk_s=0.0005, token_s=0.00005, attend_s=4e-8)
+    for i in range(4):
+        engine.add_request(greedy(f"s{i}", tok.encode(f"Stream {i} says hello"), stream_tokens, ignore_eos=True))
+    for _ in range(8):
+        engine.step()
+    long_prompt = (tok.encode("The long document goes on and on about many things. ") * 400)[:4000]
+    engine.add_request(greedy("long", long_prompt, 2, ignore_eos=True))
+    got: list[int] = []
+    while engine.has_work():
+        for out in engine.step():
+            if out.request_id == "long":
+                got.extend(out.token_ids)
+    assert len(got) == 2
+    waited = [cost for cost, waiting in steps[8:] if waiting]
+    assert len(waited) >= 20
+    assert max(waited) <= 2 * decode_s * 1.05, max(waited)
+    if stream_tokens == 60:  # the rest ran with nothing streaming: whole chunks
+        assert max(cost for cost, waiting in steps if not waiting) > 4 * decode_s
