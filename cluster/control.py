@@ -23,8 +23,8 @@ from typing import Any, Callable, Optional, Protocol
 
 import zmq
 
-from cluster.protocol import (PROTOCOL_VERSION, TO_WORKER, Output, ProtocolError, Rejected, generate_request_id, pack,
-                              unpack)
+from cluster.protocol import (PROTOCOL_VERSION, TO_WORKER, ProtocolError, Rejected, generate_request_id, pack,
+                              pack_output, unpack)
 from cluster.request import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,10 @@ class ZmqControl:
             logger.debug("could not send %s: %s", message.type, exc)
 
     def send_output(self, peer: bytes, output: RequestOutput) -> None:
-        self.send(peer, Output(output=output))
+        try:  # the per-token message: packed by msgspec, with no message object built around the delta
+            self.sock.send_multipart([peer, pack_output(output)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the router is gone or not reading; its heartbeat will notice
+            logger.debug("could not send output: %s", exc)
 
     def close(self) -> None:
         self.sock.close(linger=0)

@@ -30,6 +30,11 @@ Worker -> anyone subscribed (its PUB socket, `events_port`):
 `generate.request` is a `GenerateRequest`, `output.output` a `RequestOutput` and `pong.stats` a `WorkerStats`
 (cluster/stats.py; its KV cache groups a list of records, its load check a record or null): typed in the
 message models, validated with the message in one pass (`from_wire`, exact types) and packed as maps of built-in values (`to_wire`). In-process (single-node mode) the same models carry the objects unconverted.
+
+`output`, the one message sent per token, is not a pydantic model: `Output` is a msgspec Struct, packed by
+msgspec's encoder (`pack_output`) and decoded by a msgspec decoder built once (`TO_ROUTER`'s fast path), into
+a Struct mirror of `RequestOutput` that forbids unknown keys and checks every type exactly (no coercion, as
+`from_wire`), then rebuilt as the `RequestOutput` itself. The bytes are the same msgpack map as before.
 """
 
 from __future__ import annotations
@@ -38,9 +43,10 @@ import dataclasses
 import enum
 import functools
 import typing
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 import msgpack
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, TypeAdapter, ValidationError
 from pydantic import field_validator
 
@@ -56,17 +62,29 @@ class ProtocolError(ValueError):
     """A message that does not follow the protocol; the text says what is wrong."""
 
 
-def pack(msg: BaseModel) -> bytes:
-    """The msgpack frame of a message model."""
+def pack(msg) -> bytes:
+    """The msgpack frame of a message (a pydantic message model, or `Output`)."""
+    if type(msg) is Output:
+        return pack_output(msg.output)
     return msgpack.packb(msg.model_dump(), use_bin_type=True)
 
 
-def unpack(frame, adapter: TypeAdapter, version: int, error: type[ValueError] = ProtocolError):
-    """Validate one msgpack frame (bytes, memoryview or zmq.Frame) into a message model of `adapter`.
+def unpack(frame, adapter, version: int, error: type[ValueError] = ProtocolError):
+    """Validate one msgpack frame (bytes, memoryview or zmq.Frame) into a message of `adapter` (a pydantic
+    TypeAdapter, or a `MessageSet` whose msgspec messages are tried first, in one C pass).
     Raises `error` (a ValueError) naming the problem: too large, not msgpack, wrong version, bad field."""
     data = frame.buffer if hasattr(frame, "buffer") else frame
     if len(data) > MAX_HEADER_BYTES:
         raise error(f"header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
+    if isinstance(adapter, MessageSet):
+        try:
+            wire = adapter.decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            pass  # not one of the fast messages, or not valid: the general path below says what is wrong
+        else:
+            if wire.version != version:
+                raise error(f"unsupported version {wire.version!r} (this worker speaks {version})")
+            return adapter.make[type(wire)](wire)
     try:
         raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several types for garbage
@@ -75,6 +93,17 @@ def unpack(frame, adapter: TypeAdapter, version: int, error: type[ValueError] = 
         raise error("header must be a msgpack map")
     if type(raw.get("version")) is not int or raw["version"] != version:
         raise error(f"unsupported version {raw.get('version')!r} (this worker speaks {version})")
+    if isinstance(adapter, MessageSet):
+        wire_type = adapter.wire_types.get(raw.get("type")) if isinstance(raw.get("type"), str) else None
+        if wire_type is not None:
+            try:
+                wire = msgspec.convert(raw, wire_type, strict=True)
+            except msgspec.ValidationError as exc:
+                message, at, where = str(exc).rpartition(" - at `")  # msgspec's "<what> - at `$.a.b[0]`"
+                where = where.rstrip("`").removeprefix("$").removeprefix(".") if at else ""
+                raise error(f"invalid {raw['type']!r} message at {where or 'header'}: {message or exc}") from None
+            return adapter.make[wire_type](wire)
+        adapter = adapter.adapter
     try:
         return adapter.validate_python(raw)
     except ValidationError as exc:
@@ -180,8 +209,127 @@ def _typed(cls: type):
 
 
 WireRequest = _typed(GenerateRequest)
-WireOutput = _typed(RequestOutput)
 WireStats = _typed(WorkerStats)
+
+
+# -- the per-token message, on msgspec ------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def wire_struct(cls: type) -> type:
+    """The msgspec Struct mirroring the request-level dataclass `cls` field for field (same names, order,
+    defaults; a nested dataclass by its own mirror): what msgspec decodes the wire map into, with unknown keys
+    and inexact types refused as `from_wire` refuses them. Built once per class."""
+    hints = typing.get_type_hints(cls)
+    fields = []
+    for f in dataclasses.fields(cls):
+        tp = _wire_type(hints[f.name])
+        if f.default is not dataclasses.MISSING:
+            fields.append((f.name, tp, f.default))
+        elif f.default_factory is not dataclasses.MISSING:
+            fields.append((f.name, tp, msgspec.field(default_factory=f.default_factory)))
+        else:
+            fields.append((f.name, tp))
+    return msgspec.defstruct(f"{cls.__name__}Wire", fields, frozen=True, forbid_unknown_fields=True, gc=False)
+
+
+def _wire_type(tp: Any) -> Any:
+    """`tp` with each request-level dataclass in it replaced by its `wire_struct`."""
+    if dataclasses.is_dataclass(tp):
+        return wire_struct(tp)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union:
+        return Union[tuple(_wire_type(a) for a in args)]
+    if origin is tuple:
+        return tuple[tuple(a if a is Ellipsis else _wire_type(a) for a in args)]
+    return tp
+
+
+@functools.lru_cache(maxsize=None)
+def from_wire_struct(cls: type):
+    """The function that rebuilds a `cls` (a request-level dataclass) from its decoded `wire_struct`. A class
+    without `__post_init__` (nothing left to check) is filled straight from the Struct's fields, which costs
+    half of its generated `__init__` (frozen: one `object.__setattr__` per field); nested dataclasses are
+    rebuilt the same way."""
+    hints = typing.get_type_hints(cls)
+    nested = {}
+    for f in dataclasses.fields(cls):
+        inner = _nested(hints[f.name])
+        if inner is not None:
+            nested[f.name] = inner
+    plain = not hasattr(cls, "__post_init__") and not hasattr(cls, "__slots__")
+    asdict, new, setattr_ = msgspec.structs.asdict, object.__new__, object.__setattr__
+
+    def rebuild(wire):
+        values = asdict(wire)
+        for name, conv in nested.items():
+            if values[name] is not None:
+                values[name] = conv(values[name])
+        if not plain:
+            return cls(**values)
+        value = new(cls)
+        setattr_(value, "__dict__", values)
+        return value
+    return rebuild
+
+
+def _nested(tp: Any):
+    """The converter of a field of type `tp` that holds request-level dataclasses (None: nothing to rebuild)."""
+    if dataclasses.is_dataclass(tp):
+        return from_wire_struct(tp)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union:
+        inner = [_nested(a) for a in args if a is not type(None)]
+        if len(inner) != 1:
+            raise TypeError(f"from_wire_struct cannot rebuild {tp!r}")
+        return inner[0]
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        item = _nested(args[0])
+        return None if item is None else (lambda seq: tuple(map(item, seq)))
+    if origin is tuple and any(_nested(a) is not None for a in args):
+        raise TypeError(f"from_wire_struct cannot rebuild {tp!r}")
+    return None
+
+
+class Output(msgspec.Struct, frozen=True, gc=False):
+    """Worker -> router: one `RequestOutput` delta, the message sent per token (packed by `pack_output`)."""
+
+    type: ClassVar[str] = "output"
+    output: RequestOutput
+    version: int = PROTOCOL_VERSION
+
+
+_RequestOutputWire = wire_struct(RequestOutput)
+
+
+class _OutputWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False, tag_field="type",
+                  tag="output"):
+    """What an `output` frame decodes into: its version (checked by `unpack`) and the `RequestOutput` mirror."""
+
+    version: int
+    output: _RequestOutputWire
+
+
+_OUTPUT_ENCODER = msgspec.msgpack.Encoder()
+_rebuild_output = from_wire_struct(RequestOutput)
+
+
+def pack_output(output: RequestOutput) -> bytes:
+    """The msgpack frame of the `output` message carrying `output`: the map
+    {version, type: "output", output: {every field of RequestOutput}} (enums as their values, tuples as arrays)."""
+    return _OUTPUT_ENCODER.encode({"version": PROTOCOL_VERSION, "type": "output", "output": output})
+
+
+class MessageSet:
+    """The messages one socket reads: the msgspec ones (`fast`: `type` -> Struct decoded from the frame and the
+    function making the message of it), decoded by one decoder built here, and the pydantic ones of `adapter`
+    (a TypeAdapter discriminated by `type`), tried when the frame is not a valid fast message."""
+
+    def __init__(self, adapter: TypeAdapter, fast: dict[str, tuple[type, Any]]):
+        self.adapter = adapter
+        self.wire_types = {name: wire for name, (wire, _) in fast.items()}
+        self.make = {wire: make for wire, make in fast.values()}
+        types = tuple(self.wire_types.values())
+        self.decoder = msgspec.msgpack.Decoder(types[0] if len(types) == 1 else Union[types])
 
 
 def generate_request_id(frame) -> Optional[str]:
@@ -227,11 +375,6 @@ class Ping(_Message):
 class ResetPrefixCache(_Message):
     type: Literal["reset_prefix_cache"] = "reset_prefix_cache"
     seq: int = Field(ge=0)
-
-
-class Output(_Message):
-    type: Literal["output"] = "output"
-    output: WireOutput
 
 
 class Rejected(_Message):
@@ -317,5 +460,7 @@ class KVEvents(_Message):
 ToWorker = Union[Generate, AbortRequest, Ping, ResetPrefixCache, SnapshotRequest]
 ToRouter = Union[Output, Rejected, Pong, ResetDone, PrefixIndexSnapshot]
 TO_WORKER: TypeAdapter = TypeAdapter(Annotated[ToWorker, Field(discriminator="type")])
-TO_ROUTER: TypeAdapter = TypeAdapter(Annotated[ToRouter, Field(discriminator="type")])
+TO_ROUTER = MessageSet(
+    TypeAdapter(Annotated[Union[Rejected, Pong, ResetDone, PrefixIndexSnapshot], Field(discriminator="type")]),
+    {"output": (_OutputWire, lambda wire: Output(output=_rebuild_output(wire.output), version=wire.version))})
 KV_EVENTS: TypeAdapter = TypeAdapter(KVEvents)

@@ -23,7 +23,8 @@ tokens ride on the last chunk, as `logprobs.content` lists every token generated
 from __future__ import annotations
 
 import json
-from typing import Optional, Sequence, Union
+from json.encoder import encode_basestring
+from typing import Callable, Optional, Sequence, Union
 
 from cluster.request import RequestOutput, TokenLogprob
 from router.choices import Accumulator, ChoiceState, clamp_logprob
@@ -38,6 +39,33 @@ from router.tokenizer import RouterTokenizer
 from router.tool_calls import ContentDelta, ToolCallArguments, ToolCallStarted, ToolCallStream, ToolEvent
 from router.openai.tools import DeltaFunction, DeltaToolCall, FunctionCallOut, ToolCallOut
 
+
+
+_TEXT_MARK = "\x00mlx-pd:text\x00"  # stands in for a delta's text when a stream's chunk template is rendered
+
+
+class TextChunks:
+    """The chunk JSON of a plain text delta (no logprobs, tool calls, reasoning or finish_reason) of one stream,
+    without building its models per token: `render(index, text)` (the general path) renders the chunk once per
+    choice index with a marker for the text, and every later chunk is that prefix, the text JSON-escaped as
+    pydantic escapes it (`json.encoder.encode_basestring`, what `json.dumps(text, ensure_ascii=False)` uses: the
+    same bytes for every string of Unicode scalar values, tests/test_sse_chunks.py) and that suffix. Where the
+    marker does not come out exactly once (a model name holding it), every chunk takes the general path."""
+
+    def __init__(self, render: Callable[[int, str], str]):
+        self._render = render
+        self._parts: dict[int, Optional[tuple[str, str]]] = {}
+
+    def __call__(self, index: int, text: str) -> str:
+        """The chunk of choice `index` whose text delta is `text`: the bytes `render(index, text)` makes."""
+        try:
+            parts = self._parts[index]
+        except KeyError:
+            pieces = self._render(index, _TEXT_MARK).split(encode_basestring(_TEXT_MARK))
+            parts = self._parts[index] = (pieces[0], pieces[1]) if len(pieces) == 2 else None
+        if parts is None:
+            return self._render(index, text)
+        return parts[0] + encode_basestring(text) + parts[1]
 
 
 class _Formatter:
@@ -79,6 +107,12 @@ class ChatFormatter(_Formatter):
         super().__init__(prepared, tok, created)
         self._streams: dict[int, ToolCallStream] = {}
         self._held_logprobs: dict[int, list[TokenLogprob]] = {}
+        self._plain = prepared.tool_parser is None and prepared.logprobs is None  # its text deltas take TextChunks
+        self.text_chunk = TextChunks(self._content_chunk)
+
+    def _content_chunk(self, index: int, text: str) -> str:
+        """The general path's chunk of a plain content delta (what `text_chunk` makes faster)."""
+        return self._chunk([ChatChunkChoice(index=index, delta=DeltaMessage(content=text))])
 
     def _entries(self, logprobs: Sequence[TokenLogprob]) -> list[TokenLogprobOut]:
         tok = self.tok
@@ -100,6 +134,8 @@ class ChatFormatter(_Formatter):
 
     def delta_chunk(self, state: ChoiceState, out: RequestOutput) -> Union[None, str, list[str]]:
         """The chunk(s) for one delta (None when it carries nothing); logprobs ride with their tokens."""
+        if self._plain and not out.reasoning_text and out.finish_reason is None and (out.text or out.token_ids):
+            return self.text_chunk(state.index, out.text)  # the common case: a content delta, nothing else
         if self.p.tool_parser is not None:
             return self._tool_chunks(state, out)
         if not (out.token_ids or out.text or out.reasoning_text or out.finished):
@@ -180,6 +216,15 @@ class ChatFormatter(_Formatter):
 class CompletionFormatter(_Formatter):
     """Chunks and answers of /v1/completions (with `echo` and legacy logprobs)."""
 
+    def __init__(self, prepared: PreparedRequest, tok: RouterTokenizer, created: int):
+        super().__init__(prepared, tok, created)
+        self.text_chunk = TextChunks(self._text_chunk)
+
+    def _text_chunk(self, index: int, text: str) -> str:
+        """The general path's chunk of a plain text delta (what `text_chunk` makes faster)."""
+        return CompletionResponse(id=self.p.request_id, created=self.created, model=self.p.model,
+                                  choices=[CompletionChoice(index=index, text=text)]).model_dump_json()
+
     def _legacy(self, logprobs: CompletionLogprobs, state: ChoiceState, token_id: int,
                 logprob: Optional[float], top: Optional[dict[str, float]]) -> None:
         text = self.tok.token_text(token_id)
@@ -225,6 +270,9 @@ class CompletionFormatter(_Formatter):
         """The chunk for one delta (None when it carries nothing)."""
         first = not state.started
         state.started = True
+        if (self.p.logprobs is None and out.finish_reason is None and (out.token_ids or out.text)
+                and not (first and self.p.echo)):
+            return self.text_chunk(state.index, out.text)  # the common case: a text delta, nothing else
         if not (out.token_ids or out.text or out.finished or (first and self.p.echo)):
             return None
         text, logprobs = self._choice_parts(state, out.text, out.logprobs or (), first)
