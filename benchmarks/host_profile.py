@@ -40,7 +40,8 @@ How to read the result (per layout and concurrency):
   a decode batch of each concurrency with a realistic context (`compute_floor`), in ms per output token; the
   table's **busy less the floor** is the host time a token costs beyond the model itself.
 - per thread: samples, busy, idle (busy + idle = samples), busy share, and the thread's CPU ms per output
-  token from /proc over the window.
+  token from /proc over the window. Samples are wall time: where busy threads outnumber cores, a runnable
+  thread waiting for one counts as busy in its stage; its /proc CPU says how much of that ran.
 
 py-spy is a tool, not a dependency of the server: install it with ``pip install py-spy`` (it needs ptrace
 rights over the servers: run as the same user, with ``kernel.yama.ptrace_scope`` 0 or as root).
@@ -141,7 +142,8 @@ def _short(func: str) -> str:
 def idle_leaf(leaf: Frame) -> bool:
     """True when a stack whose innermost Python frame is `leaf` is waiting with nothing to do: an I/O selector's
     ``select`` (the event loop in epoll, a metrics server), a ``threading`` wait (condition, event, lock, join),
-    a ``queue`` get, an executor or pool thread waiting for work, a ZeroMQ poll, the worker loop's control
+    a ``queue`` get, an executor or pool thread waiting for work, a ZeroMQ poll or pyzmq's garbage-collector
+    thread, the worker loop's control
     poll (``InProcessControl.poll``/``ZmqControl.poll``: a queue or socket wait of at most 20 ms), a parked
     owner thread (cluster/owner_threads.py ``_serve``)."""
     file, func, name = leaf.file, leaf.func, _short(leaf.func)
@@ -155,8 +157,8 @@ def idle_leaf(leaf: Frame) -> bool:
         return True
     if file.endswith("socketserver.py") and name == "serve_forever":
         return True
-    if file.startswith("zmq") and "poll" in name.lower():
-        return True
+    if file.startswith("zmq") and ("poll" in name.lower() or file.startswith("zmq/utils/garbage")):
+        return True  # a poll, or pyzmq's garbage-collector thread blocked in its socket's recv
     if file.endswith("cluster/control.py") and func in ("InProcessControl.poll", "ZmqControl.poll"):
         return True
     if file.endswith("cluster/owner_threads.py") and name == "_serve":
@@ -246,6 +248,8 @@ def project_stage(frame: Frame, leaf: bool, line_text: Optional[str] = None) -> 
     if file.startswith("router/") and file.endswith(("openai/format.py", "openai/output.py", "choices.py",
                                                      "anthropic/format.py", "responses/format.py")):
         return SSE
+    if file.endswith("router/metrics.py") and ("send" in func or name == "__call__"):
+        return None  # the metrics middleware passing a response through: what it passes decides
     if file.endswith(("router/metrics.py", "cluster/stats.py", "cluster/stats_metrics.py")) or "dashboard" in file:
         return OTHER
     if file.startswith("router/"):
@@ -369,13 +373,14 @@ def summarize_profile(threads: Sequence[dict], rate: float, tokens: float, *, cp
     the output `tokens` of the window.
 
     Returns {"stages": {stage: {"samples", "ms_per_token", "busy_share"}}, "busy_ms_per_token", "waits":
-    {"engine": ..., "event_loop": ...} (ms per token), "threads": [...], "native_cpu_ms_per_token",
+    {"engine": {process: ms per token}, "event_loop": {process: ...}} (an engine loop's or event loop's idle
+    samples), "threads": [...], "native_cpu_ms_per_token",
     "zmq_io_cpu_ms_per_token", "floor_ms_per_token", "busy_less_floor_ms_per_token"}. ms per token is samples /
     rate / tokens * 1000; shares are of all busy (non-idle) samples; per thread, busy + idle = its samples.
     `cpu_ms` is {tid: the thread's CPU ms per token from /proc}."""
     per_token = (lambda n: 1000.0 * n / rate / tokens) if tokens > 0 and rate > 0 else (lambda n: math.nan)
     stage_samples: Counter = Counter()
-    waits = {"engine": 0, "event_loop": 0}
+    waits: dict[str, Counter] = {"engine": Counter(), "event_loop": Counter()}
     rows = []
     for t in threads:
         st = t["stages"]
@@ -386,9 +391,9 @@ def summarize_profile(threads: Sequence[dict], rate: float, tokens: float, *, cp
             if stage != IDLE:
                 stage_samples[stage] += n
         if t["role"] == "engine loop":
-            waits["engine"] += idle
+            waits["engine"][t["process"]] += idle
         elif t["role"] == "event loop":
-            waits["event_loop"] += idle
+            waits["event_loop"][t["process"]] += idle
         rows.append({"process": t["process"], "tid": t["tid"], "thread": t["thread"], "role": t["role"],
                      "samples": total, "busy": busy, "idle": idle, "busy_share": busy / total if total else math.nan,
                      "busy_ms_per_token": per_token(busy),
@@ -401,7 +406,8 @@ def summarize_profile(threads: Sequence[dict], rate: float, tokens: float, *, cp
     native = 1000.0 * native_cpu_s / tokens if tokens > 0 else math.nan
     zmq_io = 1000.0 * zmq_cpu_s / tokens if tokens > 0 else math.nan
     return {"stages": stages, "busy_samples": busy_total, "busy_ms_per_token": busy_ms,
-            "waits": {k: per_token(v) for k, v in waits.items()}, "wait_samples": waits, "threads": rows,
+            "waits": {k: {proc: per_token(n) for proc, n in sorted(v.items())} for k, v in waits.items()},
+            "wait_samples": {k: dict(v) for k, v in waits.items()}, "threads": rows,
             "native_cpu_ms_per_token": native, "zmq_io_cpu_ms_per_token": zmq_io,
             "floor_ms_per_token": floor_ms if floor_ms is not None else math.nan,
             "busy_less_floor_ms_per_token": busy_ms - floor_ms if floor_ms is not None else math.nan}
@@ -668,8 +674,10 @@ def stage_rows(cfg: dict) -> list[list[str]]:
     rows.append(["busy less the floor", _f(cfg["busy_less_floor_ms_per_token"]), ""])
     rows.append(["native threads' CPU (MLX, BLAS; /proc, not in busy)", _f(cfg["native_cpu_ms_per_token"]), ""])
     rows.append(["ZeroMQ I/O threads' CPU (/proc, not in busy)", _f(cfg["zmq_io_cpu_ms_per_token"]), ""])
-    rows.append(["engine waits (idle, requests in flight)", _f(cfg["waits"]["engine"]), ""])
-    rows.append(["event loop waits (epoll, streams open)", _f(cfg["waits"]["event_loop"]), ""])
+    for proc, ms in cfg["waits"]["engine"].items():
+        rows.append([f"engine waits, {proc} (idle, requests in flight)", _f(ms), ""])
+    for proc, ms in cfg["waits"]["event_loop"].items():
+        rows.append([f"event loop waits, {proc} (epoll, streams open)", _f(ms), ""])
     return rows
 
 

@@ -42,6 +42,8 @@ def test_waiting_leaves_are_idle_whatever_runs_above_them():
                                         "Poller.poll (zmq/sugar/poll.py:106)")) == IDLE
     assert classify(stack("Thread.run (threading.py:982);_serve (cluster/owner_threads.py:69)")) == IDLE
     assert classify(stack("_worker (concurrent/futures/thread.py:81)")) == IDLE
+    assert classify(stack("Thread._bootstrap (threading.py:1002);GarbageCollectorThread.run "
+                          "(zmq/utils/garbage.py:56)")) == IDLE
     assert classify(stack("idle (x.py:10);Queue.get (queue.py:171);Condition.wait (threading.py:327)")) == IDLE
 
 
@@ -111,6 +113,13 @@ def test_output_delivery_messages_handoff_and_sse():
 def test_stacks_without_project_frames_fall_back_to_their_library():
     assert classify(stack("RequestResponseCycle.send (uvicorn/protocols/http/h11_impl.py:512);"
                           "_SelectorSocketTransport.write (asyncio/selector_events.py:1057)")) == SSE
+    through_middleware = stack("StreamingResponse.stream_response (starlette/responses.py:258);MetricsMiddleware."
+                               "__call__.<locals>.send_wrapper (router/metrics.py:181);RequestResponseCycle.send "
+                               "(uvicorn/protocols/http/h11_impl.py:499);_SelectorSocketTransport.write "
+                               "(asyncio/selector_events.py:1057)")
+    assert classify(through_middleware) == SSE
+    assert classify(stack("SequenceTimer.observe (router/metrics.py:150);Histogram.observe "
+                          "(prometheus_client/metrics.py:681)")) == OTHER
     assert classify(stack("H11Protocol.data_received (uvicorn/protocols/http/h11_impl.py:200)")) == REQUEST
     assert classify(stack(LOOP_ROOT + ";BaseEventLoop._run_once (asyncio/base_events.py:1922);"
                                       "Handle._run (asyncio/events.py:80)")) == HANDOFF
@@ -156,7 +165,7 @@ def test_stage_arithmetic_adds_up_per_thread_and_per_token():
     assert s["busy_ms_per_token"] == pytest.approx(2.5)
     assert s["busy_less_floor_ms_per_token"] == pytest.approx(1.5)
     assert s["native_cpu_ms_per_token"] == pytest.approx(1.5)
-    assert s["waits"] == {"engine": pytest.approx(0.5), "event_loop": pytest.approx(2.0)}
+    assert s["waits"] == {"engine": {"single": pytest.approx(0.5)}, "event_loop": {"single": pytest.approx(2.0)}}
     for t in s["threads"]:
         assert t["busy"] + t["idle"] == t["samples"]
     by_tid = {t["tid"]: t for t in s["threads"]}
@@ -165,6 +174,7 @@ def test_stage_arithmetic_adds_up_per_thread_and_per_token():
     rows = {r[0]: r for r in stage_rows(s)}
     assert rows[COMPUTE][1:] == ["1.500", "60.0%"]
     assert rows["busy less the floor"][1] == "1.500"
+    assert rows["engine waits, single (idle, requests in flight)"][1] == "0.500"
 
 
 def test_no_tokens_gives_nan_not_a_division_error():
