@@ -199,3 +199,14 @@ def test_cpu_delta_counts_new_threads_from_zero():
     before = {1: ("python", 100)}
     after = {1: ("python", 150), 2: ("ZMQbg/IO/0", 20)}
     assert cpu_delta_s(before, after, clk_tck=100) == {1: ("python", 0.5), 2: ("ZMQbg/IO/0", 0.2)}
+
+
+def test_without_py_spy_the_run_stops_naming_the_install_command(monkeypatch, tmp_path):
+    import argparse
+
+    from benchmarks import host_profile
+
+    monkeypatch.setattr(host_profile.shutil, "which", lambda name: None)
+    monkeypatch.setattr(host_profile.sys, "executable", str(tmp_path / "python"))
+    with pytest.raises(RuntimeError, match="pip install py-spy"):
+        host_profile.run(argparse.Namespace(layouts="single", concurrency="32"))
