@@ -21,6 +21,7 @@
     mlx-pd bench interference --out i.json                  # stream ITL while a 1.5k-token prompt prefills
     mlx-pd bench mixed-prefill --out m.json                 # 8 prompts of 100-2000 tokens at once: prefill tok/s
     mlx-pd bench aiperf --aiperf /tmp/aiperf-venv/bin/aiperf  # NVIDIA aiperf against both servers, ABBA rounds
+    mlx-pd bench host-profile --fast-model --concurrency 32,64   # py-spy: a token's host time per stage
 
 Every run warms up first (not measured), sends unique prompts (unless --shared-prefix), and reports
 p50/p90/p99. See docs/BENCHMARKS.md for the rules and the latest numbers.
@@ -149,12 +150,16 @@ SUBCOMMANDS = {
                 "format on the wire; root (benchmarks/lab_ttft.py)",
     "load-check": "what the load check costs per model: seconds, seconds per billion parameters, and against one "
                   "512-token prefill (benchmarks/load_check_bench.py)",
+    "host-profile": "where a token's host time goes: every server process sampled with py-spy under streaming load, "
+                    "single-node and 1P1D, per stage, per thread, against the model's compute floor "
+                    "(benchmarks/host_profile.py)",
 }
 MODULES = {"cluster": "cluster_bench", "routing": "routing_bench", "routing-sim": "routing_sim",
            "speculative": "speculative_bench", "hybrid-turns": "hybrid_bench",
            "structured": "structured_bench", "interference": "interference_bench",
            "mixed-prefill": "mixed_prefill_bench", "aiperf": "aiperf_compare", "link-transfer": "link_transfer",
-           "lab-ttft": "lab_ttft", "load-check": "load_check_bench"}  # own add/run/tables
+           "lab-ttft": "lab_ttft", "load-check": "load_check_bench",
+           "host-profile": "host_profile"}  # own add/run/tables
 
 
 def build_subcommand_parser(name: str) -> argparse.ArgumentParser:
