@@ -131,10 +131,13 @@ class ChoiceStreams:
     async def next(self) -> tuple[int, RequestOutput]:
         """The next delta of any choice. Raises the engine's exception for a choice that failed,
         StallTimeout when nothing came for `stall_timeout_s`, ClientDisconnected after `disconnect()`."""
-        try:
-            index, item = await asyncio.wait_for(self._queue.get(), self._timeout)
-        except asyncio.TimeoutError:
-            raise StallTimeout(f"the engine produced nothing for {self._timeout:g} s") from None
+        try:  # a delta already queued is taken without a timer (wait_for costs a task per call)
+            index, item = self._queue.get_nowait()
+        except asyncio.QueueEmpty:
+            try:
+                index, item = await asyncio.wait_for(self._queue.get(), self._timeout)
+            except asyncio.TimeoutError:
+                raise StallTimeout(f"the engine produced nothing for {self._timeout:g} s") from None
         if item is _DISCONNECT:
             self._queue.put_nowait((index, item))  # sticky
             raise ClientDisconnected()
