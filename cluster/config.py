@@ -39,6 +39,11 @@ class EngineConfig:
       leave a block for prompts beside one token of every running sequence.
     - `itl_target_ms`: while sequences decode, a step's prompt chunk is sized so that the step takes at most
       this long (the streams' inter-token latency); None = twice the measured decode step.
+    - `prefill_slowdown`: a long prompt computed beside decoding streams finishes within about this many times
+      its prefill time alone (predicted by the step budget's cost model when its first chunk runs); where the
+      ITL target's share of each step would not get it there, its chunks grow until it does, stretching the
+      streams' steps to twice the ITL target at most. None: the ITL target alone sizes the chunks (the prompt
+      gets what the streams leave).
     - `async_scheduling`: the overlapped loop: a step's plain rows (no grammar, drafts, penalties or logprobs)
       sample on the device and are read back after the next step is built and dispatched, so the host's
       scheduling and bookkeeping overlap the device's compute (vLLM's async scheduling; mlx-lm's generation
@@ -94,6 +99,7 @@ class EngineConfig:
     prefill_chunk_size: int = 2048
     max_num_batched_tokens: Optional[int] = None
     itl_target_ms: Optional[float] = None
+    prefill_slowdown: Optional[float] = 1.25
     long_prefill_token_threshold: int = 256
     async_scheduling: bool = True
     max_model_len: Optional[int] = None
@@ -133,6 +139,9 @@ class EngineConfig:
                       f"prompt: at least max_num_seqs + block_size = {(self.max_num_seqs or 1) + self.block_size}")
         if self.itl_target_ms is not None and not self.itl_target_ms > 0:
             raise bad("itl_target_ms", "must be > 0 milliseconds or unset (twice the measured decode step)")
+        if self.prefill_slowdown is not None and not self.prefill_slowdown > 1:
+            raise bad("prefill_slowdown", "must be > 1 (times a prompt's prefill alone) or unset (the ITL target "
+                      "alone bounds its chunks)")
         if self.long_prefill_token_threshold < 0:
             raise bad("long_prefill_token_threshold", "must be >= 0 tokens")
         if self.max_model_len is not None and self.max_model_len < 2:

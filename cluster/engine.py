@@ -215,7 +215,7 @@ class EngineCore:
         self.owner.check("EngineCore.step")
         outputs = self.scheduler.expire(time.monotonic())
         outputs += self.scheduler.admit_prefilled()
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(self.clock())
         inflight, self._inflight = self._inflight, None
         if batch is not None:
             started = self.clock()

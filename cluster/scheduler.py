@@ -71,7 +71,7 @@ class Scheduler:
         self.budget = StepBudget(config.max_num_batched_tokens or config.prefill_chunk_size,
                                  config.prefill_chunk_size, config.block_size,
                                  None if config.itl_target_ms is None else config.itl_target_ms / 1000,
-                                 config.long_prefill_token_threshold)
+                                 config.long_prefill_token_threshold, config.prefill_slowdown)
 
     @property
     def prefix_queries(self) -> int:
@@ -149,15 +149,15 @@ class Scheduler:
         free_slots = max(0, self.config.max_num_seqs - len(self.running))
         return len(self.waiting) + len(self.awaiting_kv) - free_slots >= self.config.max_waiting
 
-    def schedule(self) -> Optional[ScheduledBatch]:
+    def schedule(self, now: float = 0.0) -> Optional[ScheduledBatch]:
         """Pick the next step's work (decode first, then prompt chunks within the budget), or None when there is
-        nothing to do."""
+        nothing to do. `now`: the engine's step clock (seconds), which long prompts' deadlines are kept in."""
         decode = self._schedule_decode()
         num_decode = sum(n for _, n in decode)
         # a stream whose token is still on the device (the overlapped loop) waits on this step as well
         streaming = bool(decode) or any(s.num_inflight_tokens for s in self.running)
         prefill = self._schedule_prefill(self.budget.prefill_allowance(num_decode), self.budget.time_left(streaming),
-                                         may_preempt=not decode)
+                                         may_preempt=not decode, now=now)
         return ScheduledBatch(decode, prefill) if decode or prefill else None
 
     def report_computed(self, batch: Optional[ScheduledBatch]) -> None:
@@ -296,12 +296,19 @@ class Scheduler:
                        reasoning=reasoning)
 
     def _chunk(self, seq: Sequence, allowance: int, whole_room: int, time_left: Optional[float], floor: bool,
-               start: Optional[int] = None) -> int:
+               now: float, start: Optional[int] = None) -> int:
         """Tokens of `seq` to compute in this step from `start` (default: its computed tokens) given `allowance`
-        prompt tokens and `time_left` seconds left (`StepBudget.chunk`), ending where a KV cache group wants it
-        to (`KVManager.chunk_end`)."""
+        prompt tokens and `time_left` seconds left (`StepBudget.chunk`; a long prompt computed beside streams
+        may take more time to keep its plan: `StepBudget.stretch`), ending where a KV cache group
+        wants it to (`KVManager.chunk_end`)."""
         start = seq.num_computed_tokens if start is None else start
-        end = start + self.budget.chunk(len(seq.token_ids) - start, allowance, whole_room, start, time_left, floor)
+        end = len(seq.token_ids)
+        if time_left is not None and end - start > self.budget.long_prefill_threshold:
+            plan = seq.prefill_plan
+            if plan is None:  # kept once the chunk runs (`_schedule_prefill`)
+                plan = self.budget.plan(start, now)
+            time_left = self.budget.stretch(time_left, start, end, plan, now)
+        end = start + self.budget.chunk(end - start, allowance, whole_room, start, time_left, floor)
         return self.kv.chunk_end(len(seq.token_ids), start, end) - start
 
     # -- internals ---------------------------------------------------------------------------------
@@ -309,8 +316,8 @@ class Scheduler:
     def _blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         return self.kv.blocks_needed(seq.request_id, seq.num_computed_tokens + num_tokens)
 
-    def _schedule_prefill(self, allowance: int, time_left: Optional[float],
-                          may_preempt: bool) -> list[tuple[Sequence, int]]:
+    def _schedule_prefill(self, allowance: int, time_left: Optional[float], may_preempt: bool,
+                          now: float = 0.0) -> list[tuple[Sequence, int]]:
         """Prompt chunks within `allowance` tokens of the step's token budget and, while streams decode,
         `time_left` seconds (None: no time bound; the chunks' predicted cost is subtracted as they are taken,
         the first time-bounded one gets at least a block; the step's new short prompts may take
@@ -323,20 +330,22 @@ class Scheduler:
         items: list[tuple[Sequence, int]] = []
         partial, floor = False, True
 
-        def took(start: int, n: int) -> None:
+        def took(seq: Sequence, start: int, n: int) -> None:
             nonlocal allowance, time_left, floor
             allowance -= n
+            if time_left is not None and seq.prefill_plan is None and n < len(seq.token_ids) - start:
+                seq.prefill_plan = self.budget.plan(start, now)  # cut beside streams
             if time_left is not None:
                 time_left = max(0.0, time_left - self.budget.chunk_seconds(start, n))
                 floor = False
 
         for seq in [s for s in self.running if s.is_prefilling]:  # a long prompt's rest: never past the bound
             start = seq.num_computed_tokens
-            n = self._chunk(seq, allowance, 0, time_left, floor)
+            n = self._chunk(seq, allowance, 0, time_left, floor, now)
             if not n or not self._reserve(seq, n, allow_preempt=may_preempt and not items):
                 break
             items.append((seq, n))
-            took(start, n)
+            took(seq, start, n)
             partial = partial or n < seq.num_uncomputed
         whole_room = self.budget.whole_room(allowance)
         while self.waiting and len(self.running) < self.config.max_num_seqs:
@@ -345,7 +354,7 @@ class Scheduler:
                 break
             hit = self.prefix.lookup(seq)  # no side effects: nothing to undo when it does not fit
             start = seq.num_computed_tokens if hit is None else hit.num_tokens
-            n = self._chunk(seq, allowance, whole_room, time_left, floor, start)
+            n = self._chunk(seq, allowance, whole_room, time_left, floor, now, start)
             if n < len(seq.token_ids) - start and partial:
                 n = 0
             if hit is None:  # it holds its KV already
@@ -362,7 +371,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             items.append((seq, n))
-            took(start, n)
+            took(seq, start, n)
             whole_room, partial = whole_room - n, partial or n < seq.num_uncomputed
         return [(s, n) for s, n in items if s.status is SequenceStatus.RUNNING]
 
@@ -405,6 +414,7 @@ class Scheduler:
         seq.block_hashes = []
         self._preempted.append(seq)
         seq.num_computed_tokens = seq.num_draft_computed = 0
+        seq.prefill_plan = None
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -64,6 +64,9 @@ class Sequence:
     decodes the rest; `cluster.connector`).
     num_inflight_tokens: tokens sampled on the device for it and not read back yet, which follow `token_ids`
         (0 or 1; the engine's overlapped loop, `EngineCore._inflight`).
+    prefill_plan: when (the engine's clock, seconds) and at which position its prompt's chunks beside decoding
+        streams began (`StepBudget.plan`, `StepBudget.stretch`); None until its first such chunk, and again
+        after preemption.
     """
 
     request: GenerateRequest
@@ -85,6 +88,7 @@ class Sequence:
     remote_decode: bool = False
     num_inflight_tokens: int = 0
     arrival: float = field(default_factory=time.monotonic)
+    prefill_plan: Optional[tuple[float, int]] = None  # StepBudget.plan: (time, position) its chunks began
 
     def __post_init__(self) -> None:
         if not self.token_ids:

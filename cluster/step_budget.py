@@ -6,16 +6,22 @@ of `max_num_batched_tokens` (vLLM's token budget). While streams decode, the pro
 bounded by time, so that the streams' inter-token latency (ITL) stays within a target:
 
     seconds for prompt chunks = itl_target - t_decode
-    a chunk of n tokens from position p costs   c_chunk + c_token * n + c_attend * n * (p + n/2)
+    a chunk of n tokens from position p costs   c_chunk + c_token * n + c_context * p + c_attend * n * (p + n/2)
 
 `t_decode` is the measured time of a step of decode tokens alone (an exponential moving average). The chunk
 cost is fitted online (`PrefillCost`: least squares with forgetting, coefficients kept non-negative) from the
-engine's own steps: a prompt token's cost grows with its position, as attention reads every earlier position,
-so a long prompt's chunks shrink as it advances and the step stays within the target at 1k, 4k or 32k tokens
+engine's own steps: a chunk reads its prompt's earlier KV once (c_context) and a prompt token's cost grows with
+its position, as attention reads every earlier position, so a long prompt's chunks shrink as it advances and the step stays within the target at 1k, 4k or 32k tokens
 alike. `itl_target` is `itl_target_ms`, or by default twice `t_decode` (a stream's ITL at most doubles while a
 prompt prefills). A stream whose token is still on the device (the overlapped loop) is waiting on the step too,
 so it counts as streaming even when it gets no new token in the step. Before the cost is known (no step with
 prompt tokens timed yet), a streaming step takes one block of a long prompt: never the whole budget.
+
+A long prompt computed beside streams also has a plan (`prefill_slowdown`, default 1.25): it should finish
+within that many times its predicted time alone. While it is on schedule its chunks get the ITL target's share;
+when it falls behind, its chunks fill the step up to 90% of twice the ITL target, so the streams' worst gap
+stays under twice the target while the prompt catches up (vLLM and SGLang bound a step by tokens only; this
+is the TTFT side of the same budget).
 
 Chunk ends stay on block boundaries, at least one block per step for the first time-bounded prompt so prompts
 always progress (where one block at the prompt's position costs more than the target, the step takes that
@@ -28,14 +34,18 @@ full `prefill_chunk_size` chunks, as many as the budget holds.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Optional, Sequence as Seq
 
 from cluster.sequence import Sequence
 
+_CATCH_UP = 0.9  # a prompt behind its plan fills steps to this share of twice the ITL target (the rest: the
+# chunk cost prediction's error)
 _EMA = 0.3  # weight of the newest measurement in the decode step's moving average
 _FORGET = 0.85  # weight each older prompt-step observation keeps at every new one (PrefillCost)
-_SCALES = (1.0, 1024.0, 2.0 ** 20)  # feature scales: chunks, tokens, token-positions
+_SCALES = (1.0, 1024.0, 2.0 ** 14, 2.0 ** 20)  # feature scales: chunks, tokens, context, token-positions
+_NUM_FEATURES = len(_SCALES)
 
 
 @dataclass
@@ -69,28 +79,30 @@ class ScheduledBatch:
         return sum(n for _, n in self.prefill)
 
 
-def chunk_features(spans: Seq[tuple[int, int]]) -> tuple[float, float, float]:
+def chunk_features(spans: Seq[tuple[int, int]]) -> tuple[float, ...]:
     """The cost model's features of a step's prompt chunks, each (start position, tokens): (chunks, tokens,
-    token-positions n * (p + n/2), i.e. the attention work), scaled to similar magnitudes."""
+    context positions p read once per chunk (its earlier KV gathered), token-positions n * (p + n/2), i.e.
+    attention's work), scaled to similar magnitudes."""
     chunks = sum(1 for _, n in spans if n)
     tokens = sum(n for _, n in spans)
+    context = sum(p for p, n in spans if n)
     attend = sum(n * (p + n / 2) for p, n in spans)
-    return chunks / _SCALES[0], tokens / _SCALES[1], attend / _SCALES[2]
+    return chunks / _SCALES[0], tokens / _SCALES[1], context / _SCALES[2], attend / _SCALES[3]
 
 
 class PrefillCost:
-    """Seconds that a step's prompt chunks add to it: c_chunk * chunks + c_token * tokens + c_attend *
-    token-positions (`chunk_features`), fitted by least squares over the observed steps, each older step's
+    """Seconds that a step's prompt chunks add to it: c_chunk * chunks + c_token * tokens + c_context *
+    context + c_attend * token-positions (`chunk_features`), fitted by least squares over the observed steps, each older step's
     weight multiplied by `forget` at every new one (so the fit follows a machine whose speed changes), with
     every coefficient kept at or above 0 (the best fit over the subsets of features whose solution is
     non-negative). `predict` is None until a step with prompt tokens was observed."""
 
     def __init__(self, forget: float = _FORGET):
         self.forget = forget
-        self._xx = [[0.0] * 3 for _ in range(3)]  # weighted sum of x x^T
-        self._xy = [0.0] * 3  # weighted sum of x y
+        self._xx = [[0.0] * _NUM_FEATURES for _ in range(_NUM_FEATURES)]  # weighted sum of x x^T
+        self._xy = [0.0] * _NUM_FEATURES  # weighted sum of x y
         self._yy = 0.0
-        self._coef: Optional[tuple[float, float, float]] = None
+        self._coef: Optional[tuple[float, ...]] = None
         self.num_observed = 0
 
     def observe(self, spans: Seq[tuple[int, int]], seconds: float) -> None:
@@ -99,17 +111,17 @@ class PrefillCost:
         if not x[1]:
             return
         f = self.forget
-        for i in range(3):
+        for i in range(_NUM_FEATURES):
             self._xy[i] = f * self._xy[i] + x[i] * seconds
-            for j in range(3):
+            for j in range(_NUM_FEATURES):
                 self._xx[i][j] = f * self._xx[i][j] + x[i] * x[j]
         self._yy = f * self._yy + seconds * seconds
         self._coef = None
         self.num_observed += 1
 
     @property
-    def coefficients(self) -> Optional[tuple[float, float, float]]:
-        """(c_chunk, c_token, c_attend) in seconds per scaled feature (`chunk_features`), or None before any
+    def coefficients(self) -> Optional[tuple[float, ...]]:
+        """(c_chunk, c_token, c_context, c_attend) in seconds per scaled feature (`chunk_features`), or None before any
         observation."""
         if self.num_observed == 0:
             return None
@@ -124,26 +136,27 @@ class PrefillCost:
             return None
         return sum(c * x for c, x in zip(coef, chunk_features(spans)))
 
-    def _fit(self) -> tuple[float, float, float]:
-        best, best_err = (0.0, 0.0, 0.0), float("inf")
+    def _fit(self) -> tuple[float, ...]:
+        best, best_err = (0.0,) * _NUM_FEATURES, float("inf")
         for subset in _SUBSETS:
             sol = _solve([[self._xx[i][j] for j in subset] for i in subset], [self._xy[i] for i in subset])
             if sol is None or min(sol) < 0:
                 continue
-            coef = [0.0, 0.0, 0.0]
+            coef = [0.0] * _NUM_FEATURES
             for i, c in zip(subset, sol):
                 coef[i] = c
             # weighted residual: yy - 2 c.xy + c^T xx c
             err = self._yy - 2 * sum(c * b for c, b in zip(coef, self._xy)) + sum(
-                coef[i] * self._xx[i][j] * coef[j] for i in range(3) for j in range(3))
+                coef[i] * self._xx[i][j] * coef[j] for i in range(_NUM_FEATURES) for j in range(_NUM_FEATURES))
             if err < 0.95 * best_err - 1e-12 * self._yy:  # a richer fit is taken when it fits clearly better
                 best, best_err = tuple(coef), err
         return best  # type: ignore[return-value]
 
 
-# the fits tried, simplest first: a cost per token before one that also grows with position or has a fixed
-# part per chunk (with one observation every subset fits it exactly, and the per-token one extrapolates best)
-_SUBSETS = ((1,), (1, 2), (0, 1), (0, 1, 2), (2,), (0, 2), (0,))
+# the fits tried, simplest first, those with a cost per token before the others (with one observation every
+# subset fits it exactly, and the per-token one extrapolates best); a richer fit must fit clearly better
+_SUBSETS = tuple(sorted((c for k in range(1, _NUM_FEATURES + 1) for c in itertools.combinations(range(_NUM_FEATURES), k)),
+                        key=lambda c: (1 not in c, len(c))))
 
 
 def _solve(a: list[list[float]], b: list[float]) -> Optional[list[float]]:
@@ -176,9 +189,11 @@ class StepBudget:
     """
 
     def __init__(self, max_batched_tokens: int, chunk_size: int, block_size: int,
-                 itl_target_s: Optional[float] = None, long_prefill_threshold: int = 256):
+                 itl_target_s: Optional[float] = None, long_prefill_threshold: int = 256,
+                 prefill_slowdown: Optional[float] = None):
         self.max_batched_tokens, self.chunk_size, self.block_size = max_batched_tokens, chunk_size, block_size
         self.itl_target_s, self.long_prefill_threshold = itl_target_s, long_prefill_threshold
+        self.prefill_slowdown = prefill_slowdown
         self.decode_step_s: Optional[float] = None  # t_decode
         self.prefill_cost = PrefillCost()
 
@@ -209,6 +224,40 @@ class StepBudget:
         """Predicted seconds of a chunk of `num_tokens` prompt tokens from position `start` (0.0 before any
         prompt step was timed)."""
         return self.prefill_cost.predict([(start, num_tokens)]) or 0.0
+
+    def solo_seconds(self, start: int, end: int) -> float:
+        """Predicted seconds to compute prompt positions [start, end) alone, in `chunk_size` chunks (0.0 before
+        any prompt step was timed)."""
+        return sum(self.chunk_seconds(p, min(self.chunk_size, end - p)) for p in range(start, end, self.chunk_size))
+
+    def plan(self, start: int, now: float) -> Optional[tuple[float, int]]:
+        """The prefill plan of a prompt whose chunks beside streams start at position `start` at time `now`:
+        (now, start). Its deadline is `prefill_slowdown` times its predicted time alone from there, predicted
+        again at every step from the latest cost fit (`stretch`). None: no slowdown bound."""
+        return None if self.prefill_slowdown is None else (now, start)
+
+    def stretch(self, time_left: Optional[float], start: int, end: int, plan: Optional[tuple[float, int]],
+                now: float) -> Optional[float]:
+        """The seconds a long prompt's chunk may take this step under its `plan` (`plan`), positions [start,
+        end) still to compute: the ITL target's share `time_left` while the prompt is on schedule (the share of
+        its work alone that is done is at least the share of its planned time gone, the plan being
+        `prefill_slowdown` times its predicted time alone), else as much as keeps the step within 90% of twice
+        the ITL target (a margin for the prediction's error), so it catches up. (A steady share would miss the deadline whenever small chunks cost more
+        per token than the whole-chunk prediction assumes.) Returns `time_left` unchanged when there is no time
+        bound, no plan or no cost known."""
+        if time_left is None or plan is None or self.decode_step_s is None or self.target_s is None:
+            return time_left
+        if self.prefill_cost.coefficients is None:
+            return time_left
+        started, first = plan
+        solo = self.solo_seconds(first, end)
+        if solo <= 0:
+            return time_left
+        done = 1.0 - self.solo_seconds(start, end) / solo
+        due = (now - started) / (self.prefill_slowdown * solo)
+        if done >= due:
+            return time_left
+        return max(time_left, _CATCH_UP * 2 * self.target_s - self.decode_step_s)
 
     def tokens_within(self, seconds: float, start: int, floor: bool) -> int:
         """The most prompt tokens from position `start` whose chunk fits in `seconds`, in whole blocks (in

@@ -29,15 +29,16 @@ def test_no_time_bound_when_no_stream_waits_and_one_block_before_any_prompt_step
 
 
 def test_chunk_cost_fit_recovers_a_cost_that_grows_with_position():
-    """Steps timed from a known cost (2 ms a chunk, 0.2 ms a token, 50 ns a token-position) at growing
-    positions: the fit predicts unseen chunks within 2%, and the tokens that fit the ITL target shrink as the
+    """Steps timed from a known cost (2 ms a chunk, 0.2 ms a token, 0.5 us per earlier position read once a
+    chunk, 50 ns a token-position) at growing positions: the fit predicts unseen chunks within 2%, and the tokens that fit the ITL target shrink as the
     prompt's position grows, in whole blocks, at least one."""
     def cost(p, n):
-        return 0.002 + 0.0002 * n + 50e-9 * n * (p + n / 2)
+        return 0.002 + 0.0002 * n + 0.5e-6 * p + 50e-9 * n * (p + n / 2)
 
     b = StepBudget(4096, 2048, 32, itl_target_s=0.1)
     b.observe(4, [], 0.05)
-    for p, n in [(0, 256), (256, 64), (320, 32), (352, 512), (864, 128), (992, 96), (1088, 1024), (2112, 32)]:
+    for p, n in [(0, 256), (256, 64), (320, 32), (352, 512), (864, 128), (992, 96), (1088, 1024), (2112, 32),
+                 (2144, 160), (2304, 64)]:
         b.observe(4, [(p, n)], 0.05 + cost(p, n))
     for p, n in [(0, 32), (4000, 64), (16000, 160), (500, 1000)]:
         assert b.chunk_seconds(p, n) == pytest.approx(cost(p, n), rel=0.02)
@@ -151,11 +152,11 @@ def _recording(engine):
     steps = []
     schedule = engine.scheduler.schedule
 
-    def wrapped():
+    def wrapped(*args):
         decoding = {s.request_id for s in engine.scheduler.running
                     if not s.is_prefilling and s.num_output_tokens < s.max_tokens}
         prefilling = any(s.is_prefilling for s in engine.scheduler.running) or bool(engine.scheduler.waiting)
-        batch = schedule()
+        batch = schedule(*args)
         steps.append((decoding, prefilling, batch))
         return batch
 
@@ -314,13 +315,17 @@ def test_one_prompt_at_a_time_is_cut_into_chunks_so_prompts_finish_in_arrival_or
     assert max(partial) == 1
 
 
+class _Steps(list):
+    """The fake clock's record of steps; `now` holds the clock's reading (a one-element list)."""
+
+
 def _fake_clock(engine, decode_s: float, chunk_s: float, token_s: float, attend_s: float) -> list:
     """Drive `engine`'s step timer from a fake clock: a step costs `decode_s` when it decodes, plus for each
     prompt chunk of n tokens from position p `chunk_s + token_s * n + attend_s * n * (p + n / 2)` (a token's
     cost grows with its position, as attention's does). Returns the list that records, per executed step,
     (its fake seconds, the streams waiting on it: decoding or with a token still on the device)."""
     now = [0.0]
-    steps: list = []
+    steps = _Steps()
     execute = engine.runner.execute
 
     def timed(batch, *args, **kwargs):
@@ -334,6 +339,7 @@ def _fake_clock(engine, decode_s: float, chunk_s: float, token_s: float, attend_
 
     engine.runner.execute = timed
     engine.clock = lambda: now[0]
+    steps.now = now  # type: ignore[attr-defined]
     return steps
 
 
@@ -347,7 +353,7 @@ def test_a_long_prompt_never_stretches_a_stream_gap_past_the_itl_target_whatever
     nothing streams the rest of the prompt goes in full chunks."""
     loaded = fast_model()
     tok = loaded[1]
-    engine = make_engine(loaded, kv_cache_gb=0.5)
+    engine = make_engine(loaded, kv_cache_gb=0.5, prefill_slowdown=None)  # the ITL target alone
     decode_s = 0.010
     steps = _fake_clock(engine, decode_s, chunk_s=0.0005, token_s=0.00005, attend_s=4e-8)
     for i in range(4):
@@ -367,3 +373,34 @@ def test_a_long_prompt_never_stretches_a_stream_gap_past_the_itl_target_whatever
     assert max(waited) <= 2 * decode_s * 1.05, max(waited)
     if stream_tokens == 60:  # the rest ran with nothing streaming: whole chunks
         assert max(cost for cost, waiting in steps if not waiting) > 4 * decode_s
+
+
+def test_a_long_prompt_beside_streams_finishes_within_its_slowdown_and_the_gaps_within_twice_the_target():
+    """The same fake clock, with a prefill slowdown of 2: a 4,000-token prompt arrives while four streams
+    decode. The ITL target's share of each step alone would take the prompt almost four times its time alone
+    (one block a step beside each decode step); with the slowdown bound its chunks grow, so its TTFT stays
+    within 2x (plus rounding) of its time alone, while no step that a stream waits on exceeds twice the ITL
+    target."""
+    loaded = fast_model()
+    tok = loaded[1]
+    engine = make_engine(loaded, kv_cache_gb=0.5, prefill_slowdown=2.0)
+    decode_s, chunk_s, token_s, attend_s = 0.010, 0.0005, 0.00005, 4e-8
+    steps = _fake_clock(engine, decode_s, chunk_s, token_s, attend_s)
+    for i in range(4):
+        engine.add_request(greedy(f"s{i}", tok.encode(f"Stream {i} says hello"), 2000, ignore_eos=True))
+    for _ in range(8):
+        engine.step()
+    long_prompt = (tok.encode("The long document goes on and on about many things. ") * 400)[:4000]
+    engine.add_request(greedy("long", long_prompt, 1, ignore_eos=True))
+    arrived, first = steps.now[0], None
+    while first is None:
+        for out in engine.step():
+            if out.request_id == "long" and out.token_ids:
+                first = steps.now[0]
+    chunk = engine.config.prefill_chunk_size
+    solo = sum(chunk_s + token_s * min(chunk, 4000 - p) + attend_s * min(chunk, 4000 - p) * (p + min(chunk, 4000 - p) / 2)
+               for p in range(0, 4000, chunk))
+    assert first - arrived <= 2.0 * solo * 1.1 + 4 * decode_s, (first - arrived, solo)
+    waited = [cost for cost, waiting in steps[8:] if waiting]
+    assert max(waited) <= 2 * (2 * decode_s) * 1.05, max(waited)
+    assert max(waited) > 2 * decode_s * 1.05  # the streams' steps did stretch past the ITL target
