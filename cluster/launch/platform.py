@@ -189,23 +189,27 @@ def choose_layout(requested: str = "auto", *, gpu: bool | None = None, cores: in
     Why. In one process the router (HTTP, tokenization, detokenization, SSE) and the engine's loop thread
     (scheduling, building each step, reading its tokens back) share one interpreter lock, so their Python
     work runs one after the other; split, each has its own interpreter and they overlap, at the price of a
-    ZeroMQ message per output on both sides. That price only pays where the two interpreters get a core each
-    that the model's compute does not need:
+    ZeroMQ message per output on both sides (m). That only pays where the two interpreters get a core each
+    that the model's compute does not need.
 
     - MLX on the CPU (this Linux dev machine, 2 cores): the model's matmuls run on the same cores (OpenBLAS
-      threads), so a second busy process takes cores from the compute. Measured with `mlx-pd bench --url`
-      on the fast stand-in model, concurrency 8 and 32, 64 tokens (README, "Process layout"): split reached
-      0.91x-0.96x of one process's tokens/s with both servers on the 2 cores, and 0.92x-0.97x with both
-      pinned to 1 core (`taskset -c 0`): never a win, so one process.
-    - MLX on a GPU (Metal): the compute runs on the GPU and the host cores only run Python. The two
-      interpreters need one core each, and the ZeroMQ I/O threads, Metal's completion handlers and the OS
-      want the rest: 2 + 2 = 4 cores. Every M-series chip has at least 4 performance cores (M1-M4: 4; Pro:
-      6-10; Max: 8-12; Ultra: 16-24), so `auto` splits on every Apple Silicon Mac, e.g. an M2 Pro's 8
-      performance cores leave 6 idle after the router and the engine loop took theirs. When the router's
-      share of a step's host time is r (measured by `mlx-pd profile --host`-style sampling; typically
-      0.3-0.5 under many streams), one process's step costs 1 and the split's max(r, 1 - r) plus the
-      message cost, so with r = 0.4 a host-bound decode can approach 1 / 0.6 = 1.67x, and never loses more
-      than the messages cost (about 5% here, the 1-core figure).
+      threads), so the second busy interpreter takes cores from the compute. Measured with `mlx-pd bench --url
+      ONE --url SPLIT --concurrency 8,32 --num-requests 32,64 --rounds 2 --max-tokens 64` on the fast stand-in
+      model (split / one-process output tokens/s): 0.83x (c=8), 0.96x (c=32) with both servers on the 2 cores (a
+      second run, while other work loaded the shared cores to a load average of 3.8, gave 1.22x and 1.20x:
+      two processes win a larger share of contended CPUs from the scheduler, not a faster step), and
+      1.00x (c=8), 0.92x (c=32) with both pinned to 1 core (`taskset -c 0`); earlier, 0.91x at 32 streams.
+      No win where the server has the cores to itself, so one process.
+    - MLX on a GPU (Metal): the compute (G per step) runs on the GPU and the host cores only run Python: the
+      engine loop's work E and the router's R. One process needs about max(G, E + R) per step, the split
+      max(G, E + m, R + m): equal when the GPU bounds the step, up to (E + R) / max(E, R) faster (2x for
+      E = R) when the host does, and never slower by more than m, which the 1-core run above bounds at about
+      8% (there the two processes could not overlap at all). The split needs a core for each interpreter and
+      room for the ZeroMQ I/O threads, Metal's completion threads and the OS: 2 + 2 = SPLIT_MIN_CORES = 4.
+      Every M-series chip has at least 4 performance cores (M1-M4: 4; Pro: 6-10; Max: 8-12; Ultra:
+      16-24), so `auto` splits on every Apple Silicon Mac: an M2 Pro's 8 performance cores give the router
+      and the engine loop one each and leave 6 for the rest. A GPU machine with fewer host cores (a small VM)
+      keeps one process, where the two interpreters would contend for cores as they do here.
 
     `gpu` and `cores` replace `mlx_computes_on_gpu()` and `host_cores()` (tests). Raises ValueError naming
     --layout for any other `requested`.
