@@ -39,7 +39,7 @@ from router.errors import APIError, engine_unavailable, install_error_handlers
 from router.metrics import MetricsMiddleware, RouterMetrics
 from router.openapi import install_openapi
 from router.openai.endpoints import install_openai_api
-from router.openai.output import ModelCard, ModelList, ModelLoadCheck
+from router.openai.output import ModelCard, ModelList, ModelLoadCheck, ServeLayout
 from router.responses.endpoints import install_responses_api
 from router.serving import ServingContext
 from router.tokenizer import RouterTokenizer
@@ -103,7 +103,8 @@ def load_checks(engine: EngineClient) -> Optional[list[ModelLoadCheck]]:
 
 def create_app(engine: EngineClient, tokenizer: RouterTokenizer, *, served_model_names: list[str],
                api_key: Optional[str] = None, request_timeout_s: float = 600.0,
-               metrics: Optional[RouterMetrics] = None, max_body_bytes: Optional[int] = None) -> FastAPI:
+               metrics: Optional[RouterMetrics] = None, max_body_bytes: Optional[int] = None,
+               layout: Optional[dict] = None) -> FastAPI:
     """The router's FastAPI app serving `engine` under the names `served_model_names` (first = default; the
     others are aliases, each a name or a shell-style glob such as `claude-*`; a request's `model` is echoed in
     its answer; `GET /v1/models` lists the names that are not globs).
@@ -112,7 +113,8 @@ def create_app(engine: EngineClient, tokenizer: RouterTokenizer, *, served_model
     produces nothing for this long ends with an error and is aborted. `metrics`: share a RouterMetrics
     (default: a new one with its own registry). `max_body_bytes`: a larger request body is refused with 413
     before it is read whole (None = sized to the context: max(4 MiB, 256 bytes * engine.max_model_len),
-    `router.body.default_max_body_bytes`).
+    `router.body.default_max_body_bytes`). `layout`: how `mlx-pd serve` laid out its processes ({"name",
+    "reason", "router_pid", "engine_pid"}), shown by `GET /v1/models` (None: a cluster's router).
     """
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
@@ -168,7 +170,8 @@ def create_app(engine: EngineClient, tokenizer: RouterTokenizer, *, served_model
         checks = load_checks(engine)
         return ModelList(data=[ModelCard(id=n, created=created, max_model_len=engine.max_model_len,
                                          load_checks=checks)
-                               for n in names if not _is_glob(n)])
+                               for n in names if not _is_glob(n)],
+                         layout=ServeLayout(**layout) if layout else None)
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> ModelCard:
@@ -208,12 +211,14 @@ def create_app(engine: EngineClient, tokenizer: RouterTokenizer, *, served_model
 
 def create_app_for_model(engine: EngineClient, model_path, api_key: Optional[str] = None,
                          request_timeout_s: float = 600.0, max_body_bytes: Optional[int] = None,
-                         aliases: Sequence[str] = ()) -> FastAPI:
+                         aliases: Sequence[str] = (), layout: Optional[dict] = None) -> FastAPI:
     """`create_app` for a served model folder: its tokenizer and chat template from `model_path`, the engine's
     `model_name` as the served name and `aliases` as more names (single-node `serve`, `mlx-pd router` and the
     cluster's router actor).
 
-    `api_key` None or "" leaves it open; `max_body_bytes` None sizes the body limit to the context."""
+    `api_key` None or "" leaves it open; `max_body_bytes` None sizes the body limit to the context; `layout`
+    as `create_app` takes it."""
     names = [engine.model_name, *[a for a in aliases if a != engine.model_name]]
     return create_app(engine, RouterTokenizer.from_path(model_path), served_model_names=names,
-                      api_key=api_key or None, request_timeout_s=request_timeout_s, max_body_bytes=max_body_bytes)
+                      api_key=api_key or None, request_timeout_s=request_timeout_s, max_body_bytes=max_body_bytes,
+                      layout=layout)

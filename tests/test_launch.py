@@ -143,6 +143,7 @@ def test_status_table_shows_each_worker_and_the_router():
         "decode-1@127.0.0.1: load check skipped for llama (a family the tests cover)",
         "decode-2@127.0.0.1: load check not run"]
     assert "OpenAI API at http://127.0.0.1:8000/v1" in text and "Ray dashboard: http://127.0.0.1:8265" in text
+    assert "layout cluster (router + 1 prefill, 3 decode worker processes)" in text
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="cpu_affinity is Linux-only")

@@ -131,17 +131,32 @@ def _aliases(args: argparse.Namespace, topology) -> tuple[str, ...]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve the OpenAI API in the layout `--layout` names or `auto` picks (`platform.choose_layout`): the
+    engine in this process (single_node.py) or in a child process (split_serve.py)."""
     import uvicorn
 
+    from cluster.launch.platform import choose_layout
     from router.app import create_app_for_model
 
     topology = _topology(args)
     host = args.host or topology.router.host
     port = args.port or topology.router.port
+    layout, reason = choose_layout(args.layout)
+    if layout == "split":
+        from cluster.launch.split_serve import serve_split
+
+        return serve_split(source=args.model or topology.model.source,
+                           served_name=args.served_model_name[0] if args.served_model_name else topology.model.served_name,
+                           aliases=_aliases(args, topology), engine=_engine_config(args, topology), host=host, port=port,
+                           api_key=args.api_key, max_body_bytes=args.max_body_bytes or topology.router.max_body_bytes,
+                           log_level=args.log_level, reason=reason, curve_keys_dir=topology.security.curve_keys_dir)
+    print(f"mlx-pd: layout one-process (pid {os.getpid()}): {reason}", file=sys.stderr, flush=True)
     client, path = _start(args)
     app = create_app_for_model(client, path, args.api_key,
                                max_body_bytes=args.max_body_bytes or topology.router.max_body_bytes,
-                               aliases=_aliases(args, topology))
+                               aliases=_aliases(args, topology),
+                               layout={"name": "one-process", "reason": reason, "router_pid": os.getpid(),
+                                       "engine_pid": os.getpid()})
     print(f"mlx-pd: serving {client.model_name} at http://{host}:{port}/v1 "
           f"(context {client.max_model_len} tokens)", file=sys.stderr, flush=True)
     try:
@@ -286,7 +301,9 @@ def cmd_monitor(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     from cluster.launch.processes import run_worker
 
-    return run_worker(args.topology, args.name)
+    if args.exit_with_parent is not None and args.exit_with_parent <= 0:
+        raise ValueError(f"--exit-with-parent={args.exit_with_parent} is invalid: must be a process id > 0")
+    return run_worker(args.topology, args.name, exit_with_parent=args.exit_with_parent)
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -298,7 +315,7 @@ def cmd_router(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlx-pd", description="Prefill/decode-disaggregated LLM serving on MLX")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve the OpenAI API from one process (single-node mode)")
+    serve = sub.add_parser("serve", help="serve the OpenAI API on this machine (single-node mode)")
     _add_engine_args(serve)
     serve.add_argument("--host", default=None,
                        help="bind address (default: the topology's, 127.0.0.1: this machine only)")
@@ -308,6 +325,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=int, default=None,
                        help="refuse larger request bodies with 413 (default: the topology's, else sized to the context)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--layout", default="auto",
+                       help="processes: one-process (router and engine share one interpreter), split (the engine "
+                            "in a child process, the router here, over ZeroMQ), or auto (default: split when the "
+                            "model runs on a GPU and the host has at least 4 performance cores, else one-process; "
+                            "see README, 'Process layout')")
     gen = sub.add_parser("generate", help="generate from one prompt, streaming to the terminal")
     _add_engine_args(gen)
     gen.add_argument("prompt")
@@ -340,6 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="run one worker of a topology in this process (no Ray)")
     worker.add_argument("topology", help="a topology file or name")
     worker.add_argument("name", help="the worker's name in the topology, e.g. decode-0")
+    worker.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
+                        help="stop when this process's parent is no longer PID (serve --layout split passes its pid)")
     router = sub.add_parser("router", help="run a topology's router in this process (no Ray)")
     router.add_argument("topology", help="a topology file or name")
     router.add_argument("--api-key", default=os.environ.get("MLX_PD_API_KEY"),

@@ -139,3 +139,92 @@ def pin_cpus(cpus: tuple[int, ...]) -> bool:
         except (ProcessLookupError, OSError):
             pass
     return True
+
+
+# -- serve's process layout ---------------------------------------------------------------------------------
+
+LAYOUTS = ("auto", "one-process", "split")
+SPLIT_MIN_CORES = 4  # host cores (performance cores on Apple Silicon) from which `auto` splits a GPU machine
+
+
+def host_cores(*, system: str | None = None, sysctl: Callable[[], str | None] | None = None) -> int:
+    """Cores the host's Python threads can count on: on macOS the performance cores (`sysctl -n
+    hw.perflevel0.physicalcpu`; Apple Silicon's efficiency cores run background work at a fraction of the
+    speed), elsewhere the CPUs this process may run on (its affinity, so `taskset` counts); `os.cpu_count()`
+    where neither answers. `system` and `sysctl` replace `platform.system()` and the sysctl query in tests."""
+    if (system or platform.system()) == "Darwin":
+        out = (sysctl or _perf_cores_sysctl)()
+        if out and out.strip().isdigit() and int(out) > 0:
+            return int(out)
+    elif hasattr(os, "sched_getaffinity") and system is None:
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _perf_cores_sysctl() -> str | None:
+    try:
+        out = subprocess.run(["sysctl", "-n", "hw.perflevel0.physicalcpu"], capture_output=True, text=True,
+                             timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def mlx_computes_on_gpu() -> bool:
+    """Whether MLX's default device is a GPU (Metal on a Mac, CUDA where built with it); False on the CPU backend."""
+    import mlx.core as mx
+
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
+def choose_layout(requested: str = "auto", *, gpu: bool | None = None, cores: int | None = None) -> tuple[str, str]:
+    """The process layout of `mlx-pd serve` and why: ("one-process" | "split", reason).
+
+    `requested` "one-process" or "split" is taken as given; "auto" decides by this rule:
+
+        split  when the model computes on a GPU and the host has at least SPLIT_MIN_CORES (4) cores
+               (performance cores on Apple Silicon, `host_cores`);
+        one-process otherwise (MLX's CPU backend, or a GPU machine with fewer cores).
+
+    Why. In one process the router (HTTP, tokenization, detokenization, SSE) and the engine's loop thread
+    (scheduling, building each step, reading its tokens back) share one interpreter lock, so their Python
+    work runs one after the other; split, each has its own interpreter and they overlap, at the price of a
+    ZeroMQ message per output on both sides (m). That only pays where the two interpreters get a core each
+    that the model's compute does not need.
+
+    - MLX on the CPU (this Linux dev machine, 2 cores): the model's matmuls run on the same cores (OpenBLAS
+      threads), so the second busy interpreter takes cores from the compute. Measured with `mlx-pd bench --url
+      ONE --url SPLIT --concurrency 8,32 --num-requests 32,64 --rounds 2 --max-tokens 64` on the fast stand-in
+      model (split / one-process output tokens/s): 0.83x (c=8), 0.96x (c=32) with both servers on the 2 cores (a
+      second run, while other work loaded the shared cores to a load average of 3.8, gave 1.22x and 1.20x:
+      two processes win a larger share of contended CPUs from the scheduler, not a faster step), and
+      1.00x (c=8), 0.92x (c=32) with both pinned to 1 core (`taskset -c 0`); earlier, 0.91x at 32 streams.
+      No win where the server has the cores to itself, so one process.
+    - MLX on a GPU (Metal): the compute (G per step) runs on the GPU and the host cores only run Python: the
+      engine loop's work E and the router's R. One process needs about max(G, E + R) per step, the split
+      max(G, E + m, R + m): equal when the GPU bounds the step, up to (E + R) / max(E, R) faster (2x for
+      E = R) when the host does, and never slower by more than m, which the 1-core run above bounds at about
+      8% (there the two processes could not overlap at all). The split needs a core for each interpreter and
+      room for the ZeroMQ I/O threads, Metal's completion threads and the OS: 2 + 2 = SPLIT_MIN_CORES = 4.
+      Every M-series chip has at least 4 performance cores (M1-M4: 4; Pro: 6-10; Max: 8-12; Ultra:
+      16-24), so `auto` splits on every Apple Silicon Mac: an M2 Pro's 8 performance cores give the router
+      and the engine loop one each and leave 6 for the rest. A GPU machine with fewer host cores (a small VM)
+      keeps one process, where the two interpreters would contend for cores as they do here.
+
+    `gpu` and `cores` replace `mlx_computes_on_gpu()` and `host_cores()` (tests). Raises ValueError naming
+    --layout for any other `requested`.
+    """
+    if requested not in LAYOUTS:
+        raise ValueError(f"--layout={requested!r} is invalid: must be one of {', '.join(LAYOUTS)}")
+    if requested != "auto":
+        return requested, f"--layout {requested} was given"
+    gpu = mlx_computes_on_gpu() if gpu is None else gpu
+    cores = host_cores() if cores is None else cores
+    if not gpu:
+        return "one-process", ("MLX computes on the CPU, so a separate router process would take cores from the "
+                               "model's matmuls (auto: split only when the model runs on a GPU)")
+    if cores < SPLIT_MIN_CORES:
+        return "one-process", (f"the model runs on the GPU but the host has {cores} core(s), fewer than the "
+                               f"{SPLIT_MIN_CORES} a split needs (router, engine loop, I/O and OS)")
+    return "split", (f"the model runs on the GPU and the host has {cores} cores (>= {SPLIT_MIN_CORES}): the "
+                     "router and the engine loop each get one")

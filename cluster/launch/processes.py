@@ -30,8 +30,13 @@ def cluster_router_client(topology: TopologySpec):
     return client, path
 
 
-def run_worker(topology_path: str, name: str) -> int:
-    """Start worker `name` of the topology and serve until SIGINT/SIGTERM. Returns the exit status."""
+def run_worker(topology_path: str, name: str, exit_with_parent: Optional[int] = None) -> int:
+    """Start worker `name` of the topology and serve until SIGINT/SIGTERM. Returns the exit status.
+
+    `exit_with_parent`: the pid of the process that started this one (`serve --layout split`); the worker
+    stops once its parent is no longer that process (it exited, even by SIGKILL), so no engine is orphaned."""
+    import os
+
     from cluster.launch.platform import pin_cpus
     from cluster.launch.workers import make_worker
 
@@ -46,6 +51,10 @@ def run_worker(topology_path: str, name: str) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(1.0):
+        if exit_with_parent is not None and os.getppid() != exit_with_parent:
+            print(f"mlx-pd: {spec.actor_name}: the process that started it ({exit_with_parent}) is gone; stopping",
+                  file=sys.stderr, flush=True)
+            break
         if not worker.healthy:
             print(f"mlx-pd: {spec.actor_name}: the worker loop stopped", file=sys.stderr)
             return 1

@@ -275,7 +275,7 @@ def ray_session_dir(topology: TopologySpec, state_dir: Optional[Path] = None) ->
 
 def format_status(rows: list[dict]) -> str:
     """The `mlx-pd status` table (pure): a line per worker, then a line per worker saying its load check
-    (`load_check_line`), then the router's endpoint and the Ray dashboard."""
+    (`load_check_line`), then the router's endpoint and process layout (`cluster_layout`) and the Ray dashboard."""
     head = ("ACTOR", "ROLE", "HOST", "STATE", "RUNNING", "WAITING", "KV USED/FREE", "PREFIX HIT")
     lines = [head]
     for r in rows:
@@ -291,10 +291,18 @@ def format_status(rows: list[dict]) -> str:
     for r in rows:
         if r["role"] == "router":
             where = r.get("endpoint") or f"http://{r['host']}:?/v1"
-            text.append(f"router {r['actor']}: {r['state']}, OpenAI API at {where}")
+            text.append(f"router {r['actor']}: {r['state']}, OpenAI API at {where}, layout {cluster_layout(rows)}")
             if r.get("dashboard"):
                 text.append(f"Ray dashboard: {r['dashboard']}")
     return "\n".join(text)
+
+
+def cluster_layout(rows: list[dict]) -> str:
+    """The process layout a status table shows for a topology's router, e.g. "cluster (router + 1 prefill, 2
+    decode worker processes)" (`mlx-pd serve`'s layouts, one-process and split, are in its `GET /v1/models`)."""
+    roles = [r["role"] for r in rows if r["role"] != "router"]
+    counts = ", ".join(f"{roles.count(role)} {role}" for role in ("prefill", "decode") if role in roles)
+    return f"cluster (router + {counts or 'no'} worker process{'es' if len(roles) != 1 else ''})"
 
 
 def load_check_line(row: dict) -> str:

@@ -187,8 +187,20 @@ class ModelCard(BaseModel):
     load_checks: Optional[list[ModelLoadCheck]] = None
 
 
+class ServeLayout(BaseModel):
+    """How `mlx-pd serve` laid out its processes (cluster/launch/platform.py `choose_layout`): `name`
+    "one-process" (router and engine share one interpreter: both pids are the same) or "split" (the engine in
+    a child process), and why."""
+
+    name: Literal["one-process", "split"]
+    reason: str
+    router_pid: int
+    engine_pid: int
+
+
 class ModelList(BaseModel):
-    """GET /v1/models."""
+    """GET /v1/models. `layout`: the serve's process layout (null at a cluster's router)."""
 
     object: Literal["list"] = "list"
     data: list[ModelCard]
+    layout: Optional[ServeLayout] = None
