@@ -104,6 +104,7 @@ class PrefillCost:
         self._yy = 0.0
         self._coef: Optional[tuple[float, ...]] = None
         self.num_observed = 0
+        self.largest_chunk = 0.0  # the largest chunk seen lately, in tokens (decays with `forget`)
 
     def observe(self, spans: Seq[tuple[int, int]], seconds: float) -> None:
         """Record that prompt chunks `spans` ((start, tokens) each) took `seconds` of a step."""
@@ -116,6 +117,7 @@ class PrefillCost:
             for j in range(_NUM_FEATURES):
                 self._xx[i][j] = f * self._xx[i][j] + x[i] * x[j]
         self._yy = f * self._yy + seconds * seconds
+        self.largest_chunk = max(f * self.largest_chunk, max(n for _, n in spans))
         self._coef = None
         self.num_observed += 1
 
@@ -145,6 +147,8 @@ class PrefillCost:
             coef = [0.0] * _NUM_FEATURES
             for i, c in zip(subset, sol):
                 coef[i] = c
+            if coef[1] <= 0 and coef[3] <= 0:
+                continue  # charges nothing per token (see _SUBSETS)
             # weighted residual: yy - 2 c.xy + c^T xx c
             err = self._yy - 2 * sum(c * b for c, b in zip(coef, self._xy)) + sum(
                 coef[i] * self._xx[i][j] * coef[j] for i in range(_NUM_FEATURES) for j in range(_NUM_FEATURES))
@@ -154,9 +158,12 @@ class PrefillCost:
 
 
 # the fits tried, simplest first, those with a cost per token before the others (with one observation every
-# subset fits it exactly, and the per-token one extrapolates best); a richer fit must fit clearly better
-_SUBSETS = tuple(sorted((c for k in range(1, _NUM_FEATURES + 1) for c in itertools.combinations(range(_NUM_FEATURES), k)),
-                        key=lambda c: (1 not in c, len(c))))
+# subset fits it exactly, and the per-token one extrapolates best); a richer fit must fit clearly better. Every
+# fit charges each token something (tokens or token-positions): a fit by chunks and context alone would price a
+# 2,048-token chunk like a 32-token one, which is what it sees when every step is one block.
+_SUBSETS = tuple(sorted((c for k in range(1, _NUM_FEATURES + 1) for c in itertools.combinations(range(_NUM_FEATURES), k)
+                         if 1 in c or 3 in c), key=lambda c: (1 not in c, len(c))))
+# (the tokens-only fit is always valid while any step had prompt tokens, so a fit always exists)
 
 
 def _solve(a: list[list[float]], b: list[float]) -> Optional[list[float]]:
@@ -261,10 +268,14 @@ class StepBudget:
 
     def tokens_within(self, seconds: float, start: int, floor: bool) -> int:
         """The most prompt tokens from position `start` whose chunk fits in `seconds`, in whole blocks (in
-        whole chunks when `chunk_size` is under a block), at most `chunk_size`; with `floor`, at least one
-        unit even past `seconds` (so the prompt progresses)."""
+        whole chunks when `chunk_size` is under a block), at most `chunk_size` and at most twice the largest
+        chunk timed lately (`PrefillCost.largest_chunk`); with `floor`, at least one unit even past `seconds`
+        (so the prompt progresses)."""
         unit = min(self.block_size, self.chunk_size)
-        lo, hi = 0, self.chunk_size // unit  # units: the answer is in [lo, hi]
+        # at most twice the largest chunk seen lately: a fit over chunks of one size cannot tell what a token
+        # costs apart from what a chunk costs, so the chunk grows step by step and the fit sees each size
+        largest = 2 * int(self.prefill_cost.largest_chunk)
+        lo, hi = 0, max(1, min(self.chunk_size, largest) // unit)  # units: the answer is in [lo, hi]
         if self.prefill_cost.coefficients is not None:
             while lo < hi:
                 mid = (lo + hi + 1) // 2

@@ -404,3 +404,16 @@ def test_a_long_prompt_beside_streams_finishes_within_its_slowdown_and_the_gaps_
     waited = [cost for cost, waiting in steps[8:] if waiting]
     assert max(waited) <= 2 * (2 * decode_s) * 1.05, max(waited)
     assert max(waited) > 2 * decode_s * 1.05  # the streams' steps did stretch past the ITL target
+
+
+def test_chunk_cost_fit_never_prices_a_long_chunk_like_one_block():
+    """Every step so far was one block at a growing position, so chunks and context alone explain the times
+    exactly; the fit must still charge per token, so a 2,048-token chunk is never predicted to fit where one
+    block barely does."""
+    b = StepBudget(4096, 2048, 32)
+    b.observe(4, [], 0.010)
+    for p in range(4000, 6000, 32):
+        b.observe(4, [(p, 32)], 0.010 + 2e-6 * p)  # exactly the context read: nothing per token shows
+    left = b.chunk_seconds(6000, 32) * 1.2
+    assert b.tokens_within(left, 6000, floor=True) <= 64
+    assert b.chunk_seconds(6000, 2048) > 10 * b.chunk_seconds(6000, 32)

@@ -22,7 +22,7 @@ from cluster.config import EngineConfig
 
 ENGINE_FLAGS = {  # CLI flag -> EngineConfig field; unset flags leave the topology's (or the default) value
     "block_size": int, "kv_cache_gb": float, "kv_bits": int, "kv_group_size": int, "max_num_seqs": int,
-    "prefill_chunk_size": int, "max_num_batched_tokens": int, "itl_target_ms": float,
+    "prefill_chunk_size": int, "max_num_batched_tokens": int, "itl_target_ms": float, "prefill_slowdown": float,
     "long_prefill_token_threshold": int, "max_model_len": int, "dtype": str, "decode_mirror_gb": float, "state_cache_gb": float,
     "state_snapshot_interval": int,
     "speculative_method": str, "num_draft_tokens": int, "draft_model": str, "draft_quantize_bits": int,
@@ -60,6 +60,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--itl-target-ms", type=float, default=None,
                    help="while streams decode, size each step's prompt chunk so the step (the streams' "
                         "inter-token latency) takes at most this long (default: twice the measured decode step)")
+    p.add_argument("--prefill-slowdown", type=float, default=None,
+                   help=f"a long prompt computed beside decoding streams finishes within about this many times its "
+                        f"prefill time alone: when behind, its chunks stretch the streams' steps up to twice the "
+                        f"ITL target (default {d.prefill_slowdown})")
     p.add_argument("--long-prefill-token-threshold", type=int, default=None,
                    help=f"a new prompt of at most this many tokens runs whole in one step even while streams "
                         f"decode, so short requests keep their TTFT; short prompts waiting together share a step "
