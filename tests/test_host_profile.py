@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from benchmarks.host_profile import (COMPUTE, DETOK, HANDOFF, IDLE, MESSAGES, OTHER, READBACK, REQUEST, RUNNER,
-                                     SCHEDULE, SSE, STAGES, UPDATE, Frame, classify, cpu_delta_s, parse_raw,
-                                     stage_rows, summarize_profile, tally, thread_role, tokens_in_window)
+from benchmarks.host_profile import cpu_delta_s, stage_rows, summarize_profile, tally, thread_role, tokens_in_window
+from benchmarks.host_stages import (COMPUTE, DETOK, HANDOFF, IDLE, MESSAGES, OTHER, READBACK, REQUEST, RUNNER, SCHEDULE,
+                                    SSE, STAGES, UPDATE, Frame, classify, parse_raw)
 
 ENGINE_ROOT = "Thread._bootstrap (threading.py:1002);Thread.run (threading.py:982);_serve (cluster/owner_threads.py:76);" \
               "Worker._loop (cluster/worker.py:166)"

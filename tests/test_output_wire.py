@@ -13,8 +13,9 @@ import msgspec
 import pytest
 
 from cluster.protocol import (MAX_HEADER_BYTES, PROTOCOL_VERSION, TO_ROUTER, Output, Pong, ProtocolError, Rejected,
-                              pack, pack_output, to_wire, unpack, wire_struct)
+                              pack, pack_output, to_wire, unpack)
 from cluster.request import FinishReason, RequestOutput, TokenLogprob
+from cluster.wire_structs import wire_struct
 from cluster.stats import WorkerStats
 
 DELTAS = [
