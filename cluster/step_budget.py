@@ -44,6 +44,7 @@ _CATCH_UP = 0.9  # a prompt behind its plan fills steps to this share of twice t
 # chunk cost prediction's error)
 _EMA = 0.3  # weight of the newest measurement in the decode step's moving average
 _FORGET = 0.85  # weight each older prompt-step observation keeps at every new one (PrefillCost)
+_REFIT_EVERY = 4  # prompt steps between fits (a fit costs ~0.2 ms of Python; the forgetting is slower than this)
 _SCALES = (1.0, 1024.0, 2.0 ** 14, 2.0 ** 20)  # feature scales: chunks, tokens, context, token-positions
 _NUM_FEATURES = len(_SCALES)
 
@@ -103,6 +104,7 @@ class PrefillCost:
         self._xy = [0.0] * _NUM_FEATURES  # weighted sum of x y
         self._yy = 0.0
         self._coef: Optional[tuple[float, ...]] = None
+        self._fitted_at = 0  # num_observed at the last fit
         self.num_observed = 0
         self.largest_chunk = 0.0  # the largest chunk seen lately, in tokens (decays with `forget`)
 
@@ -118,17 +120,16 @@ class PrefillCost:
                 self._xx[i][j] = f * self._xx[i][j] + x[i] * x[j]
         self._yy = f * self._yy + seconds * seconds
         self.largest_chunk = max(f * self.largest_chunk, max(n for _, n in spans))
-        self._coef = None
         self.num_observed += 1
 
     @property
     def coefficients(self) -> Optional[tuple[float, ...]]:
         """(c_chunk, c_token, c_context, c_attend) in seconds per scaled feature (`chunk_features`), or None before any
-        observation."""
+        observation; fitted again once `_REFIT_EVERY` steps were observed since the last fit."""
         if self.num_observed == 0:
             return None
-        if self._coef is None:
-            self._coef = self._fit()
+        if self._coef is None or self.num_observed - self._fitted_at >= _REFIT_EVERY:
+            self._coef, self._fitted_at = self._fit(), self.num_observed
         return self._coef
 
     def predict(self, spans: Seq[tuple[int, int]]) -> Optional[float]:
