@@ -8,14 +8,15 @@ bounded by time, so that the streams' inter-token latency (ITL) stays within a t
     seconds for prompt chunks = itl_target - t_decode
     a chunk of n tokens from position p costs   c_chunk + c_token * n + c_context * p + c_attend * n * (p + n/2)
 
-`t_decode` is the measured time of a step of decode tokens alone (an exponential moving average). The chunk
-cost is fitted online (`PrefillCost`: least squares with forgetting, coefficients kept non-negative) from the
-engine's own steps: a chunk reads its prompt's earlier KV once (c_context) and a prompt token's cost grows with
-its position, as attention reads every earlier position, so a long prompt's chunks shrink as it advances and the step stays within the target wherever one block at
-the prompt's position still fits in it. `itl_target` is `itl_target_ms`, or by default twice `t_decode` (a stream's ITL at most doubles while a
-prompt prefills). A stream whose token is still on the device (the overlapped loop) is waiting on the step too,
-so it counts as streaming even when it gets no new token in the step. Before the cost is known (no step with
-prompt tokens timed yet), a streaming step takes one block of a long prompt: never the whole budget.
+`t_decode` is the measured time of a step of decode tokens alone (an exponential moving average). The chunk cost is
+fitted online (`PrefillCost`: least squares with forgetting, coefficients kept non-negative) from the engine's own
+steps: a chunk reads its prompt's earlier KV once (c_context) and a prompt token's cost grows with its position, as
+attention reads every earlier position, so a long prompt's chunks shrink as it advances and the step stays within
+the target wherever one block at the prompt's position still fits in it. `itl_target` is `itl_target_ms`, or by
+default twice `t_decode` (a stream's ITL at most doubles while a prompt prefills). A stream whose token is still on
+the device (the overlapped loop) is waiting on the step too, so it counts as streaming even when it gets no new
+token in the step. Before the cost is known (no step with prompt tokens timed yet), a streaming step takes one
+block of a long prompt: never the whole budget.
 
 A long prompt computed beside streams also has a plan (`prefill_slowdown`, default 1.25): it should finish
 within that many times its predicted time alone. While it is on schedule its chunks get the ITL target's share;
