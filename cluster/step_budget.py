@@ -93,11 +93,11 @@ def chunk_features(spans: Seq[tuple[int, int]]) -> tuple[float, ...]:
 
 
 class PrefillCost:
-    """Seconds that a step's prompt chunks add to it: c_chunk * chunks + c_token * tokens + c_context *
-    context + c_attend * token-positions (`chunk_features`), fitted by least squares over the observed steps,
-    each older step's weight multiplied by `forget` at every new one (so the fit follows a machine whose speed changes), with
-    every coefficient kept at or above 0 (the best fit over the subsets of features whose solution is
-    non-negative). `predict` is None until a step with prompt tokens was observed."""
+    """Seconds that a step's prompt chunks add to it: c_chunk * chunks + c_token * tokens + c_context * context +
+    c_attend * token-positions (`chunk_features`), fitted by least squares over the observed steps, each older
+    step's weight multiplied by `forget` at every new one (so the fit follows a machine whose speed changes), with
+    every coefficient kept at or above 0 (the best fit over the subsets of features whose solution is non-
+    negative). `predict` is None until a step with prompt tokens was observed."""
 
     def __init__(self, forget: float = _FORGET):
         self.forget = forget
@@ -247,13 +247,13 @@ class StepBudget:
 
     def stretch(self, time_left: Optional[float], start: int, end: int, plan: Optional[tuple[float, int]],
                 now: float) -> Optional[float]:
-        """The seconds a long prompt's chunk may take this step under its `plan` (`plan`), positions [start,
-        end) still to compute: the ITL target's share `time_left` while the prompt is on schedule (the share of
-        its work alone that is done is at least the share of its planned time gone, the plan being
-        `prefill_slowdown` times its predicted time alone), else as much as keeps the step within 90% of twice
-        the ITL target (a margin for the prediction's error), so it catches up. (A steady share would miss the
-        deadline whenever small chunks cost more per token than the whole-chunk prediction assumes.) Returns `time_left` unchanged when there is no time
-        bound, no plan or no cost known."""
+        """The seconds a long prompt's chunk may take this step under its `plan` (`plan`), positions [start, end)
+        still to compute: the ITL target's share `time_left` while the prompt is on schedule (the share of its work
+        alone that is done is at least the share of its planned time gone, the plan being `prefill_slowdown` times
+        its predicted time alone), else as much as keeps the step within 90% of twice the ITL target (a margin for
+        the prediction's error), so it catches up. (A steady share would miss the deadline whenever small chunks
+        cost more per token than the whole-chunk prediction assumes.) Returns `time_left` unchanged when there is no
+        time bound, no plan or no cost known."""
         if time_left is None or plan is None or self.decode_step_s is None or self.target_s is None:
             return time_left
         if self.prefill_cost.coefficients is None:
