@@ -23,16 +23,7 @@ from typing import Iterator, Optional, Sequence
 
 from benchmarks.compare import REPO_ROOT
 from benchmarks.servers import ServerProcess, free_ports
-
-
-def _toml(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    return repr(value)
+from cluster.launch.split_serve import toml_value as _toml
 
 
 def topology_toml(workers: Sequence[dict], router_port: int, *, engine: dict, routing: dict, transfer: dict,

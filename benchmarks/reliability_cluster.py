@@ -23,6 +23,7 @@ from typing import Callable, Optional
 
 from benchmarks.compare import REPO_ROOT
 from benchmarks.servers import ServerProcess, free_ports, process_memory
+from cluster.launch.split_serve import toml_value as _toml
 
 ENGINE = {"dtype": "float32", "block_size": 32, "kv_cache_gb": 0.5, "max_num_seqs": 8, "max_waiting": 16,
           "prefill_chunk_size": 256}
@@ -30,14 +31,6 @@ ROUTING = {"policy": "prefix_aware", "local_prefill_max_tokens": 128, "heartbeat
 TRANSFER = {"timeout_s": 60.0}
 LAYOUT = (("prefill-0", "prefill"), ("decode-0", "decode"), ("decode-1", "decode"))
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-
-
-def _toml(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    return repr(v)
 
 
 def topology_text(workers: list[dict], router_port: int, *, engine: dict = ENGINE, routing: dict = ROUTING,

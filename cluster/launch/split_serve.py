@@ -40,13 +40,15 @@ STOP_TIMEOUT_S = 15.0  # SIGTERM, then SIGKILL
 LOCAL_PREFILL_ALL = 2**31 - 1  # every prompt is prefilled by the decode worker itself
 
 
-def _toml(value) -> str:
+def toml_value(value) -> str:
+    """`value` (a bool, str, int, float or a list of them) written as a TOML value. Raises ValueError for any
+    other type."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, (int, float)):
         return repr(value)
     raise ValueError(f"cannot write {value!r} to a topology file")
@@ -59,13 +61,13 @@ def split_topology_text(*, source: Optional[str], served_name: str, aliases: Seq
     set, and routing that prefills every prompt on that worker."""
     lines = ["# written by `mlx-pd serve --layout split` (cluster/launch/split_serve.py)", "[model]"]
     if source is not None:
-        lines.append(f"source = {_toml(source)}")
-    lines += [f"served_name = {_toml(served_name)}", f"aliases = {_toml(list(aliases))}", "[engine]"]
-    lines += [f"{f.name} = {_toml(getattr(engine, f.name))}" for f in dataclasses.fields(engine)
+        lines.append(f"source = {toml_value(source)}")
+    lines += [f"served_name = {toml_value(served_name)}", f"aliases = {toml_value(list(aliases))}", "[engine]"]
+    lines += [f"{f.name} = {toml_value(getattr(engine, f.name))}" for f in dataclasses.fields(engine)
               if getattr(engine, f.name) is not None]
     lines += ["[routing]", f"local_prefill_max_tokens = {LOCAL_PREFILL_ALL}"]
     if curve_keys_dir:
-        lines += ["[security]", f"curve_keys_dir = {_toml(curve_keys_dir)}"]
+        lines += ["[security]", f"curve_keys_dir = {toml_value(curve_keys_dir)}"]
     lines += ["[[workers]]", f'name = "{ENGINE_NAME}"', 'role = "decode"', 'host = "127.0.0.1"',
               f"control_port = {ports[0]}", f"kv_port = {ports[1]}"]
     return "\n".join(lines) + "\n"
