@@ -164,6 +164,18 @@ def _recording(engine):
     return steps
 
 
+def _streams_then_long(engine, tok, stream_tokens: int, warm_steps: int, long_tokens: int, long_max_tokens: int) -> None:
+    """Start four greedy streams of `stream_tokens` tokens, step `warm_steps` times so they decode, then add a
+    `long_tokens`-token prompt ("long") asking for `long_max_tokens` tokens."""
+    for i in range(4):
+        engine.add_request(greedy(f"s{i}", tok.encode(f"Stream {i} says hello"), stream_tokens, ignore_eos=True))
+    for _ in range(warm_steps):
+        engine.step()
+    text = tok.encode("The long document goes on and on about many things. ")
+    engine.add_request(greedy("long", (text * (long_tokens // len(text) + 1))[:long_tokens], long_max_tokens,
+                              ignore_eos=True))
+
+
 def test_decoding_sequences_are_never_skipped_while_a_long_prompt_is_prefilled():
     """Four streams decode; a 1,500-token prompt arrives. Every step runs every stream's token, the prompt
     advances by block-aligned chunks within the ITL-bounded allowance beside them, and the budget holds."""
@@ -171,12 +183,7 @@ def test_decoding_sequences_are_never_skipped_while_a_long_prompt_is_prefilled()
     tok = loaded[1]
     engine = make_engine(loaded, itl_target_ms=0.001, max_num_batched_tokens=512)  # one block per step
     steps = _recording(engine)
-    for i in range(4):
-        engine.add_request(greedy(f"s{i}", tok.encode(f"Stream {i} says hello"), 60, ignore_eos=True))
-    for _ in range(6):
-        engine.step()
-    long_prompt = (tok.encode("The long document goes on and on about many things. ") * 200)[:1500]
-    engine.add_request(greedy("long", long_prompt, 2, ignore_eos=True))
+    _streams_then_long(engine, tok, 60, 6, 1500, 2)
     prefill_steps = 0
     while engine.has_work():
         engine.step()
@@ -356,12 +363,7 @@ def test_a_long_prompt_never_stretches_a_stream_gap_past_the_itl_target_whatever
     engine = make_engine(loaded, kv_cache_gb=0.5, prefill_slowdown=None)  # the ITL target alone
     decode_s = 0.010
     steps = _fake_clock(engine, decode_s, chunk_s=0.0005, token_s=0.00005, attend_s=4e-8)
-    for i in range(4):
-        engine.add_request(greedy(f"s{i}", tok.encode(f"Stream {i} says hello"), stream_tokens, ignore_eos=True))
-    for _ in range(8):
-        engine.step()
-    long_prompt = (tok.encode("The long document goes on and on about many things. ") * 400)[:4000]
-    engine.add_request(greedy("long", long_prompt, 2, ignore_eos=True))
+    _streams_then_long(engine, tok, stream_tokens, 8, 4000, 2)
     got: list[int] = []
     while engine.has_work():
         for out in engine.step():
@@ -386,12 +388,7 @@ def test_a_long_prompt_beside_streams_finishes_within_its_slowdown_and_the_gaps_
     engine = make_engine(loaded, kv_cache_gb=0.5, prefill_slowdown=2.0)
     decode_s, chunk_s, token_s, attend_s = 0.010, 0.0005, 0.00005, 4e-8
     steps = _fake_clock(engine, decode_s, chunk_s, token_s, attend_s)
-    for i in range(4):
-        engine.add_request(greedy(f"s{i}", tok.encode(f"Stream {i} says hello"), 2000, ignore_eos=True))
-    for _ in range(8):
-        engine.step()
-    long_prompt = (tok.encode("The long document goes on and on about many things. ") * 400)[:4000]
-    engine.add_request(greedy("long", long_prompt, 1, ignore_eos=True))
+    _streams_then_long(engine, tok, 2000, 8, 4000, 1)
     arrived, first = steps.now[0], None
     while first is None:
         for out in engine.step():
