@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from cluster.connector import Connector
 from cluster.config import EngineConfig
@@ -29,7 +29,7 @@ from cluster.model import ModelSpec
 from cluster.ownership import ThreadOwner
 from cluster.model_structure import VerifiedModel, kv_spec, verify_model
 from cluster.request import FinishReason, GenerateRequest, RequestOutput
-from cluster.runner import InFlight, ModelRunner
+from cluster.runner import InFlight, ModelRunner, Replicas
 from cluster.sampling import make_key
 from cluster.sequence import Sequence
 from cluster.scheduler import ScheduledBatch, Scheduler
@@ -54,7 +54,7 @@ class EngineCore:
 
     def __init__(self, model, tokenizer, spec: ModelSpec, config: EngineConfig,
                  connector: Optional[Connector] = None, kv_plan: Optional[KVPlan] = None,
-                 verified: Optional[VerifiedModel] = None):
+                 verified: Optional[VerifiedModel] = None, replicas: Optional[Replicas] = None):
         # before the pool is allocated: a refused model fails fast (`verified`: the load check's, with the mask
         # rank it found, cluster/load_check.py)
         verified = verified or verify_model(model)
@@ -69,14 +69,17 @@ class EngineCore:
         self.owner = ThreadOwner("this engine")
         self.kv = kv_plan.build(self.owner)  # the one owner of every request's KV, by KV cache group
         self.pool, self.store = self.kv.pool, self.kv.block_groups[0].store
-        self.runner = ModelRunner(model, self.kv, verified)
+        self.runner = ModelRunner(model, self.kv, verified, replicas)
+        if replicas is not None and self.kv.copy_block is not None:  # a head hit's copy runs on every rank
+            self.kv.copy_block = _copied_on_replicas(self.kv.copy_block, replicas)
         eos_ids = set(spec.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.scheduler = Scheduler(self.config, self.kv, self._extra_key, eos_ids, connector)
         # constrained decoding (cluster/grammar.py): its llguidance tokenizer is built on the first grammar
         self.grammars = Grammars(tokenizer, spec.vocab_size, eos_ids)
         # the overlapped loop: plain rows' tokens stay on the device for a step (`_defers`, `InFlight`); their
         # sequences count them in `num_inflight_tokens` until `_resolve` reads them back
-        self._overlap = self.config.async_scheduling and not verified.num_state_layers
+        # (not in a worker group: its followers are handed each forward's input tokens)
+        self._overlap = self.config.async_scheduling and not verified.num_state_layers and replicas is None
         self._inflight: Optional[InFlight] = None
         self.clock = time.perf_counter  # times the steps for the step budget (a test may set a fake clock)
 
@@ -280,3 +283,12 @@ class EngineCore:
                 and sp.logprobs is None and sp.prompt_logprobs is None and not seq.remote_decode
                 and (seq.reasoning is None or not seq.reasoning.may_constrain))
 
+
+def _copied_on_replicas(copy_block: Callable[[int, int], None], replicas: Replicas) -> Callable[[int, int], None]:
+    """`copy_block` that has the group's followers copy the same block first."""
+
+    def copy(src: int, dst: int) -> None:
+        replicas.copy_block(src, dst)
+        copy_block(src, dst)
+
+    return copy

@@ -78,10 +78,11 @@ def tolerance(dtype: str) -> float:
     return 2e-3 if dtype == "float32" else 0.15
 
 
-def checked_engine(model, tokenizer, spec: ModelSpec, config: EngineConfig):
+def checked_engine(model, tokenizer, spec: ModelSpec, config: EngineConfig, replicas=None):
     """The serving `EngineCore` for `model`, after the load check (`run_load_check`; skipped for a tested family
-    when `config.skip_load_check`). The engine's `load_check` is the result. Raises ValueError (the structural
-    gate) or `LoadCheckError`."""
+    when `config.skip_load_check`). The engine's `load_check` is the result. `replicas`: a worker group's
+    followers (`cluster.runner.Replicas`), which run the same load check at the same time on their shards.
+    Raises ValueError (the structural gate) or `LoadCheckError`."""
     from cluster.engine import EngineCore
 
     verified = verify_model(model)
@@ -90,7 +91,7 @@ def checked_engine(model, tokenizer, spec: ModelSpec, config: EngineConfig):
     else:
         check = run_load_check(model, tokenizer, spec, config, verified)
     logger.info("%s", check.summary())
-    engine = EngineCore(model, tokenizer, spec, config, verified=check.verified)
+    engine = EngineCore(model, tokenizer, spec, config, verified=check.verified, replicas=replicas)
     engine.load_check = check
     return engine
 

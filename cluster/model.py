@@ -164,6 +164,37 @@ def load_model(path: Path, dtype: str = "float32"):
     return model, tokenizer
 
 
+def load_sharded_model(path: Path, group, dtype: str = "float32"):
+    """Load (model, tokenizer) as `load_model` does, but only this rank's tensor-parallel share of the weights:
+    mlx-lm's `sharded_load` builds the model lazily, `model.shard(group)` slices its layers (heads and MLP
+    columns), and only the slices are read. `group`: the worker group's `mx.distributed.Group` (every rank of
+    it calls this at the same time: the load ends with a collective). Raises ValueError for a `model_type`
+    without a class or whose mlx-lm class has no `shard` (tensor parallelism), naming it."""
+    import mlx.core as mx
+    from mlx.utils import tree_map
+    from mlx_lm.utils import sharded_load
+
+    from cluster.model_families import check_config
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    check_config(config)
+    t0 = time.monotonic()
+    try:
+        model, tokenizer = sharded_load(str(path), tensor_group=group)
+    except ValueError as exc:
+        if "does not support" in str(exc):
+            raise ValueError(f"model_type {config.get('model_type')!r} cannot run tensor parallel: mlx-lm's class "
+                             f"for it has no shard(); serve it on one rank") from None
+        raise
+    target = getattr(mx, dtype)
+    model.update(tree_map(lambda w: w.astype(target) if mx.issubdtype(w.dtype, mx.floating) else w,
+                          model.parameters()))
+    mx.eval(model.state)
+    logger.info("loaded rank %d/%d's share of %s in %.1f s", group.rank(), group.size(), Path(path).name,
+                time.monotonic() - t0)
+    return model, tokenizer
+
+
 def load_tokenizer(path: Path):
     """Load only mlx-lm's `TokenizerWrapper` (the router needs no weights)."""
     from mlx_lm.utils import load_tokenizer as _load_tokenizer

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import AbstractSet, Callable, Optional, Sequence as Seq, Union
+from typing import AbstractSet, Callable, Optional, Protocol, Sequence as Seq, Union
 
 import mlx.core as mx
 
@@ -75,16 +75,30 @@ class InFlight:
     rows: list[tuple[Sequence, int]]
 
 
+class Replicas(Protocol):
+    """The other ranks of a worker group (cluster/parallel/leader.py's `GroupLeader`): told each forward's items
+    (and the decode mirror they start from) before this rank runs it, so every rank runs the same forward over
+    its shard and their collectives meet, and each block copy of a prefix hit (`KVManager.copy_block`)."""
+
+    def forward(self, items: Seq[BatchItem], mirror) -> None: ...
+
+    def copy_block(self, src: int, dst: int) -> None: ...
+
+
 class ModelRunner:
     """Runs `model` over the KV cache groups of `kv` (a `KVManager`), or over one `KVStore` of full attention.
     Not thread-safe: one engine thread owns it (MLX runs on that thread).
 
-    `verified` is `verify_model(model)`'s result (computed here when None). Raises ValueError for a model
+    `verified` is `verify_model(model)`'s result (computed here when None). `replicas`: the followers of a
+    worker group this runner leads (None: a runner alone); every forward is handed to them first, and no
+    forward may then take its input tokens from the device (`fed`). Raises ValueError for a model
     that `verify_model` refuses, or whose attention cannot read the store's quantized KV as stored.
     """
 
-    def __init__(self, model, kv: Union[KVManager, KVStore], verified: Optional[VerifiedModel] = None):
+    def __init__(self, model, kv: Union[KVManager, KVStore], verified: Optional[VerifiedModel] = None,
+                 replicas: Optional[Replicas] = None):
         self.model = model
+        self.replicas = replicas
         self.verified = verified or verify_model(model)
         if isinstance(kv, KVStore):
             self.kv: Optional[KVManager] = None
@@ -109,6 +123,9 @@ class ModelRunner:
         What a group keeps per row besides blocks (a recurrent state) is written back into the items' entries,
         evaluated. `fed`: (tokens on the device, rows, indices): row rows[i]'s one input token is
         tokens[indices[i]] (an item with `inflight_request`, whose `token_ids` are empty)."""
+        if self.replicas is not None:
+            assert fed is None, "a worker group's followers cannot read tokens left on the leader's device"
+            self.replicas.forward(items, self.store.mirror)
         num_new = [len(it.token_ids) + (it.inflight_request is not None) for it in items]
         T = max(num_new)
         tokens = mx.array([list(it.token_ids) + [0] * (T - len(it.token_ids)) for it in items], dtype=mx.int32)

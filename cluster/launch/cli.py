@@ -126,7 +126,9 @@ def _start(args: argparse.Namespace):
     topology = _topology(args)
     model = args.model or topology.model.source
     name = args.served_model_name[0] if args.served_model_name else topology.model.served_name
-    return start_single_node_engine(model, _engine_config(args, topology), name)
+    return start_single_node_engine(model, _engine_config(args, topology), name,
+                                    tensor_parallel=getattr(args, "tensor_parallel", 1),
+                                    memory_budget_gb=getattr(args, "memory_budget_gb", None))
 
 
 def _aliases(args: argparse.Namespace, topology) -> tuple[str, ...]:
@@ -146,6 +148,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host = args.host or topology.router.host
     port = args.port or topology.router.port
     layout, reason = choose_layout(args.layout)
+    if args.tensor_parallel > 1:
+        layout, reason = "one-process", (f"rank 0 of a tensor-parallel group of {args.tensor_parallel} local ranks "
+                                         "leads in this process")
     if layout == "split":
         from cluster.launch.split_serve import serve_split
 
@@ -334,6 +339,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "in a child process, the router here, over ZeroMQ), or auto (default: split when the "
                             "model runs on a GPU and the host has at least 4 performance cores, else one-process; "
                             "see README, 'Process layout')")
+    serve.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                       help="run the model across N local ranks (one process each, MLX's ring backend over "
+                            "loopback), each holding 1/N of every layer's heads and of the KV (default 1; see "
+                            "README, 'Worker groups')")
+    serve.add_argument("--memory-budget-gb", type=float, default=None, metavar="GB",
+                       help="each rank's budget for weights plus KV, checked at load: a model over it is refused "
+                            "(default: unchecked)")
     gen = sub.add_parser("generate", help="generate from one prompt, streaming to the terminal")
     _add_engine_args(gen)
     gen.add_argument("prompt")

@@ -115,8 +115,11 @@ def start_in_process_worker(engine, model_source: Optional[str] = None, model_na
 
 
 def start_single_node_engine(model: Optional[str] = None, config: Optional[EngineConfig] = None,
-                       model_name: Optional[str] = None):
-    """Load the model and start the single-node worker.
+                             model_name: Optional[str] = None, tensor_parallel: int = 1,
+                             memory_budget_gb: Optional[float] = None):
+    """Load the model and start the single-node worker; with `tensor_parallel` > 1 the engine is rank 0 of a
+    group of that many local ranks (cluster/launch/local_group.py). `memory_budget_gb`: each rank's budget for
+    weights plus KV, checked at load (ValueError when exceeded).
 
     Returns (InProcessEngineClient, tokenizer_path). `model` is anything `cluster.model.resolve_model_path`
     accepts (None = the default SmolLM2). Runs the model load on the calling thread, then hands the
@@ -127,7 +130,20 @@ def start_single_node_engine(model: Optional[str] = None, config: Optional[Engin
 
     config = config or EngineConfig()
     path, spec = served_model(model, model_name, config.dtype)
-    model_obj, tokenizer = load_model(path, dtype=config.dtype)
-    client = start_in_process_worker(checked_engine(model_obj, tokenizer, spec, config), model, spec.model_id)
+    if tensor_parallel > 1:  # rank 0 of a group of local ranks (local_group.py)
+        from cluster.launch.local_group import local_plan, start_local_group
+
+        started, _ = start_local_group(local_plan(tensor_parallel, model, model_name, config, memory_budget_gb))
+        engine = started.engine
+    else:
+        from cluster.memory_budget import check_rank_memory, check_weights
+
+        model_obj, tokenizer = load_model(path, dtype=config.dtype)
+        if memory_budget_gb is not None:
+            check_weights(model_obj, memory_budget_gb, "this rank")
+        engine = checked_engine(model_obj, tokenizer, spec, config)
+        if memory_budget_gb is not None:
+            check_rank_memory(model_obj, engine, memory_budget_gb, "this rank")
+    client = start_in_process_worker(engine, model, spec.model_id)
     atexit.register(client.stop)  # stop stepping before the interpreter tears MLX down
     return client, path

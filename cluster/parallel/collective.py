@@ -1,0 +1,67 @@
+"""Joining a worker group's collective, and what a model must be to run across one.
+
+`join_group` starts MLX's distributed backend for one rank: `ring` (TCP, on any OS; its hostfile lists each
+rank's address on the group's link) or `jaccl` (RDMA over Thunderbolt 5, macOS 26.2+ only; refused by name
+elsewhere). `check_tensor_parallel` refuses, before any weight loads, what mlx-lm's `shard` would split wrongly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from typing import Optional
+
+from cluster.parallel.spec import GroupPlan
+
+
+def ring_hostfile(plan: GroupPlan) -> list[list[str]]:
+    """The ring backend's hostfile: one list of "host:port" per rank, in rank order."""
+    return [[f"{r.host}:{r.ring_port}"] for r in plan.ranks]
+
+
+def join_group(plan: GroupPlan, rank: int):
+    """Start the collective for `rank` of `plan` and return its `mx.distributed.Group`. Blocks until every rank
+    has joined (the caller's heartbeat watch bounds the wait). Raises ValueError for a backend this machine
+    cannot run, or a group the backend did not form (its size differs from the plan's)."""
+    import mlx.core as mx
+
+    if plan.backend == "jaccl":
+        if sys.platform != "darwin":
+            raise ValueError("backend='jaccl' needs macOS 26.2+ with RDMA over Thunderbolt 5; use backend='ring' "
+                             "(TCP) on this machine")
+        coordinator = plan.ranks[0]
+        os.environ.setdefault("MLX_JACCL_COORDINATOR", f"{coordinator.host}:{coordinator.ring_port}")
+        if "MLX_IBV_DEVICES" not in os.environ:
+            raise ValueError("backend='jaccl' needs MLX_IBV_DEVICES (the RDMA device matrix `mlx.distributed_config` "
+                             "writes) in each rank's environment")
+    else:
+        fd, path = tempfile.mkstemp(prefix="mlx-pd-ring-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(ring_hostfile(plan), f)
+        os.environ["MLX_HOSTFILE"] = path
+    os.environ["MLX_RANK"] = str(rank)
+    group = mx.distributed.init(strict=True, backend=plan.backend)
+    if group.size() != plan.size or group.rank() != rank:
+        raise ValueError(f"the {plan.backend} backend formed a group of {group.size()} as rank {group.rank()}, "
+                         f"not {plan.size} as rank {rank}")
+    return group
+
+
+def check_tensor_parallel(config: dict, size: int) -> None:
+    """Refuse, by name, a model whose heads `size` ranks cannot split evenly (mlx-lm's `shard` divides the query
+    and KV heads by the group size without checking). Raises ValueError naming the field and what to do."""
+    text = config.get("text_config") or config
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        heads: Optional[int] = text.get(name)
+        if heads is not None and heads % size:
+            raise ValueError(f"{name}={heads} does not split across {size} tensor-parallel ranks: choose a rank "
+                             f"count that divides it")
+
+
+def check_parallel_kind(parallel: str) -> None:
+    """Refuse pipeline parallelism by name: the runner's paged caches are built per layer of the whole model,
+    and a pipeline rank's model runs only its range of layers."""
+    if parallel != "tensor":
+        raise ValueError(f"parallel={parallel!r} is not served yet: use parallel='tensor'")

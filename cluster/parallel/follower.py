@@ -1,0 +1,53 @@
+"""A following rank's loop: take the leader's step messages in order and run each on this rank's shard.
+
+A follower holds an engine built exactly as the leader's (same model shard, config and KV pool), but runs no
+scheduler: the leader's decisions reach it as the batch items of each forward (`step_wire.Forward`), which it
+runs with its own `ModelRunner` over its own KV pool (the same block ids), evaluating everything the forward
+built so that its collectives meet the leader's.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import msgspec
+import zmq
+
+from cluster.parallel import step_wire
+
+log = logging.getLogger(__name__)
+
+
+class FollowerError(RuntimeError):
+    """The leader's messages disagree with this rank (a different KV pool): the group cannot run."""
+
+
+def run_follower(engine, sock: zmq.Socket, poll_ms: int = 1000) -> str:
+    """Run the leader's messages from `sock` (a bound PULL socket) on `engine` until a `Stop`; returns its
+    reason. Liveness is the heartbeat's job (cluster/parallel/heartbeat.py): this loop waits for messages
+    without a deadline. Raises FollowerError when the leader's pool differs from this rank's."""
+    runner = engine.runner
+    engine.owner.take()
+    while True:
+        if not sock.poll(poll_ms):
+            continue
+        try:
+            msg = step_wire.decode(sock.recv())
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise FollowerError(f"a step message this rank cannot read: {exc}") from None
+        if isinstance(msg, step_wire.Forward):
+            mirror = runner.store.mirror
+            if mirror is not None and step_wire.mirror_key(mirror) != msg.mirror_key:
+                mirror.reset()
+            outputs = runner.forward(step_wire.from_wire(msg))
+            mx.eval(*[o for o in outputs if o is not None], *[a for g in runner.groups for a in g.arrays()])
+        elif isinstance(msg, step_wire.CopyBlock):
+            engine.kv.copy_block(msg.src, msg.dst)
+        elif isinstance(msg, step_wire.Hello):
+            if msg.num_blocks != engine.pool.num_blocks:
+                raise FollowerError(f"the leader's KV pool has {msg.num_blocks} blocks, this rank's "
+                                    f"{engine.pool.num_blocks}: every rank must run the same engine config")
+            log.info("worker group: following; %d KV blocks", msg.num_blocks)
+        elif isinstance(msg, step_wire.Stop):
+            return msg.reason

@@ -1,0 +1,66 @@
+"""The leading rank's side of a worker group: it hands each follower every forward and block copy before running
+its own (`cluster.runner.Replicas`), over one ZeroMQ PUSH socket per follower, in order."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Sequence
+
+import zmq
+
+from cluster.parallel import step_wire
+from cluster.parallel.heartbeat import exit_group
+from cluster.parallel.spec import GroupPlan
+from cluster.runner import BatchItem
+
+log = logging.getLogger(__name__)
+
+
+class GroupLeader:
+    """Rank 0 of `plan`: connects to every follower's step socket. A send that cannot complete within the plan's
+    deadline (a follower gone, its link cut) ends the group through `on_lost` (default: this process ends,
+    since the next collective would block forever). Sends on the engine's thread only; `bytes_sent` counts
+    what was handed over."""
+
+    def __init__(self, plan: GroupPlan, on_lost: Callable[[int, float], None] = exit_group):
+        self.plan, self.on_lost = plan, on_lost
+        ctx = zmq.Context.instance()
+        self.sockets = []
+        for rank in plan.ranks[1:]:
+            sock = ctx.socket(zmq.PUSH)
+            sock.linger = 0
+            sock.sndtimeo = int(plan.deadline_s * 1000)
+            sock.connect(f"tcp://{rank.host}:{rank.step_port}")
+            self.sockets.append(sock)
+        self.bytes_sent = 0
+        self.num_forwards = 0
+
+    def _send(self, msg: step_wire.StepMessage) -> None:
+        data = step_wire.encode(msg)
+        for i, sock in enumerate(self.sockets):
+            try:
+                sock.send(data)
+            except zmq.Again:
+                self.on_lost(i + 1, self.plan.deadline_s)
+                raise RuntimeError(f"worker group: rank {i + 1} took no step within {self.plan.deadline_s} s")
+        self.bytes_sent += len(data) * len(self.sockets)
+
+    def hello(self, num_blocks: int, pool_bytes: int) -> None:
+        """Tell the followers the leader's KV pool (they check their own against it)."""
+        self._send(step_wire.Hello(num_blocks, pool_bytes))
+
+    def forward(self, items: Sequence[BatchItem], mirror) -> None:
+        self.num_forwards += 1
+        self._send(step_wire.to_wire(items, mirror))
+
+    def copy_block(self, src: int, dst: int) -> None:
+        self._send(step_wire.CopyBlock(src, dst))
+
+    def stop(self, reason: str = "the leader stops") -> None:
+        """End the group normally: every follower exits."""
+        try:
+            self._send(step_wire.Stop(reason))
+        except RuntimeError:
+            pass
+        for sock in self.sockets:
+            sock.close(linger=1000)

@@ -1,0 +1,127 @@
+"""One rank of a worker group, from its plan to a built engine: watch the peers' heartbeats, join the collective,
+load this rank's share of the model, build the same engine as every other rank (the load check runs on all
+ranks at once), check the rank's memory budget. The leader then serves through its engine; a follower runs
+`follower.run_follower` (`python -m cluster.parallel.rank PLAN_FILE RANK` starts one by hand)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from cluster.parallel.collective import check_parallel_kind, check_tensor_parallel, join_group
+from cluster.parallel.heartbeat import Heartbeat
+from cluster.parallel.spec import GroupPlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GroupRank:
+    """A started rank: its `engine` (the leader's serves; a follower's runs the leader's steps), the `group`
+    (`mx.distributed.Group`), its `heartbeat`, its `memory` (`cluster.memory_budget.RankMemory`) and, on the
+    leader, `leader` (`GroupLeader`)."""
+
+    rank: int
+    engine: object
+    group: object
+    heartbeat: Heartbeat
+    memory: object
+    leader: Optional[object] = None
+
+
+def group_id(plan: GroupPlan) -> str:
+    """The group's name in its heartbeats: its leader's address."""
+    r = plan.ranks[0]
+    return f"{r.host}:{r.ring_port}"
+
+
+def start_rank(plan: GroupPlan, rank: int, heartbeat: Optional[Heartbeat] = None) -> GroupRank:
+    """Bring up `rank` of `plan` (see the module docstring); the leader's engine has the followers as its
+    replicas and has told them its KV pool. `heartbeat`: one already started (else started here). Raises
+    ValueError for what the group cannot serve (pipeline parallelism, heads that do not split, recurrent
+    layers, a budget exceeded), naming it; every rank raises the same."""
+    from cluster.load_check import checked_engine
+    from cluster.memory_budget import check_rank_memory, check_weights
+    from cluster.model import load_sharded_model, served_model
+    from cluster.model_structure import verify_model
+
+    check_parallel_kind(plan.parallel)
+    if heartbeat is None:
+        heartbeat = rank_heartbeat(plan, rank)
+        heartbeat.start()
+    config = plan.engine
+    path, spec = served_model(plan.model, plan.served_name, config.dtype)
+    check_tensor_parallel(json.loads((Path(path) / "config.json").read_text()), plan.size)
+    group = join_group(plan, rank)
+    model, tokenizer = load_sharded_model(path, group, config.dtype)
+    where = f"rank {rank} of {plan.size}"
+    if plan.memory_budget_gb is not None:
+        check_weights(model, plan.memory_budget_gb, where)
+    if verify_model(model).num_state_layers:
+        raise ValueError(f"{spec.model_id}: a model with recurrent layers is not served by a worker group yet "
+                         "(their per-request state is not replicated across ranks); serve it on one rank")
+    leader = None
+    if rank == 0:
+        from cluster.parallel.leader import GroupLeader
+
+        leader = GroupLeader(plan)
+    engine = checked_engine(model, tokenizer, spec, config, replicas=leader)
+    memory = check_rank_memory(model, engine, plan.memory_budget_gb or float("inf"), where)
+    heartbeat.info = memory.report()
+    log.info("%s: %.1f MiB of weights, %.1f MiB of KV, peak %.1f MiB", where, memory.parameter_bytes / 2**20,
+             memory.kv_bytes / 2**20, memory.peak_bytes / 2**20)
+    if leader is not None:
+        leader.hello(engine.pool.num_blocks, memory.kv_bytes)
+    return GroupRank(rank, engine, group, heartbeat, memory, leader)
+
+
+def rank_heartbeat(plan: GroupPlan, rank: int) -> Heartbeat:
+    """Rank `rank`'s heartbeat: it beats on its own port and watches the leader (a follower) or every follower
+    (the leader)."""
+    me = plan.ranks[rank]
+    watched = range(1, plan.size) if rank == 0 else [0]
+    peers = {r: f"tcp://{plan.ranks[r].host}:{plan.ranks[r].heartbeat_port}" for r in watched}
+    return Heartbeat(group_id(plan), rank, f"tcp://{me.host}:{me.heartbeat_port}", peers, plan.heartbeat_s,
+                     plan.deadline_s)
+
+
+def follow(plan: GroupPlan, rank: int) -> int:
+    """A follower's life: bind the step socket, start the rank, run the leader's steps until it stops the group.
+    Returns the exit code (0 after a `Stop`)."""
+    import zmq
+
+    from cluster.parallel.follower import run_follower
+
+    heartbeat = rank_heartbeat(plan, rank)
+    heartbeat.start()
+    sock = zmq.Context.instance().socket(zmq.PULL)
+    sock.linger = 0
+    me = plan.ranks[rank]
+    sock.bind(f"tcp://{me.host}:{me.step_port}")
+    started = start_rank(plan, rank, heartbeat)
+    reason = run_follower(started.engine, sock)
+    log.info("rank %d: the group stopped (%s)", rank, reason)
+    heartbeat.stop()
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cluster.parallel.rank",
+                                description="run one following rank of a worker group")
+    p.add_argument("plan", help="the group's plan (JSON, GroupPlan.to_json)")
+    p.add_argument("rank", type=int)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(name)s: %(message)s")
+    plan = GroupPlan.from_json(Path(args.plan).read_text())
+    if not 0 < args.rank < plan.size:
+        p.error(f"rank {args.rank} is not a follower of a group of {plan.size} (1..{plan.size - 1})")
+    return follow(plan, args.rank)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""What a group's leader hands its followers, per forward, over ZeroMQ (msgpack through msgspec).
+
+- `Forward`: one forward's batch items (`cluster.runner.BatchItem`: block tables, positions, input tokens,
+  which logits), and the leader's decode mirror key before it (`mirror_key`): a follower whose mirror key
+  differs resets its mirror, so both rebuild it alike.
+- `CopyBlock`: a prefix hit's block copy (`KVManager.copy_block`).
+- `Hello`: the leader's KV pool size, checked against the follower's own before its first step.
+- `Stop`: the group ends; the follower exits.
+
+A decode step's message is its rows' block tables and one token each: about 1 KB for 8 rows of 1k tokens.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Optional, Sequence, Union
+
+import msgspec
+
+from cluster.runner import BatchItem, Logits
+
+
+class WireItem(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """One `BatchItem`. `entries`: each KV cache group's block table (block groups only)."""
+
+    block_table: list[int]
+    start: int
+    token_ids: list[int]
+    logits: str
+    mirror_row: Optional[str]
+    entries: list[list[int]]
+
+
+class Forward(msgspec.Struct, tag="forward", frozen=True, gc=False):
+    items: list[WireItem]
+    mirror_key: int
+
+
+class CopyBlock(msgspec.Struct, tag="copy_block", frozen=True):
+    src: int
+    dst: int
+
+
+class Hello(msgspec.Struct, tag="hello", frozen=True):
+    num_blocks: int
+    pool_bytes: int
+
+
+class Stop(msgspec.Struct, tag="stop", frozen=True):
+    reason: str
+
+
+StepMessage = Union[Forward, CopyBlock, Hello, Stop]
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(StepMessage)
+
+
+def encode(msg: StepMessage) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> StepMessage:
+    """Raises msgspec.ValidationError / DecodeError for bytes that are no step message."""
+    return _decoder.decode(data)
+
+
+def mirror_key(mirror) -> int:
+    """A decode mirror's state as one number (0: no mirror, or an empty one): the rows, their lengths and the
+    buffer's width and capacity, which decide what its next step reuses."""
+    if mirror is None or not mirror.rows:
+        return 0
+    return zlib.crc32(repr((mirror.rows, mirror.lengths, mirror.width, mirror.cap)).encode())
+
+
+def to_wire(items: Sequence[BatchItem], mirror) -> Forward:
+    """`items` as a `Forward`. Raises ValueError for an item whose input is a token left on the device, or whose
+    entries are not block tables (a recurrent state: not served by a group)."""
+    out = []
+    for it in items:
+        if it.inflight_request is not None:
+            raise ValueError("a group's forward cannot take a token in flight on the leader's device")
+        if any(not isinstance(e, (list, tuple)) for e in it.entries):
+            raise ValueError("a group's forward carries block tables only")
+        entries = [list(e) for e in it.entries]
+        out.append(WireItem(list(it.block_table), it.start, list(it.token_ids), it.logits.value, it.mirror_row,
+                            entries))
+    return Forward(out, mirror_key(mirror))
+
+
+def from_wire(msg: Forward) -> list[BatchItem]:
+    """The `BatchItem`s of a `Forward`."""
+    return [BatchItem(w.block_table, w.start, w.token_ids, Logits(w.logits), w.mirror_row, tuple(w.entries))
+            for w in msg.items]
