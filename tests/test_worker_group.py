@@ -1,0 +1,61 @@
+"""A worker group of two tensor-parallel ranks against mlx-lm's own tensor-parallel generation on the same ranks:
+greedy tokens equal and logprobs within 1e-3, for prompts run alone, together, again once their blocks are
+cached, and with drafts to verify; and each rank holding only its share of the weights and of the KV (a leader
+that ran the whole model would hold all of it)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.family_helpers import COMMON, CONFIGS, NEW_TOKENS, TOL, expected_kv_bytes_per_token
+from tests.group_helpers import model_folder, rank_parameter_bytes, run_group, run_reference
+
+# dense attention, routed experts, and latent attention (whose latent every rank keeps whole)
+FAMILIES = ["llama", "qwen3_moe", "deepseek_v3"]
+
+
+def _prompts() -> list[list[int]]:
+    rng = np.random.RandomState(11)
+    return [rng.randint(100, COMMON["vocab_size"], size=n).tolist() for n in (5, 19, 11, 26, 9, 17, 33, 3)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return tmp_path_factory.mktemp("group-models")
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_group_of_two_equals_mlx_lm_tensor_parallel(model_type, models, tmp_path):
+    folder = model_folder(model_type, models)
+    prompts = _prompts()
+    prompts_path = tmp_path / "prompts.json"
+    prompts_path.write_text(json.dumps(prompts))
+    refs = run_reference(folder, prompts_path, tmp_path / "reference.json")
+    report = run_group(folder, prompts_path, tmp_path / "reference.json", tmp_path / "group.json")
+    runs = report["runs"]
+    n = len(prompts) // 2
+    expected = {**{f"solo{i}": refs[i] for i in range(n)}, **{f"batch{i}": refs[i] for i in range(n, 2 * n)},
+                **{f"cached{i}": r for i, r in enumerate(refs)}, **{f"spec{i}": r for i, r in enumerate(refs)}}
+    got = {rid: r for run in runs.values() for rid, r in run.items()}
+    assert set(got) == set(expected)
+    for rid, ref in expected.items():
+        assert len(ref["tokens"]) == NEW_TOKENS
+        assert got[rid]["tokens"] == ref["tokens"], f"{model_type} {rid}"
+        assert np.allclose(got[rid]["logprobs"], ref["logprobs"], atol=TOL, rtol=0), f"{model_type} {rid}"
+    # the second run of every prompt reused its cached blocks (8-token blocks: at least every whole block
+    # before the last position), and some reused the head of a block, which every rank copies
+    cached = [runs["cached"][f"cached{i}"]["cached"] for i in range(len(prompts))]
+    assert all((len(p) - 1) // 8 * 8 <= c <= len(p) - 1 for p, c in zip(prompts, cached)), cached
+    assert any(c % 8 for c in cached), cached
+    # each rank holds its share of the weights and of the KV, not the whole model
+    config = {"model_type": model_type, **COMMON, **CONFIGS[model_type]}
+    whole_kv = expected_kv_bytes_per_token(config) * 8 * report["num_blocks"]
+    latent = model_type == "deepseek_v3"  # every rank keeps the whole latent
+    for rank in (0, 1):
+        memory = report["memory"][str(rank)]
+        assert memory["parameter_bytes"] == rank_parameter_bytes(folder, rank, 2), f"rank {rank}'s weights"
+        assert memory["kv_bytes"] == (whole_kv if latent else whole_kv // 2), f"rank {rank}'s KV"
+    assert report["forwards"] > 0 and report["bytes_sent"] > 0
