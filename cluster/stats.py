@@ -190,19 +190,39 @@ class LoadCheckReport:
 
 
 @dataclass(frozen=True)
+class RankStats:
+    """One rank of a worker group as its leader knows it: `alive` (its heartbeat within the deadline; the leader
+    itself always), the bytes of its weights, KV pool and MLX peak (from its heartbeat; 0 before it reports),
+    and `step_bytes`, the step messages the leader sent it (for rank 0: to every follower)."""
+
+    rank: int
+    host: str
+    alive: bool
+    parameter_bytes: int = 0
+    kv_bytes: int = 0
+    peak_bytes: int = 0
+    step_bytes: int = 0
+
+
+@dataclass(frozen=True)
 class WorkerStats(EngineStats):
     """One worker's report (`cluster.worker.Worker.stats`, `Pong.stats`): its identity (`name`, Ray `actor`
     name, `role` "prefill" or "decode", `host`), what its load check proved (`load_check`; None when its engine
-    was built without one, as tests build it) and its engine's figures (`EngineStats`)."""
+    was built without one, as tests build it) and its engine's figures (`EngineStats`). A worker that is a group
+    of ranks (cluster/parallel/) names its `parallel` kind and reports each rank (`ranks`, rank 0 first)."""
 
     name: str = ""
     actor: str = ""
     role: str = ""
     host: str = ""
     load_check: Optional[LoadCheckReport] = None
+    parallel: str = ""
+    ranks: tuple[RankStats, ...] = ()
 
     def report(self) -> dict:
-        """`EngineStats.report` with the identity, and `load_check` as a map (`LoadCheckReport.report`) or None."""
+        """`EngineStats.report` with the identity, `load_check` as a map (`LoadCheckReport.report`) or None, and
+        `ranks` as a list of maps."""
         out = super().report()
         out["load_check"] = None if self.load_check is None else self.load_check.report()
+        out["ranks"] = [dataclasses.asdict(r) for r in self.ranks]
         return out

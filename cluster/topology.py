@@ -33,6 +33,11 @@ Cluster form (`mlx-pd up FILE`; see topologies/local-1p1d.toml and lab-example.t
     control_port = 5601
     [workers.engine]                     # overrides of [engine] for this worker (not the KV format)
     kv_cache_gb = 4
+    [workers.group]                      # optional: the worker is a group of ranks (WorkerGroup)
+    parallel = "tensor"
+    backend = "ring"                     # or "jaccl" (RDMA over Thunderbolt 5, macOS 26.2+)
+    ranks = [{ host = "127.0.0.1", ring_port = 5610, step_port = 5611, heartbeat_port = 5612 },
+             { host = "10.0.0.3", ring_port = 5610, step_port = 5611, heartbeat_port = 5612 }]
 
 Every unknown table or key is an error that names it and the file, so a typo never silently falls back to
 a default. The KV format (dtype, kv_bits, kv_group_size, block_size) must be the same on every worker: a
@@ -48,6 +53,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from cluster.config import EngineConfig, TransferConfig
+from cluster.parallel.spec import GroupPlan, RankAddress
 
 TOPOLOGY_DIR = Path(__file__).resolve().parent.parent / "topologies"
 
@@ -155,6 +161,24 @@ class RaySection:
 
 
 @dataclass(frozen=True)
+class WorkerGroup:
+    """A `[workers.group]` table: the worker is a group of ranks (cluster/parallel/), rank 0 at the worker's
+    own host. Fields as `cluster.parallel.spec.GroupPlan`'s; `ranks` one table per rank."""
+
+    parallel: str
+    backend: str
+    ranks: tuple[RankAddress, ...]
+    heartbeat_s: float = 0.5
+    deadline_s: float = 10.0
+    memory_budget_gb: Optional[float] = None
+
+    def plan(self, model_source: Optional[str], served_name: Optional[str], engine: EngineConfig) -> GroupPlan:
+        """The `GroupPlan` every rank of this worker starts from."""
+        return GroupPlan(self.parallel, self.backend, self.ranks, model_source, served_name, engine,
+                         self.heartbeat_s, self.deadline_s, self.memory_budget_gb)
+
+
+@dataclass(frozen=True)
 class WorkerSpec:
     """One `[[workers]]` entry. `engine` is the topology's `[engine]` with this worker's overrides applied.
 
@@ -177,8 +201,12 @@ class WorkerSpec:
     events_port: Optional[int] = None
     metrics_port: Optional[int] = None
     cpu_affinity: Optional[tuple[int, ...]] = None
+    group: Optional[WorkerGroup] = None
 
     def __post_init__(self) -> None:
+        if self.group is not None and self.group.ranks[0].host != self.host:
+            raise ValueError(f"group.ranks[0].host={self.group.ranks[0].host!r} is invalid: rank 0 leads the group "
+                             f"at the worker's own host {self.host!r}")
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
             raise ValueError(f"name={self.name!r} is invalid: use letters, digits, '-', '_' or '.'")
         if self.role not in ROLES:
@@ -298,7 +326,19 @@ def _worker(table: Any, engine: EngineConfig, where: str) -> WorkerSpec:
     merged = _section(EngineConfig, {**_fields(engine), **overrides}, f"{where} [engine]")
     if "cpu_affinity" in table and isinstance(table["cpu_affinity"], list):
         table["cpu_affinity"] = tuple(table["cpu_affinity"])
+    if "group" in table:
+        table["group"] = _group(table["group"], f"{where} [group]")
     return _section(WorkerSpec, {**table, "engine": merged}, where)
+
+
+def _group(table: Any, where: str) -> WorkerGroup:
+    if not isinstance(table, dict) or not isinstance(table.get("ranks"), list):
+        raise ValueError(f"{where}: must be a table with ranks = [{{host, ring_port, step_port, heartbeat_port}}, ...]")
+    table = dict(table)
+    table["ranks"] = tuple(_section(RankAddress, r, f"{where} ranks[{i}]") for i, r in enumerate(table["ranks"]))
+    group = _section(WorkerGroup, table, where)
+    group.plan(None, None, EngineConfig())  # the plan's own rules (kind, backend, at least 2 ranks, times)
+    return group
 
 
 def _fields(obj) -> dict:
@@ -312,6 +352,8 @@ def _check_workers(workers: tuple[WorkerSpec, ...], where: str) -> None:
         raise ValueError(f"{where}: duplicate worker name(s) {', '.join(dup)}")
     ports = [(w.host, p) for w in workers for p in (w.control_port, w.kv_port, w.events_port, w.metrics_port)
              if p is not None]
+    ports += [(r.host, p) for w in workers if w.group is not None for r in w.group.ranks
+              for p in (r.ring_port, r.step_port, r.heartbeat_port)]
     clash = sorted({f"{h}:{p}" for h, p in ports if ports.count((h, p)) > 1})
     if clash:
         raise ValueError(f"{where}: port(s) {', '.join(clash)} used twice")

@@ -78,6 +78,7 @@ class Worker:
         self._stats_at = 0.0
         self.endpoints: dict = {}
         self._load_check = None  # the engine's load check as its stats report it (`LoadCheck.report`)
+        self.group_rank = None  # rank 0's `cluster.parallel.rank.GroupRank` when the worker is a group
         self.tokens_out = 0
         self.registry = CollectorRegistry()  # this worker's Prometheus metrics (KV transfer)
 
@@ -88,6 +89,13 @@ class Worker:
         from cluster.load_check import checked_engine
         from cluster.model import load_model, served_model
 
+        if self.engine is None and self.spec.group is not None:  # rank 0 of a group (cluster/parallel/)
+            from cluster.parallel.rank import start_rank
+
+            plan = self.spec.group.plan(self.topology.model.source, self.topology.model.served_name,
+                                        self.spec.engine)
+            self.group_rank = start_rank(plan, 0)
+            self.engine = self.group_rank.engine
         if self.engine is None:
             if self._loaded is None:
                 dtype = self.spec.engine.dtype
@@ -283,7 +291,8 @@ class Worker:
             num_preemptions=sched.num_preemptions, prefix_cache_queries=sched.prefix_queries,
             prefix_cache_hits=sched.prefix_hits, tokens_out=self.tokens_out, requests=len(self.routes),
             constrained_requests=e.grammars.num_constrained, grammar_mask_seconds=e.grammars.mask_seconds,
-            kv_groups=e.kv.group_stats(self._transfer_metrics()), **self._role_stats())
+            kv_groups=e.kv.group_stats(self._transfer_metrics()),
+            **(self.group_rank.stats() if self.group_rank is not None else {}), **self._role_stats())
         self._stats_at = time.monotonic()
 
 

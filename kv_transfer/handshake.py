@@ -19,6 +19,8 @@ sockets).
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import Annotated, Callable, Optional, Sequence, Union
 
@@ -84,8 +86,10 @@ class KVFormat(BaseModel):
 
     @classmethod
     def of_engine(cls, engine) -> "KVFormat":
-        """The format of the blocks and state of a `cluster.engine.EngineCore` (its model, config, layers)."""
-        return cls.of(engine.spec, engine.config, layer_kinds=engine.runner.verified.layer_kind_names,
+        """The format of the blocks and state of a `cluster.engine.EngineCore` (its model, config, layers), as
+        they travel: a worker group's whole heads (`KVStore.wire_kv_heads`)."""
+        spec = dataclasses.replace(engine.spec, num_kv_heads=engine.store.wire_kv_heads)
+        return cls.of(spec, engine.config, layer_kinds=engine.runner.verified.layer_kind_names,
                       state_shapes=engine.kv.state_shapes())
 
     def mismatches(self, other: "KVFormat") -> list[str]:

@@ -257,7 +257,7 @@ class KVReceiver:
         if msg.block_hashes != t.hashes[start:min(stop, len(t.hashes))]:
             raise WireError("block hashes do not match the prompt's: the workers hash blocks differently")
         arrays = decode_arrays(msg, payload)  # checks every frame's size before anything is written
-        store.write_blocks(t.table(msg.group)[start:stop], layers, arrays)
+        store.write_wire_blocks(t.table(msg.group)[start:stop], layers, arrays)
         t.received[msg.group][start:stop, layers.start:layers.stop] = True
         self.metrics.moved(sum(a.nbytes for a in msg.arrays),
                            msg.num_blocks if layers.start == 0 and msg.group == 0 else 0)

@@ -310,7 +310,7 @@ class KVSender:
         num_layers, step = store.spec.num_layers, self.layers_per_message
         for l0 in range(0, num_layers, step):
             layers = range(l0, min(num_layers, l0 + step))
-            arrays = store.read_blocks(ids, layers)
+            arrays = store.read_wire_blocks(ids, layers)
             specs = [ArraySpec(name=nm, dtype=dt, shape=list(sh))
                      for nm, dt, sh in store.block_array_specs(len(ids), len(layers))]
             stop = start + len(ids)

@@ -79,6 +79,8 @@ class KVStore:
         self.dequantize_for_attention = dequantize_for_attention
         mirrored_bits = None if dequantize_for_attention else kv_bits  # the mirror holds what attention reads
         per_token = kv_bytes_per_block(spec, 1, dtype, mirrored_bits, kv_group_size)
+        # a worker group's link to the other ranks' pools (cluster/parallel/group_kv.py's GroupKV; None alone)
+        self.ranks = None
         self.mirror = DecodeMirror(per_token, mirror_budget_bytes) if mirror_budget_bytes > 0 else None
 
     @property
@@ -97,12 +99,31 @@ class KVStore:
             return ("k", "v")
         return tuple(f"{kv}.{part}" for kv in "kv" for part in ("packed", "scales", "biases"))
 
+    @property
+    def wire_kv_heads(self) -> int:
+        """KV heads of a block on the wire: this pool's, times the ranks that split them in a worker group."""
+        return self.spec.num_kv_heads * (self.ranks.head_factor if self.ranks is not None else 1)
+
+    def read_wire_blocks(self, block_ids: Sequence[int], layers: range) -> list[np.ndarray]:
+        """`read_blocks` as the KV transfer ships them: in a worker group whose ranks split the heads, every
+        rank's heads (`ranks.gather`: one all-gather across the group), shaped as in `block_array_specs`."""
+        arrays = self.read_blocks(block_ids, layers)
+        return arrays if self.ranks is None else self.ranks.gather(block_ids, layers, arrays)
+
+    def write_wire_blocks(self, block_ids: Sequence[int], layers: range, arrays: Sequence[np.ndarray]) -> None:
+        """`write_blocks` of blocks as the KV transfer brings them (`block_array_specs`); in a worker group,
+        each follower gets its share first (`ranks.scatter`)."""
+        if self.ranks is not None:
+            arrays = self.ranks.scatter(block_ids, layers, arrays)
+        self.write_blocks(block_ids, layers, arrays)
+
     def block_array_specs(self, num_blocks: int, num_layers: int) -> list[tuple[str, str, tuple[int, ...]]]:
-        """(name, dtype name, shape) of each array `read_blocks` returns for `num_blocks` blocks and
-        `num_layers` layers: shape [num_layers, num_blocks * block_size, kv_heads, d] with d = the width w
+        """(name, dtype name, shape) of each array `read_wire_blocks` returns for `num_blocks` blocks and
+        `num_layers` layers: shape [num_layers, num_blocks * block_size, kv_heads, d] (kv_heads:
+        `wire_kv_heads`) with d = the width w
         (head_dim for keys, the spec's v_dim for values), or w * kv_bits / 32 (uint32 packed) and
         w / kv_group_size (scales, biases)."""
-        slots, heads = num_blocks * self.block_size, self.spec.num_kv_heads
+        slots, heads = num_blocks * self.block_size, self.wire_kv_heads
         dtype = str(self.dtype).removeprefix("mlx.core.")
 
         def parts(dim: int) -> list[tuple[str, int]]:

@@ -312,7 +312,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     if args.exit_with_parent is not None and args.exit_with_parent <= 0:
         raise ValueError(f"--exit-with-parent={args.exit_with_parent} is invalid: must be a process id > 0")
-    return run_worker(args.topology, args.name, exit_with_parent=args.exit_with_parent)
+    return run_worker(args.topology, args.name, exit_with_parent=args.exit_with_parent, rank=args.rank)
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -378,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="run one worker of a topology in this process (no Ray)")
     worker.add_argument("topology", help="a topology file or name")
     worker.add_argument("name", help="the worker's name in the topology, e.g. decode-0")
+    worker.add_argument("--rank", type=int, default=0,
+                        help="a worker group's following rank to run here (1..N-1; default 0: the worker itself, "
+                             "which leads its group)")
     worker.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
                         help="stop when this process's parent is no longer PID (serve --layout split passes its pid)")
     router = sub.add_parser("router", help="run a topology's router in this process (no Ray)")

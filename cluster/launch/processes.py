@@ -30,8 +30,10 @@ def cluster_router_client(topology: TopologySpec):
     return client, path
 
 
-def run_worker(topology_path: str, name: str, exit_with_parent: Optional[int] = None) -> int:
+def run_worker(topology_path: str, name: str, exit_with_parent: Optional[int] = None, rank: int = 0) -> int:
     """Start worker `name` of the topology and serve until SIGINT/SIGTERM. Returns the exit status.
+    `rank` > 0: run that following rank of the worker's group instead (`[workers.group]`), until its leader
+    stops the group (or is lost: exit status 75).
 
     `exit_with_parent`: the pid of the process that started this one (`serve --layout split`); the worker
     stops once its parent is no longer that process (it exited, even by SIGKILL), so no engine is orphaned."""
@@ -44,6 +46,14 @@ def run_worker(topology_path: str, name: str, exit_with_parent: Optional[int] = 
     spec = topology.worker(name)
     if spec.cpu_affinity:
         pin_cpus(spec.cpu_affinity)
+    if rank:
+        from cluster.parallel.rank import follow
+
+        if spec.group is None or not 0 < rank < len(spec.group.ranks):
+            print(f"mlx-pd: {spec.name} has no following rank {rank} (its [workers.group] lists "
+                  f"{len(spec.group.ranks) if spec.group else 1} rank(s))", file=sys.stderr)
+            return 2
+        return follow(spec.group.plan(topology.model.source, topology.model.served_name, spec.engine), rank)
     worker = make_worker(topology, name)
     endpoints = worker.start()
     print(f"mlx-pd: {spec.actor_name} ({spec.role}) serving: {endpoints}", file=sys.stderr, flush=True)

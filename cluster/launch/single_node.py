@@ -100,16 +100,19 @@ def _ignore(item) -> None:
     return None
 
 
-def start_in_process_worker(engine, model_source: Optional[str] = None, model_name: Optional[str] = None):
+def start_in_process_worker(engine, model_source: Optional[str] = None, model_name: Optional[str] = None,
+                            group_rank=None):
     """Run `engine` (a `cluster.engine.EngineCore`, its drafters injected or not) in a single-node decode
     worker's loop; returns its `InProcessEngineClient`. `model_source` is what a draft model defaults to (the
-    target, quantized). The loop thread owns the engine from here on."""
+    target, quantized). `group_rank`: rank 0 of the group the engine leads (`cluster.parallel.rank.GroupRank`),
+    whose ranks the worker's stats report. The loop thread owns the engine from here on."""
     from decode_node.worker import DecodeWorker  # the roof may import the roles
 
     topology = TopologySpec(name="single-node", model=ModelSection(source=model_source), engine=engine.config)
     spec = WorkerSpec(name="engine", role="decode", control_port=None, engine=engine.config)
     channel = InProcessControl()
     worker = DecodeWorker(topology, spec, engine=engine, channel=channel)
+    worker.group_rank = group_rank
     worker.start()
     return InProcessEngineClient(worker, channel, model_name or engine.spec.model_id)
 
@@ -130,6 +133,7 @@ def start_single_node_engine(model: Optional[str] = None, config: Optional[Engin
 
     config = config or EngineConfig()
     path, spec = served_model(model, model_name, config.dtype)
+    started = None
     if tensor_parallel > 1:  # rank 0 of a group of local ranks (local_group.py)
         from cluster.launch.local_group import local_plan, start_local_group
 
@@ -144,6 +148,6 @@ def start_single_node_engine(model: Optional[str] = None, config: Optional[Engin
         engine = checked_engine(model_obj, tokenizer, spec, config)
         if memory_budget_gb is not None:
             check_rank_memory(model_obj, engine, memory_budget_gb, "this rank")
-    client = start_in_process_worker(engine, model, spec.model_id)
+    client = start_in_process_worker(engine, model, spec.model_id, started)
     atexit.register(client.stop)  # stop stepping before the interpreter tears MLX down
     return client, path

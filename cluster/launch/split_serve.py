@@ -41,8 +41,8 @@ LOCAL_PREFILL_ALL = 2**31 - 1  # every prompt is prefilled by the decode worker 
 
 
 def toml_value(value) -> str:
-    """`value` (a bool, str, int, float or a list of them) written as a TOML value. Raises ValueError for any
-    other type."""
+    """`value` (a bool, str, int, float, a list of them, or a dict of them as an inline table) written as a
+    TOML value. Raises ValueError for any other type."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
@@ -51,6 +51,8 @@ def toml_value(value) -> str:
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, (int, float)):
         return repr(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items() if v is not None) + "}"
     raise ValueError(f"cannot write {value!r} to a topology file")
 
 

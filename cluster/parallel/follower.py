@@ -12,9 +12,11 @@ import logging
 
 import mlx.core as mx
 import msgspec
+import numpy as np
 import zmq
 
 from cluster.parallel import step_wire
+from cluster.parallel.group_kv import gather_heads
 
 log = logging.getLogger(__name__)
 
@@ -23,9 +25,9 @@ class FollowerError(RuntimeError):
     """The leader's messages disagree with this rank (a different KV pool): the group cannot run."""
 
 
-def run_follower(engine, sock: zmq.Socket, poll_ms: int = 1000) -> str:
+def run_follower(engine, sock: zmq.Socket, group=None, poll_ms: int = 1000) -> str:
     """Run the leader's messages from `sock` (a bound PULL socket) on `engine` until a `Stop`; returns its
-    reason. Liveness is the heartbeat's job (cluster/parallel/heartbeat.py): this loop waits for messages
+    reason. `group`: the collective (`mx.distributed.Group`) that a `Gather` joins. Liveness is the heartbeat's job (cluster/parallel/heartbeat.py): this loop waits for messages
     without a deadline. Raises FollowerError when the leader's pool differs from this rank's."""
     runner = engine.runner
     engine.owner.take()
@@ -44,6 +46,14 @@ def run_follower(engine, sock: zmq.Socket, poll_ms: int = 1000) -> str:
             mx.eval(*[o for o in outputs if o is not None], *[a for g in runner.groups for a in g.arrays()])
         elif isinstance(msg, step_wire.CopyBlock):
             engine.kv.copy_block(msg.src, msg.dst)
+        elif isinstance(msg, step_wire.Gather):
+            store = engine.kv.groups[msg.group].store
+            gather_heads(group, store.read_blocks(msg.block_ids, range(msg.layer_start, msg.layer_stop)))
+        elif isinstance(msg, step_wire.WriteBlocks):
+            arrays = [np.frombuffer(b, dtype=np.dtype(d)).reshape(shape)
+                      for b, d, shape in zip(msg.data, msg.dtypes, msg.shapes)]
+            engine.kv.groups[msg.group].store.write_blocks(msg.block_ids, range(msg.layer_start, msg.layer_stop),
+                                                          arrays)
         elif isinstance(msg, step_wire.Hello):
             if msg.num_blocks != engine.pool.num_blocks:
                 raise FollowerError(f"the leader's KV pool has {msg.num_blocks} blocks, this rank's "

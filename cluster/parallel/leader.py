@@ -32,18 +32,29 @@ class GroupLeader:
             sock.sndtimeo = int(plan.deadline_s * 1000)
             sock.connect(f"tcp://{rank.host}:{rank.step_port}")
             self.sockets.append(sock)
-        self.bytes_sent = 0
+        self.bytes_sent = [0] * len(self.sockets)  # to each follower (rank 1..)
         self.num_forwards = 0
 
     def _send(self, msg: step_wire.StepMessage) -> None:
         data = step_wire.encode(msg)
-        for i, sock in enumerate(self.sockets):
-            try:
-                sock.send(data)
-            except zmq.Again:
-                self.on_lost(i + 1, self.plan.deadline_s)
-                raise RuntimeError(f"worker group: rank {i + 1} took no step within {self.plan.deadline_s} s")
-        self.bytes_sent += len(data) * len(self.sockets)
+        for rank in range(1, self.plan.size):
+            self._send_bytes(rank, data)
+
+    def send_to(self, rank: int, msg: step_wire.StepMessage) -> None:
+        """Send `msg` to follower `rank` only."""
+        self._send_bytes(rank, step_wire.encode(msg))
+
+    def send_all(self, msg: step_wire.StepMessage) -> None:
+        """Send `msg` to every follower."""
+        self._send(msg)
+
+    def _send_bytes(self, rank: int, data: bytes) -> None:
+        try:
+            self.sockets[rank - 1].send(data, copy=False)
+        except zmq.Again:
+            self.on_lost(rank, self.plan.deadline_s)
+            raise RuntimeError(f"worker group: rank {rank} took no step within {self.plan.deadline_s} s") from None
+        self.bytes_sent[rank - 1] += len(data)
 
     def hello(self, num_blocks: int, pool_bytes: int) -> None:
         """Tell the followers the leader's KV pool (they check their own against it)."""

@@ -27,11 +27,26 @@ class GroupRank:
     leader, `leader` (`GroupLeader`)."""
 
     rank: int
+    plan: GroupPlan
     engine: object
     group: object
     heartbeat: Heartbeat
     memory: object
     leader: Optional[object] = None
+
+
+    def stats(self) -> dict:
+        """The group's fields of a leader's `cluster.stats.WorkerStats`: {"parallel", "ranks"}."""
+        from cluster.stats import RankStats
+
+        plan, sent = self.plan, self.leader.bytes_sent
+        ranks = [RankStats(0, plan.ranks[0].host, True, self.memory.parameter_bytes, self.memory.kv_bytes,
+                           self.memory.peak_bytes, sum(sent))]
+        for peer in self.heartbeat.ranks():
+            r = peer["rank"]
+            ranks.append(RankStats(r, plan.ranks[r].host, peer["alive"], peer.get("parameter_bytes", 0),
+                                   peer.get("kv_bytes", 0), peer.get("peak_bytes", 0), sent[r - 1]))
+        return {"parallel": plan.parallel, "ranks": tuple(ranks)}
 
 
 def group_id(plan: GroupPlan) -> str:
@@ -56,7 +71,8 @@ def start_rank(plan: GroupPlan, rank: int, heartbeat: Optional[Heartbeat] = None
         heartbeat.start()
     config = plan.engine
     path, spec = served_model(plan.model, plan.served_name, config.dtype)
-    check_tensor_parallel(json.loads((Path(path) / "config.json").read_text()), plan.size)
+    model_config = json.loads((Path(path) / "config.json").read_text())
+    check_tensor_parallel(model_config, plan.size)
     group = join_group(plan, rank)
     model, tokenizer = load_sharded_model(path, group, config.dtype)
     where = f"rank {rank} of {plan.size}"
@@ -76,8 +92,15 @@ def start_rank(plan: GroupPlan, rank: int, heartbeat: Optional[Heartbeat] = None
     log.info("%s: %.1f MiB of weights, %.1f MiB of KV, peak %.1f MiB", where, memory.parameter_bytes / 2**20,
              memory.kv_bytes / 2**20, memory.peak_bytes / 2**20)
     if leader is not None:
+        from cluster.parallel.group_kv import GroupKV, splits_kv_heads
+
         leader.hello(engine.pool.num_blocks, memory.kv_bytes)
-    return GroupRank(rank, engine, group, heartbeat, memory, leader)
+        for index, kv_group in enumerate(engine.kv.groups):  # KV enters and leaves the group whole
+            store = getattr(kv_group, "store", None)
+            if store is not None and kv_group.pool is not None:
+                split = splits_kv_heads(model_config, store.spec.num_kv_heads, plan.size)
+                store.ranks = GroupKV(leader, group, index, split)
+    return GroupRank(rank, plan, engine, group, heartbeat, memory, leader)
 
 
 def rank_heartbeat(plan: GroupPlan, rank: int) -> Heartbeat:
@@ -104,7 +127,7 @@ def follow(plan: GroupPlan, rank: int) -> int:
     me = plan.ranks[rank]
     sock.bind(f"tcp://{me.host}:{me.step_port}")
     started = start_rank(plan, rank, heartbeat)
-    reason = run_follower(started.engine, sock)
+    reason = run_follower(started.engine, sock, started.group)
     log.info("rank %d: the group stopped (%s)", rank, reason)
     heartbeat.stop()
     return 0

@@ -4,6 +4,8 @@
   which logits), and the leader's decode mirror key before it (`mirror_key`): a follower whose mirror key
   differs resets its mirror, so both rebuild it alike.
 - `CopyBlock`: a prefix hit's block copy (`KVManager.copy_block`).
+- `Gather`: blocks to ship to another worker; every rank takes part in one all-gather of its heads of them.
+- `WriteBlocks`: blocks that arrived from another worker, this rank's heads of them (the leader keeps its own).
 - `Hello`: the leader's KV pool size, checked against the follower's own before its first step.
 - `Stop`: the group ends; the follower exits.
 
@@ -41,6 +43,28 @@ class CopyBlock(msgspec.Struct, tag="copy_block", frozen=True):
     dst: int
 
 
+class Gather(msgspec.Struct, tag="gather", frozen=True):
+    """Blocks `block_ids` of layers [layer_start, layer_stop) of KV cache group `group`."""
+
+    group: int
+    block_ids: list[int]
+    layer_start: int
+    layer_stop: int
+
+
+class WriteBlocks(msgspec.Struct, tag="write_blocks", frozen=True):
+    """This rank's share of blocks that arrived: one (dtype name, shape, bytes) per `KVStore.array_names`
+    entry, shaped as `KVStore.read_blocks` returns them."""
+
+    group: int
+    block_ids: list[int]
+    layer_start: int
+    layer_stop: int
+    dtypes: list[str]
+    shapes: list[list[int]]
+    data: list[bytes]
+
+
 class Hello(msgspec.Struct, tag="hello", frozen=True):
     num_blocks: int
     pool_bytes: int
@@ -50,7 +74,7 @@ class Stop(msgspec.Struct, tag="stop", frozen=True):
     reason: str
 
 
-StepMessage = Union[Forward, CopyBlock, Hello, Stop]
+StepMessage = Union[Forward, CopyBlock, Gather, WriteBlocks, Hello, Stop]
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(StepMessage)
 
