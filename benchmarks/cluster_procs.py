@@ -40,6 +40,14 @@ def topology_toml(workers: Sequence[dict], router_port: int, *, engine: dict, ro
     return "\n".join(lines) + "\n"
 
 
+def group_table(size: int, host: str = "127.0.0.1") -> dict:
+    """A `[workers.group]` table of a tensor-parallel group of `size` ranks on `host`, on free ports."""
+    ports = iter(free_ports(3 * size))
+    return {"parallel": "tensor", "backend": "ring",
+            "ranks": [{"host": host, "ring_port": next(ports), "step_port": next(ports), "heartbeat_port": next(ports)}
+                      for _ in range(size)]}
+
+
 def make_workers(layout: Sequence[tuple[str, str, Sequence[int]]]) -> list[dict]:
     """[[workers]] tables for (name, role, cpus) entries, each on free ports (kv_port for decode workers)."""
     ports = iter(free_ports(3 * len(layout)))  # at once: distinct
@@ -71,13 +79,20 @@ def run_cluster(workers: Sequence[dict], topologies: dict[str, str], *, log_dir:
                 log=print, deadline_s: float = 600.0) -> Iterator[dict]:
     """Start every worker of `workers` (pinned to its cpu_affinity) and one router per entry of `topologies`
     (name -> topology file, all listing the same workers); wait until every worker answers a Ping and every
-    router's /health is 200. Yields {"workers": {name: ServerProcess}, "routers": {name: ServerProcess}}."""
+    router's /health is 200. A worker with a "group" table (`[workers.group]`) also gets a process per following
+    rank. Yields {"workers": {name: ServerProcess}, "routers": {name: ServerProcess}, "ranks": {name-rankR:
+    ServerProcess}}."""
     cmd = [sys.executable, "-m", "cluster.launch.cli"]
     first = next(iter(topologies.values()))
     procs = {"workers": {w["name"]: ServerProcess(w["name"], pinned(cmd + ["worker", first, w["name"]],
                                                                      w.get("cpu_affinity") or ()),
                                                   w["control_port"], env=_env(), cwd=str(REPO_ROOT), log_dir=log_dir)
-                         for w in workers}, "routers": {}}
+                         for w in workers}, "routers": {}, "ranks": {}}
+    for w in workers:  # a worker that is a group: its following ranks (`mlx-pd worker ... --rank R`)
+        for r, rank in enumerate((w.get("group") or {}).get("ranks", [])[1:], start=1):
+            procs["ranks"][f"{w['name']}-rank{r}"] = ServerProcess(
+                f"{w['name']}-rank{r}", cmd + ["worker", first, w["name"], "--rank", str(r)], rank["step_port"],
+                env=_env(), cwd=str(REPO_ROOT), log_dir=log_dir)
     import tomllib
 
     for name, path in topologies.items():
@@ -85,7 +100,7 @@ def run_cluster(workers: Sequence[dict], topologies: dict[str, str], *, log_dir:
         procs["routers"][name] = ServerProcess(f"router-{name}", pinned(cmd + ["router", path], router_cpus), port,
                                                env=_env(), cwd=str(REPO_ROOT), log_dir=log_dir)
     with contextlib.ExitStack() as stack:
-        for p in procs["workers"].values():
+        for p in [*procs["ranks"].values(), *procs["workers"].values()]:
             stack.enter_context(p)
         t0 = time.monotonic()
         for w in workers:

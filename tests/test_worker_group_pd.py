@@ -1,0 +1,80 @@
+"""Prefill and decode between workers of different shapes: a prefill worker that is a tensor-parallel group of
+two ranks ships to a decode worker of one, a prefill worker of one to a decode group of two, and a group of two
+to a group of two. All answer greedy requests exactly as one engine alone does, and the decode group's second rank receives its share
+of the KV (half the heads), not the whole."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import pytest
+
+from benchmarks.cluster_procs import group_table, make_workers, run_cluster, topology_toml, worker_stats
+from benchmarks.servers import free_ports
+from tests.family_helpers import COMMON, CONFIGS, expected_kv_bytes_per_token
+from tests.group_helpers import model_folder
+
+MAX_TOKENS = 8
+BLOCK = 8
+
+
+def _prompts() -> list[list[int]]:
+    rng = np.random.RandomState(5)
+    return [rng.randint(100, COMMON["vocab_size"], size=n).tolist() for n in (200, 130, 77)]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return model_folder("llama", tmp_path_factory.mktemp("pd-models"))
+
+
+@pytest.fixture(scope="module")
+def alone(folder):
+    """One engine alone: each prompt's greedy text."""
+    from cluster.config import EngineConfig
+    from cluster.engine import EngineCore
+    from cluster.model import load_model, read_model_spec
+    from tests.engine_helpers import greedy, run
+
+    model, tokenizer = load_model(folder, "float32")
+    engine = EngineCore(model, tokenizer, read_model_spec(folder, "pd-test"),
+                        EngineConfig(dtype="float32", num_blocks=256, block_size=BLOCK))
+    out = run(engine, [greedy(f"p{i}", p, MAX_TOKENS, ignore_eos=True) for i, p in enumerate(_prompts())])
+    return [out[f"p{i}"].text for i in range(len(_prompts()))]
+
+
+@pytest.mark.parametrize("prefill_ranks,decode_ranks", [(2, 1), (1, 2), (2, 2)],
+                         ids=["tp2-to-one", "one-to-tp2", "tp2-to-tp2"])
+def test_prefill_and_decode_across_group_shapes(folder, alone, prefill_ranks, decode_ranks, tmp_path):
+    workers = make_workers([("prefill-0", "prefill", []), ("decode-0", "decode", [])])
+    for w, size in zip(workers, (prefill_ranks, decode_ranks)):
+        if size > 1:
+            w["group"] = group_table(size)
+    router_port = free_ports(1)[0]
+    topo = tmp_path / "topology.toml"
+    topo.write_text(topology_toml(workers, router_port, model_source=str(folder),
+                                  engine={"dtype": "float32", "num_blocks": 256, "block_size": BLOCK},
+                                  routing={"local_prefill_max_tokens": 0}, transfer={}))
+    with run_cluster(workers, {"pd": str(topo)}, log_dir=str(tmp_path), deadline_s=240) as procs:
+        url = procs["routers"]["pd"].url
+        texts = []
+        for p in _prompts():
+            r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+                "model": folder.name, "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+        stats = worker_stats(workers)
+    assert texts == alone
+    prefill, decode = stats["prefill-0"], stats["decode-0"]
+    # every prompt was prefilled by the prefill worker and its KV moved, whole, over the transfer
+    config = {"model_type": "llama", **COMMON, **CONFIGS["llama"]}
+    shipped = sum(-(-len(p) // BLOCK) * BLOCK for p in _prompts()) * expected_kv_bytes_per_token(config)
+    assert prefill["kv_bytes_sent"] == decode["kv_bytes_received"] == shipped
+    group = decode if decode_ranks > 1 else prefill
+    assert [r["rank"] for r in group["ranks"]] == [0, 1] and all(r["alive"] for r in group["ranks"])
+    if decode_ranks > 1:
+        # the blocks arrived whole at rank 0, which handed rank 1 its half of the heads (plus the steps)
+        sent = group["ranks"][1]["step_bytes"]
+        assert shipped // 2 <= sent < shipped, (sent, shipped)
