@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 import uuid
 from typing import Optional, Sequence
@@ -168,10 +169,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                        "engine_pid": os.getpid()})
     print(f"mlx-pd: serving {client.model_name} at http://{host}:{port}/v1 "
           f"(context {client.max_model_len} tokens)", file=sys.stderr, flush=True)
+
+    def stopped(sig, _frame) -> None:  # uvicorn re-raises the signal it stopped on once it has shut down: end
+        raise SystemExit(0)  # through the `finally` and atexit (a group's followers get their Stop), not by it
+
+    previous = {s: signal.signal(s, stopped) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         uvicorn.run(app, host=host, port=port, log_level=args.log_level, timeout_graceful_shutdown=5)
     finally:
         client.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     return 0
 
 

@@ -36,13 +36,18 @@ def join_group(plan: GroupPlan, rank: int):
         if "MLX_IBV_DEVICES" not in os.environ:
             raise ValueError("backend='jaccl' needs MLX_IBV_DEVICES (the RDMA device matrix `mlx.distributed_config` "
                              "writes) in each rank's environment")
-    else:
-        fd, path = tempfile.mkstemp(prefix="mlx-pd-ring-", suffix=".json")
+    hostfile = None
+    if plan.backend == "ring":
+        fd, hostfile = tempfile.mkstemp(prefix="mlx-pd-ring-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             json.dump(ring_hostfile(plan), f)
-        os.environ["MLX_HOSTFILE"] = path
+        os.environ["MLX_HOSTFILE"] = hostfile
     os.environ["MLX_RANK"] = str(rank)
-    group = mx.distributed.init(strict=True, backend=plan.backend)
+    try:
+        group = mx.distributed.init(strict=True, backend=plan.backend)
+    finally:
+        if hostfile is not None:  # read by init: nothing is left behind in the temporary folder
+            os.unlink(hostfile)
     if group.size() != plan.size or group.rank() != rank:
         raise ValueError(f"the {plan.backend} backend formed a group of {group.size()} as rank {group.rank()}, "
                          f"not {plan.size} as rank {rank}")

@@ -1,0 +1,259 @@
+"""A worker group's rules, checked in this process without forming a collective: what the leader sends its
+followers (every step message survives the wire; a forward that could not be replayed on another rank is
+refused), the decode mirror key, the group's plan (a JSON round trip; each invalid field refused by name), which
+models and kinds of parallelism a group refuses, the jaccl backend refused off macOS, the heartbeats (two ranks
+see each other and what each reports; one that stops, or never starts, is lost), and a rank's memory budget."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import mlx.core as mx
+import msgspec
+import pytest
+
+from cluster.config import EngineConfig
+from cluster.kv.decode_mirror import DecodeMirror
+from cluster.memory_budget import GB, check_rank_memory, check_weights
+from cluster.parallel import step_wire
+from cluster.parallel.collective import check_parallel_kind, check_tensor_parallel, join_group, ring_hostfile
+from cluster.parallel.heartbeat import Heartbeat
+from cluster.parallel.spec import GroupPlan, RankAddress
+from cluster.ports import free_ports
+from cluster.runner import BatchItem, Logits
+
+RANKS = (RankAddress("127.0.0.1", 7001, 7002, 7003), RankAddress("127.0.0.1", 7011, 7012, 7013))
+
+
+# -- the step messages -------------------------------------------------------------------------------------------
+
+def test_every_step_message_survives_the_wire_and_a_forward_gives_back_its_batch_items():
+    items = [BatchItem([3, 4, 9], 17, [5], Logits.LAST, "req-a", ([3, 4, 9], [2])),
+             BatchItem([6], 0, [11, 12, 13], Logits.ALL, None, ()),
+             BatchItem([7, 8], 40, [14, 15], Logits.NONE)]
+    forward = step_wire.to_wire(items, None)
+    assert forward.mirror_key == 0
+    got = step_wire.decode(step_wire.encode(forward))
+    assert got == forward and isinstance(got, step_wire.Forward)
+    back = step_wire.from_wire(got)
+    assert len(back) == len(items)
+    for b, it in zip(back, items):
+        assert (list(b.block_table), b.start, list(b.token_ids), b.logits, b.mirror_row) == (
+            list(it.block_table), it.start, list(it.token_ids), it.logits, it.mirror_row)
+        assert [list(e) for e in b.entries] == [list(e) for e in it.entries]
+        assert b.inflight_request is None
+    for msg in (step_wire.CopyBlock(3, 8), step_wire.Hello(num_blocks=96, pool_bytes=1 << 20),
+                step_wire.Stop("the leader stops")):
+        again = step_wire.decode(step_wire.encode(msg))
+        assert again == msg and type(again) is type(msg)
+    with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
+        step_wire.decode(b"\x93not a step")
+
+
+def test_a_forward_refuses_a_token_in_flight_on_the_leader_and_entries_that_are_not_block_tables():
+    in_flight = BatchItem([1], 5, [], Logits.LAST, "r", (), inflight_request="r")
+    with pytest.raises(ValueError, match="in flight"):
+        step_wire.to_wire([in_flight], None)
+    recurrent = BatchItem([1], 5, [9], Logits.LAST, "r", ([1], SimpleNamespace(state="a recurrent state")))
+    with pytest.raises(ValueError, match="block tables only"):
+        step_wire.to_wire([recurrent], None)
+    # one bad item refuses the whole forward, wherever it stands
+    with pytest.raises(ValueError):
+        step_wire.to_wire([BatchItem([2], 0, [3]), in_flight], None)
+
+
+def test_the_mirror_key_is_zero_without_a_mirror_and_changes_with_its_rows_and_lengths():
+    assert step_wire.mirror_key(None) == 0
+    mirror = DecodeMirror(bytes_per_token=64, budget_bytes=1 << 30)
+    assert step_wire.mirror_key(mirror) == 0  # empty
+    mirror.plan(["a"], [[1]], [3], block_size=8)
+    one_row = step_wire.mirror_key(mirror)
+    assert one_row != 0
+    mirror.plan(["a"], [[1]], [4], block_size=8)  # the next decode step: one token longer
+    longer = step_wire.mirror_key(mirror)
+    assert longer not in (0, one_row)
+    mirror.plan(["a", "b"], [[1], [2]], [5, 2], block_size=8)  # a second row joins
+    two_rows = step_wire.mirror_key(mirror)
+    assert two_rows not in (0, one_row, longer)
+    assert step_wire.to_wire([BatchItem([1], 5, [7], mirror_row="a")], mirror).mirror_key == two_rows
+    mirror.reset()
+    assert step_wire.mirror_key(mirror) == 0
+
+
+# -- the plan -----------------------------------------------------------------------------------------------------
+
+def test_a_plan_survives_its_json_with_every_field():
+    plan = GroupPlan("tensor", "ring", RANKS, model="/models/m", served_name="m",
+                     engine=EngineConfig(dtype="float32", kv_cache_gb=0.25, block_size=16, max_num_seqs=4),
+                     heartbeat_s=0.2, deadline_s=3.0, memory_budget_gb=1.5)
+    again = GroupPlan.from_json(plan.to_json())
+    assert again == plan
+    assert again.size == 2 and again.ranks[1].step_port == 7012
+    assert ring_hostfile(again) == [["127.0.0.1:7001"], ["127.0.0.1:7011"]]
+    assert GroupPlan.from_json(GroupPlan("tensor", "ring", RANKS).to_json()).memory_budget_gb is None
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"parallel": "data"}, "parallel"),
+    ({"backend": "mpi"}, "backend"),
+    ({"ranks": RANKS[:1]}, "ranks"),
+    ({"heartbeat_s": 0.0}, "heartbeat_s"),
+    ({"heartbeat_s": 5.0, "deadline_s": 5.0}, "deadline_s"),
+    ({"memory_budget_gb": 0.0}, "memory_budget_gb"),
+    ({"memory_budget_gb": -2.0}, "memory_budget_gb"),
+])
+def test_a_plan_refuses_an_invalid_field_by_name(change, field):
+    valid = GroupPlan("tensor", "ring", RANKS)
+    with pytest.raises(ValueError, match=field):
+        dataclasses.replace(valid, **change)
+    # a follower reading a plan file meets the same rule
+    data = msgspec.json.decode(valid.to_json())
+    data.update({k: ([dataclasses.asdict(r) for r in v] if k == "ranks" else v) for k, v in change.items()})
+    with pytest.raises(ValueError, match=field):
+        GroupPlan.from_json(msgspec.json.encode(data).decode())
+
+
+# -- what a group refuses to run -------------------------------------------------------------------------------
+
+def test_heads_that_do_not_split_across_the_ranks_are_refused_by_name():
+    with pytest.raises(ValueError, match="num_attention_heads=9"):
+        check_tensor_parallel({"num_attention_heads": 9, "num_key_value_heads": 3}, 2)
+    with pytest.raises(ValueError, match="num_key_value_heads=3"):
+        check_tensor_parallel({"num_attention_heads": 6, "num_key_value_heads": 3}, 2)
+    # a multimodal config's text model is what splits
+    with pytest.raises(ValueError, match="num_key_value_heads=3"):
+        check_tensor_parallel({"text_config": {"num_attention_heads": 4, "num_key_value_heads": 3}}, 2)
+    check_tensor_parallel({"num_attention_heads": 4, "num_key_value_heads": 2}, 2)
+    check_tensor_parallel({"num_attention_heads": 9, "num_key_value_heads": 3}, 3)
+
+
+def test_pipeline_parallelism_is_refused_by_name():
+    with pytest.raises(ValueError, match="parallel='pipeline'.*parallel='tensor'"):
+        check_parallel_kind("pipeline")
+    check_parallel_kind("tensor")
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="jaccl may run on macOS")
+def test_the_jaccl_backend_is_refused_off_macos_pointing_at_ring():
+    plan = GroupPlan("tensor", "jaccl", RANKS)
+    with pytest.raises(ValueError, match="jaccl") as err:
+        join_group(plan, 0)
+    assert "ring" in str(err.value)
+
+
+# -- heartbeats ---------------------------------------------------------------------------------------------------
+
+class LostRecorder:
+    """An `on_lost` that records (rank, seconds silent) instead of ending the process."""
+
+    def __init__(self):
+        self.calls: list[tuple[int, float]] = []
+        self.fired = threading.Event()
+
+    def __call__(self, rank: int, silent_s: float) -> None:
+        self.calls.append((rank, silent_s))
+        self.fired.set()
+
+
+def _wait_for(predicate, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_two_ranks_see_each_others_beats_and_the_one_left_loses_the_rank_that_stops():
+    p0, p1 = free_ports(2)
+    lost0, lost1 = LostRecorder(), LostRecorder()
+    hb0 = Heartbeat("g", 0, f"tcp://127.0.0.1:{p0}", {1: f"tcp://127.0.0.1:{p1}"}, interval_s=0.05,
+                    deadline_s=0.5, on_lost=lost0)
+    hb1 = Heartbeat("g", 1, f"tcp://127.0.0.1:{p1}", {0: f"tcp://127.0.0.1:{p0}"}, interval_s=0.05,
+                    deadline_s=0.5, on_lost=lost1)
+    hb1.info = {"parameter_bytes": 1234, "kv_bytes": 56}
+    try:
+        hb0.start()
+        hb1.start()
+        assert _wait_for(lambda: hb0.ranks()[0]["alive"] and hb1.ranks()[0]["alive"], 10), (hb0.ranks(),
+                                                                                            hb1.ranks())
+        assert _wait_for(lambda: hb0.peer_info.get(1) == hb1.info, 5), hb0.peer_info
+        (seen,) = hb0.ranks()
+        assert seen["rank"] == 1 and seen["parameter_bytes"] == 1234 and seen["kv_bytes"] == 56
+        assert seen["silent_s"] is not None and seen["silent_s"] <= 0.5
+        assert hb1.ranks()[0]["rank"] == 0
+        hb1.stop()  # a normal shutdown: rank 1 loses no one
+        assert lost0.fired.wait(5), "rank 0 never noticed that rank 1 stopped beating"
+        assert lost0.calls[0][0] == 1 and lost0.calls[0][1] > 0.5
+        assert hb0.lost == 1
+        assert not hb0.ranks()[0]["alive"]
+        time.sleep(0.2)
+        assert len(lost0.calls) == 1, "on_lost runs once"
+        assert not lost1.calls
+    finally:
+        hb1.stop()
+        hb0.stop()
+
+
+def test_a_peer_never_heard_within_startup_is_lost():
+    mine, silent = free_ports(2)  # nothing ever binds `silent`
+    lost = LostRecorder()
+    hb = Heartbeat("g", 0, f"tcp://127.0.0.1:{mine}", {3: f"tcp://127.0.0.1:{silent}"}, interval_s=0.05,
+                   deadline_s=0.5, startup_s=0.3, on_lost=lost)
+    try:
+        hb.start()
+        assert hb.ranks() == [{"rank": 3, "alive": False, "silent_s": None}]
+        assert lost.fired.wait(5), "a rank that never beat was not lost"
+        assert lost.calls[0][0] == 3 and lost.calls[0][1] > 0.3
+        assert hb.lost == 3
+    finally:
+        hb.stop()
+
+
+# -- a rank's memory budget ----------------------------------------------------------------------------------
+
+class FakeModel:
+    """What the budget checks read of a model: its parameters."""
+
+    def __init__(self, **arrays):
+        self.arrays = arrays
+
+    def parameters(self):
+        return {"layers": [{"w": a} for a in self.arrays.values()]}
+
+
+def _fake_engine(*arrays):
+    return SimpleNamespace(kv=SimpleNamespace(groups=[SimpleNamespace(arrays=lambda: list(arrays))]))
+
+
+def test_weights_over_the_budget_are_refused_naming_memory_budget_gb():
+    model = FakeModel(a=mx.zeros((256, 1024), mx.float32), b=mx.zeros((256,), mx.float16))  # 1 MiB + 512 B
+    nbytes = 256 * 1024 * 4 + 256 * 2
+    assert check_weights(model, 2 / 1024, "rank 1 of 2") == nbytes
+    with pytest.raises(ValueError, match=r"rank 1 of 2: .*memory_budget_gb=0\.0009765625") as err:
+        check_weights(model, 1 / 1024, "rank 1 of 2")
+    assert "tensor-parallel ranks" in str(err.value)
+
+
+def test_a_rank_over_its_budget_once_built_is_refused_naming_memory_budget_gb():
+    model = FakeModel(a=mx.ones((256, 1024), mx.float32))  # 1 MiB
+    engine = _fake_engine(mx.ones((512, 1024), mx.float32), mx.ones((512, 1024), mx.float32))  # 4 MiB of KV
+    mx.eval(model.arrays["a"], *engine.kv.groups[0].arrays())
+    memory = check_rank_memory(model, engine, 1e6, "this rank")
+    assert (memory.parameter_bytes, memory.kv_bytes) == (1 << 20, 4 << 20)
+    assert memory.report() == {"parameter_bytes": 1 << 20, "kv_bytes": 4 << 20, "peak_bytes": memory.peak_bytes}
+    # weights plus KV over the budget
+    with pytest.raises(ValueError, match=r"this rank: weights .* plus KV .*memory_budget_gb=0\.00390625"):
+        check_rank_memory(model, engine, 4 / 1024, "this rank")
+    # held within the budget, but MLX's peak (here a 64 MiB array made and dropped) over it
+    mx.reset_peak_memory()
+    big = mx.ones((16, 1 << 20), mx.float32)
+    mx.eval(big)
+    del big
+    with pytest.raises(ValueError, match=r"peak .*memory_budget_gb=0\.03125"):
+        check_rank_memory(model, engine, 32 / 1024, "this rank")
+    assert mx.get_peak_memory() > 32 * GB / 1024
