@@ -166,33 +166,43 @@ def load_model(path: Path, dtype: str = "float32"):
 
 def load_sharded_model(path: Path, group, dtype: str = "float32"):
     """Load (model, tokenizer) as `load_model` does, but only this rank's tensor-parallel share of the weights:
-    mlx-lm's `sharded_load` builds the model lazily, `model.shard(group)` slices its layers (heads and MLP
-    columns), and only the slices are read. `group`: the worker group's `mx.distributed.Group` (every rank of
-    it calls this at the same time: the load ends with a collective). Raises ValueError for a `model_type`
-    without a class or whose mlx-lm class has no `shard` (tensor parallelism), naming it."""
+    the model is built lazily (mlx-lm's `load_model(lazy=True)`), `model.shard(group)` slices its layers (heads
+    and MLP columns), and the slices are evaluated one layer at a time, so a rank holds its share plus at most one
+    layer's whole tensors while loading (mlx-lm's `sharded_load` evaluates every slice at once, and its peak is
+    the whole model). `group`: the worker group's `mx.distributed.Group` (every rank of it calls this at the
+    same time: the load ends with a collective). Raises ValueError for a `model_type` without a class or whose
+    mlx-lm class has no `shard` (tensor parallelism), naming it."""
     import mlx.core as mx
     from mlx.utils import tree_map
-    from mlx_lm.utils import sharded_load
+    from mlx_lm.utils import load_model as load_lazy, load_tokenizer as load_tokenizer_of
 
     from cluster.model_families import check_config
+    from cluster.model_structure import layers_of, text_model
 
     config = json.loads((Path(path) / "config.json").read_text())
     check_config(config)
     t0 = time.monotonic()
-    try:
-        model, tokenizer = sharded_load(str(path), tensor_group=group)
-    except ValueError as exc:
-        if "does not support" in str(exc):
-            raise ValueError(f"model_type {config.get('model_type')!r} cannot run tensor parallel: mlx-lm's class "
-                             f"for it has no shard(); serve it on one rank") from None
-        raise
+    model, _ = load_lazy(Path(path), lazy=True, strict=False)
+    if not hasattr(model, "shard"):
+        raise ValueError(f"model_type {config.get('model_type')!r} cannot run tensor parallel: mlx-lm's class for "
+                         f"it has no shard(); serve it on one rank")
+    model.shard(group)
     target = getattr(mx, dtype)
-    model.update(tree_map(lambda w: w.astype(target) if mx.issubdtype(w.dtype, mx.floating) else w,
-                          model.parameters()))
+
+    def cast(module) -> None:
+        params = module.parameters()
+        mx.eval(params)  # this layer's slices, read from the whole tensors, which are then freed
+        module.update(tree_map(lambda w: w.astype(target) if mx.issubdtype(w.dtype, mx.floating) else w, params))
+        mx.eval(module.parameters())
+
+    for layer in layers_of(text_model(model)):
+        cast(layer)
+    cast(model)  # what no layer holds: embeddings, the final norm, the head
     mx.eval(model.state)
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))  # every rank has loaded
     logger.info("loaded rank %d/%d's share of %s in %.1f s", group.rank(), group.size(), Path(path).name,
                 time.monotonic() - t0)
-    return model, tokenizer
+    return model, load_tokenizer_of(Path(path), eos_token_ids=config.get("eos_token_id"))
 
 
 def load_tokenizer(path: Path):
