@@ -11,7 +11,10 @@ the model has; a window longer than `MAX_PROBE_WINDOW` positions is shrunk for t
 prompt that shares the longest one's first blocks (a prefix hit that reuses them). mlx-lm's own forward over the
 model's own `make_cache()` then runs each prompt with the tokens the engine chose (teacher forcing: one forward
 per prompt): each chosen token must be mlx-lm's greedy choice (or within the tolerance of it: a near tie) and its
-logprob within `tolerance(dtype)` of mlx-lm's. The output head is compared with the model's own call first.
+logprob within `tolerance(dtype)` of mlx-lm's. The output head is compared with the model's own call first. The
+probe's KV is float whatever `kv_bits` the server uses: mlx-lm's own forward keeps float KV, and quantized KV
+read back across chunks is an approximation by design, not a fault of the paths (the quantized formats are
+compared with mlx-lm's `QuantizedKVCache` in tests/test_quantized_kv.py).
 
 A family the tests do not cover learns its batched mask's rank here: rank 4 first, else rank 5 (attention that
 splits grouped queries). A check that fails raises `LoadCheckError` naming the prompt, the token, and the first
@@ -228,7 +231,7 @@ def _probe(model, tokenizer, spec, config, verified, prompts, prefix, tol):
     bs = config.block_size
     need = sum(-(-(len(p) + PROBE_TOKENS) // bs) + 1 for p in prompts + [prefix])
     probe_config = dataclasses.replace(
-        config, num_blocks=2 * need + 4, max_num_seqs=4, prefill_chunk_size=_chunk(config),
+        config, num_blocks=2 * need + 4, max_num_seqs=4, prefill_chunk_size=_chunk(config), kv_bits=None,
         max_num_batched_tokens=None, enable_prefix_caching=True, state_cache_gb=None if not verified.num_state_layers
         else 0.05, state_snapshot_interval=None, speculative_method=None, draft_model=None, decode_mirror_gb=None,
         kv_cache_gb=max(config.kv_cache_gb, 0.05), max_model_len=None)

@@ -30,8 +30,9 @@ def parameter_bytes(model) -> int:
 
 
 def kv_pool_bytes(engine) -> int:
-    """Bytes of an engine's KV: every array of its KV cache groups' stores."""
-    return sum(a.nbytes for g in engine.kv.groups for a in g.arrays())
+    """Bytes of an engine's KV: every array of its KV cache groups' stores (a quantized layer's packed values,
+    scales and biases each)."""
+    return sum(a.nbytes for g in engine.kv.groups for _, a in tree_flatten(list(g.arrays())))
 
 
 def check_weights(model, budget_gb: float, where: str) -> int:

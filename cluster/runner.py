@@ -78,11 +78,15 @@ class InFlight:
 class Replicas(Protocol):
     """The other ranks of a worker group (cluster/parallel/leader.py's `GroupLeader`): told each forward's items
     (and the decode mirror they start from) before this rank runs it, so every rank runs the same forward over
-    its shard and their collectives meet, and each block copy of a prefix hit (`KVManager.copy_block`)."""
+    its shard and their collectives meet, and each block copy of a prefix hit (`KVManager.copy_block`). A forward
+    that fails here after the followers took it leaves the ranks' collectives out of step: `abandon` ends the
+    group."""
 
     def forward(self, items: Seq[BatchItem], mirror) -> None: ...
 
     def copy_block(self, src: int, dst: int) -> None: ...
+
+    def abandon(self, exc: BaseException) -> None: ...
 
 
 class ModelRunner:
@@ -126,6 +130,15 @@ class ModelRunner:
         if self.replicas is not None:
             assert fed is None, "a worker group's followers cannot read tokens left on the leader's device"
             self.replicas.forward(items, self.store.mirror)
+            try:
+                return self._forward(items, fed)
+            except BaseException as exc:
+                self.replicas.abandon(exc)
+                raise
+        return self._forward(items, fed)
+
+    def _forward(self, items: Seq[BatchItem], fed: Optional[tuple[mx.array, list[int], list[int]]]
+                 ) -> list[Optional[mx.array]]:
         num_new = [len(it.token_ids) + (it.inflight_request is not None) for it in items]
         T = max(num_new)
         tokens = mx.array([list(it.token_ids) + [0] * (T - len(it.token_ids)) for it in items], dtype=mx.int32)

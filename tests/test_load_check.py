@@ -247,3 +247,16 @@ def test_the_check_passes_on_quantized_weights(bits, tmp_path):
     spec = read_model_spec(write_config(tmp_path, config))
     check = run_load_check(model, tokenizer(), spec, CONFIG)
     assert "prefix hit reusing 16 tokens" in "; ".join(check.checks)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_server_with_quantized_kv_passes_the_check(bits, tmp_path):
+    """A server started with 4- or 8-bit KV passes the load check: the probe proves the paged path with float KV,
+    the one mlx-lm's own forward keeps (quantized KV read back across chunks differs from it by design)."""
+    from cluster.model import read_model_spec
+
+    config = {"model_type": "llama", **COMMON, **CONFIGS["llama"], "head_dim": 64}
+    model = build("llama", config)
+    spec = read_model_spec(write_config(tmp_path, config))
+    check = run_load_check(model, tokenizer(), spec, dataclasses.replace(CONFIG, kv_bits=bits, kv_group_size=64))
+    assert "prefix hit reusing 16 tokens" in "; ".join(check.checks)

@@ -1,6 +1,6 @@
 """Prefill and decode between workers of different shapes: a prefill worker that is a tensor-parallel group of
 two ranks ships to a decode worker of one, a prefill worker of one to a decode group of two, and a group of two
-to a group of two. All answer greedy requests exactly as one engine alone does, and the decode group's second rank receives its share
+to a group of two with 8-bit KV. All answer greedy requests exactly as one engine alone does, and the decode group's second rank receives its share
 of the KV (half the heads), not the whole."""
 
 from __future__ import annotations
@@ -26,12 +26,18 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return model_folder("llama", tmp_path_factory.mktemp("pd-models"))
+def models(tmp_path_factory):
+    """name -> (folder, config): the llama test model (head_dim 16), and the 2-layer stand-in (head_dim 64,
+    which 8-bit KV quantizes in groups of 64)."""
+    from benchmarks.reliability_long import fast_model_dir
+
+    stand_in = fast_model_dir()
+    return {"llama": (model_folder("llama", tmp_path_factory.mktemp("pd-models")),
+                      {"model_type": "llama", **COMMON, **CONFIGS["llama"]}),
+            "stand-in": (stand_in, json.loads((stand_in / "config.json").read_text()))}
 
 
-@pytest.fixture(scope="module")
-def alone(folder):
+def _alone(folder, kv_bits, kv_group_size):
     """One engine alone: each prompt's greedy text."""
     from cluster.config import EngineConfig
     from cluster.engine import EngineCore
@@ -40,14 +46,18 @@ def alone(folder):
 
     model, tokenizer = load_model(folder, "float32")
     engine = EngineCore(model, tokenizer, read_model_spec(folder, "pd-test"),
-                        EngineConfig(dtype="float32", num_blocks=256, block_size=BLOCK))
+                        EngineConfig(dtype="float32", num_blocks=256, block_size=BLOCK, kv_bits=kv_bits,
+                                     kv_group_size=kv_group_size))
     out = run(engine, [greedy(f"p{i}", p, MAX_TOKENS, ignore_eos=True) for i, p in enumerate(_prompts())])
     return [out[f"p{i}"].text for i in range(len(_prompts()))]
 
 
-@pytest.mark.parametrize("prefill_ranks,decode_ranks", [(2, 1), (1, 2), (2, 2)],
-                         ids=["tp2-to-one", "one-to-tp2", "tp2-to-tp2"])
-def test_prefill_and_decode_across_group_shapes(folder, alone, prefill_ranks, decode_ranks, tmp_path):
+@pytest.mark.parametrize("model,prefill_ranks,decode_ranks,kv_bits",
+                         [("llama", 2, 1, None), ("llama", 1, 2, None), ("stand-in", 2, 2, 8)],
+                         ids=["tp2-to-one", "one-to-tp2", "tp2-to-tp2-8bit-kv"])
+def test_prefill_and_decode_across_group_shapes(models, model, prefill_ranks, decode_ranks, kv_bits, tmp_path):
+    folder, config = models[model]
+    group_size = 64
     workers = make_workers([("prefill-0", "prefill", []), ("decode-0", "decode", [])])
     for w, size in zip(workers, (prefill_ranks, decode_ranks)):
         if size > 1:
@@ -55,7 +65,8 @@ def test_prefill_and_decode_across_group_shapes(folder, alone, prefill_ranks, de
     router_port = free_ports(1)[0]
     topo = tmp_path / "topology.toml"
     topo.write_text(topology_toml(workers, router_port, model_source=str(folder),
-                                  engine={"dtype": "float32", "num_blocks": 256, "block_size": BLOCK},
+                                  engine={"dtype": "float32", "num_blocks": 256, "block_size": BLOCK,
+                                          "kv_group_size": group_size, **({"kv_bits": kv_bits} if kv_bits else {})},
                                   routing={"local_prefill_max_tokens": 0}, transfer={}))
     with run_cluster(workers, {"pd": str(topo)}, log_dir=str(tmp_path), deadline_s=240) as procs:
         url = procs["routers"]["pd"].url
@@ -66,11 +77,12 @@ def test_prefill_and_decode_across_group_shapes(folder, alone, prefill_ranks, de
             assert r.status_code == 200, r.text
             texts.append(r.json()["choices"][0]["text"])
         stats = worker_stats(workers)
-    assert texts == alone
+    assert texts == _alone(folder, kv_bits, group_size)
     prefill, decode = stats["prefill-0"], stats["decode-0"]
-    # every prompt was prefilled by the prefill worker and its KV moved, whole, over the transfer
-    config = {"model_type": "llama", **COMMON, **CONFIGS["llama"]}
-    shipped = sum(-(-len(p) // BLOCK) * BLOCK for p in _prompts()) * expected_kv_bytes_per_token(config)
+    # every prompt was prefilled by the prefill worker and its KV moved, whole, over the transfer (8-bit KV:
+    # a quarter of the float32 bytes, plus a float32 scale and bias per 64 values)
+    per_token = expected_kv_bytes_per_token(config) * (1 if kv_bits is None else (1 / 4 + 2 / group_size))
+    shipped = sum(-(-len(p) // BLOCK) * BLOCK for p in _prompts()) * per_token
     assert prefill["kv_bytes_sent"] == decode["kv_bytes_received"] == shipped
     group = decode if decode_ranks > 1 else prefill
     assert [r["rank"] for r in group["ranks"]] == [0, 1] and all(r["alive"] for r in group["ranks"])

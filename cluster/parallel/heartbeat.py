@@ -36,8 +36,12 @@ class Beat(msgspec.Struct, array_like=True, frozen=True):
 
 def exit_group(rank: int, silent_s: float) -> None:
     """The default `on_lost`: log and end this process at once (a collective may hold the main thread)."""
-    log.critical("worker group: rank %d silent for %.1f s; ending this rank so that the group restarts", rank,
-                 silent_s)
+    end_rank(f"rank {rank} silent for {silent_s:.1f} s")
+
+
+def end_rank(why: str) -> None:
+    """End this rank's process at once with `LOST_EXIT_CODE`, logging `why`: its group is broken."""
+    log.critical("worker group: %s; ending this rank so that the group restarts", why)
     logging.shutdown()
     os._exit(LOST_EXIT_CODE)
 

@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 import zmq
 
 from cluster.parallel import step_wire
-from cluster.parallel.heartbeat import exit_group
+from cluster.parallel.heartbeat import end_rank, exit_group
 from cluster.parallel.spec import GroupPlan
 from cluster.runner import BatchItem
 
@@ -19,11 +19,13 @@ log = logging.getLogger(__name__)
 class GroupLeader:
     """Rank 0 of `plan`: connects to every follower's step socket. A send that cannot complete within the plan's
     deadline (a follower gone, its link cut) ends the group through `on_lost` (default: this process ends,
-    since the next collective would block forever). Sends on the engine's thread only; `bytes_sent` counts
+    since the next collective would block forever), and so does a forward that fails after the followers took
+    it (`on_broken`). Sends on the engine's thread only; `bytes_sent` counts
     what was handed over."""
 
-    def __init__(self, plan: GroupPlan, on_lost: Callable[[int, float], None] = exit_group):
-        self.plan, self.on_lost = plan, on_lost
+    def __init__(self, plan: GroupPlan, on_lost: Callable[[int, float], None] = exit_group,
+                 on_broken: Callable[[str], None] = end_rank):
+        self.plan, self.on_lost, self.on_broken = plan, on_lost, on_broken
         ctx = zmq.Context.instance()
         self.sockets = []
         for rank in plan.ranks[1:]:
@@ -66,6 +68,11 @@ class GroupLeader:
 
     def copy_block(self, src: int, dst: int) -> None:
         self._send(step_wire.CopyBlock(src, dst))
+
+    def abandon(self, exc: BaseException) -> None:
+        """A forward the followers took failed here: the ranks' collectives are out of step, so the group ends
+        (`on_lost`; by default this process exits and its supervisor restarts the group)."""
+        self.on_broken(f"a forward failed on the leader after its followers took it ({type(exc).__name__}: {exc})")
 
     def stop(self, reason: str = "the leader stops") -> None:
         """End the group normally: every follower exits."""
