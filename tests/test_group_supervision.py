@@ -1,8 +1,9 @@
-"""Supervising a worker group whose ranks live in processes of their own: the heartbeats between ranks over
-loopback (a silent rank is lost at its deadline; a rank that restarted after the group formed is lost at once,
-since a new process on its port is not the one the group formed with; before the group formed any process of a
-rank counts; the ranks enter the collective's join together), and the steps a follower runs (only its own
-leader's, and never an old leader's through a reconnected socket)."""
+"""Supervising a worker group whose ranks live in processes of their own (on Ray, in actors of their own): the
+heartbeats between ranks over loopback (a silent rank is lost at its deadline; a rank that restarted after the
+group formed is lost at once, since a new process on its port is not the one the group formed with; before the
+group forms any process of a rank counts), a rank's `machine` in the topology and in the plan a follower reads,
+and what `mlx-pd up`, `mlx-pd status` and the dashboard make of a group's ranks (placement, actor names,
+status lines, the dashboard's rows). The ranks across a shaped link, killed and cut: tests/test_lab_group.py."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import time
 
 import pytest
 
+from cluster.config import EngineConfig
 from cluster.parallel.heartbeat import Heartbeat
 from cluster.parallel.spec import GroupPlan, RankAddress
 from cluster.ports import free_ports
+from cluster.topology import parse_topology
 
 INTERVAL_S = 0.05
 
@@ -206,3 +209,128 @@ def test_a_leader_whose_follower_dropped_never_reaches_the_followers_next_proces
         second.close(0)
     finally:
         leader.stop()
+
+
+# -- a rank's machine -------------------------------------------------------------------------------------------
+
+GROUP_TOPOLOGY = """
+[model]
+source = "m"
+[[workers]]
+name = "decode-0"
+role = "decode"
+machine = "mac-a"
+host = "10.0.0.1"
+control_port = 5611
+kv_port = 5612
+[workers.group]
+parallel = "tensor"
+backend = "ring"
+deadline_s = 5.0
+ranks = [{ host = "10.0.0.1", ring_port = 5620, step_port = 5621, heartbeat_port = 5622 },
+         { host = "10.0.0.2", ring_port = 5620, step_port = 5621, heartbeat_port = 5622, machine = "mac-b" }]
+"""
+
+
+def test_a_rank_names_its_machine_and_the_plan_keeps_it_through_json():
+    t = parse_topology(GROUP_TOPOLOGY, "g")
+    group = t.worker("decode-0").group
+    assert [r.machine for r in group.ranks] == [None, "mac-b"] and group.deadline_s == 5.0
+    plan = group.plan("m", None, EngineConfig(dtype="float32"))
+    again = GroupPlan.from_json(plan.to_json())
+    assert again == plan and again.ranks[1] == RankAddress("10.0.0.2", 5620, 5621, 5622, "mac-b")
+    # a plan written before ranks had a machine still reads
+    old = plan.to_json().replace(', "machine": null', "").replace(', "machine": "mac-b"', "")
+    assert '"machine"' not in old and GroupPlan.from_json(old).ranks[1].machine is None
+
+
+def test_rank_zero_is_the_worker_itself_so_its_machine_is_the_workers():
+    ok = GROUP_TOPOLOGY.replace('{ host = "10.0.0.1", ring_port', '{ host = "10.0.0.1", machine = "mac-a", ring_port')
+    assert parse_topology(ok, "g").worker("decode-0").group.ranks[0].machine == "mac-a"
+    bad = GROUP_TOPOLOGY.replace('{ host = "10.0.0.1", ring_port', '{ host = "10.0.0.1", machine = "mac-b", ring_port')
+    with pytest.raises(ValueError, match=r"group.ranks\[0\].machine='mac-b' is invalid.*mac-a"):
+        parse_topology(bad, "g")
+    with pytest.raises(ValueError, match="unknown key.*mchine"):
+        parse_topology(GROUP_TOPOLOGY.replace('machine = "mac-b"', 'mchine = "mac-b"'), "g")
+
+
+# -- mlx-pd up, status and the dashboard --------------------------------------------------------------------------
+
+def test_each_following_rank_is_an_actor_placed_on_its_own_machine():
+    from cluster.launch import ray_up
+
+    t = parse_topology(GROUP_TOPOLOGY, "g")
+    w = t.worker("decode-0")
+    assert ray_up.rank_actor_names(t) == ["decode-0-rank1@mac-b"]
+    opts = ray_up.rank_options(t, w, 1, "10.0.0.9", {})
+    assert opts == {"name": "decode-0-rank1@mac-b", "namespace": "mlx-pd-g", "lifetime": "detached",
+                    "get_if_exists": True, "num_cpus": 0, "max_concurrency": 4, "resources": {"mac-b": 0.01},
+                    "max_restarts": 3, "max_task_retries": 0}
+    assert ray_up.group_placement_problems(t, "10.0.0.9") == []
+    # two ranks on one machine are refused, by resource or by the node that alone advertises both
+    same = parse_topology(GROUP_TOPOLOGY.replace('machine = "mac-b"', 'machine = "mac-a"'), "g")
+    [problem] = ray_up.group_placement_problems(same, "10.0.0.9")
+    assert "decode-0: ranks 0 and 1 would share a node (mac-a)" in problem
+    no_machine = parse_topology(GROUP_TOPOLOGY.replace(', machine = "mac-b"', ""), "g")
+    assert ray_up.rank_options(no_machine, no_machine.worker("decode-0"), 1, "x", {})["resources"] == {
+        "node:10.0.0.2": 0.01}
+    nodes = {"mac-a": {"n1"}, "node:10.0.0.2": {"n1"}}  # 10.0.0.2 is an address of mac-a's node
+    assert "would share a node (node n1)" in ray_up.group_placement_problems(no_machine, "x", nodes)[0]
+    assert ray_up.group_placement_problems(no_machine, "x", {"mac-a": {"n1"}, "node:10.0.0.2": {"n2"}}) == []
+    local = parse_topology(GROUP_TOPOLOGY.replace('machine = "mac-a"\n', "").replace("10.0.0.1", "127.0.0.1")
+                           .replace('"10.0.0.2", ring_port = 5620, step_port = 5621, heartbeat_port = 5622',
+                                    '"127.0.0.1", ring_port = 5630, step_port = 5631, heartbeat_port = 5632')
+                           .replace(', machine = "mac-b"', ""), "g")
+    assert ray_up.group_placement_problems(local, "10.0.0.9") == []  # one machine's group, on loopback
+
+
+def test_status_shows_each_rank_of_a_group():
+    from cluster.launch.ray_driver import group_ranks
+    from cluster.launch.ray_up import format_status
+
+    t = parse_topology(GROUP_TOPOLOGY, "g")
+    w = t.worker("decode-0")
+    row = {"actor": w.actor_name, "name": w.name, "role": "decode", "host": w.host, "state": "alive",
+           "running": 1, "waiting": 0, "load_check": None}
+    reported = [{"rank": 0, "host": "10.0.0.1", "alive": True, "parameter_bytes": 3 * 2**20, "kv_bytes": 2**21,
+                 "peak_bytes": 2**22, "step_bytes": 4096},
+                {"rank": 1, "host": "10.0.0.2", "alive": False, "parameter_bytes": 3 * 2**20, "kv_bytes": 2**21,
+                 "peak_bytes": 2**22, "step_bytes": 4096}]
+    row["pid"] = 11
+    row.update(parallel="tensor", ranks=group_ranks(
+        w, row, {"decode-0-rank1@mac-b": {"state": "RESTARTING"}}, reported))
+    assert [(k["rank"], k["actor"], k["state"], k["pid"], k["alive"]) for k in row["ranks"]] == [
+        (0, "decode-0@mac-a", "alive", 11, True), (1, "decode-0-rank1@mac-b", "restarting", None, False)]
+    alive = {"decode-0-rank1@mac-b": {"state": "ALIVE"}}
+    ranks = group_ranks(w, row, alive, reported, {"decode-0-rank1@mac-b": {"pid": 12, "healthy": True}})
+    assert (ranks[1]["state"], ranks[1]["pid"]) == ("alive", 12)
+    for own in ({"decode-0-rank1@mac-b": {"pid": 12, "healthy": False}}, {"decode-0-rank1@mac-b": None}):
+        assert group_ranks(w, row, alive, reported, own)[1]["state"] == "unhealthy"  # failed, or did not answer
+    text = format_status([row, {"actor": "router@127.0.0.1", "name": "router", "role": "router",
+                                "host": "127.0.0.1", "state": "alive"}])
+    assert "decode-0@mac-a: a tensor-parallel group of 2 ranks" in text
+    assert ("  rank 1  10.0.0.2  decode-0-rank1@mac-b restarting  in group: silent  weights 3.0 MiB, KV 2.0 MiB, "
+            "peak 4.0 MiB, steps 4.0 KiB") in text
+    # the leader did not answer: the ranks are the topology's, with their actors' states only
+    silent = group_ranks(w, {**row, "state": "unhealthy"}, {}, None)
+    assert [(k["state"], k["alive"], k["kv_bytes"]) for k in silent] == [("unhealthy", None, None),
+                                                                          ("absent", None, None)]
+
+
+def test_the_dashboard_rows_carry_a_groups_ranks():
+    from types import SimpleNamespace
+
+    from router.dashboard import worker_rows
+    from router.dashboard_history import DashboardHistory
+
+    t = parse_topology(GROUP_TOPOLOGY, "g")
+    ranks = [{"rank": 0, "host": "10.0.0.1", "alive": True, "parameter_bytes": 1, "kv_bytes": 2, "peak_bytes": 3,
+              "step_bytes": 4}, {"rank": 1, "host": "10.0.0.2", "alive": True, "parameter_bytes": 1,
+                                 "kv_bytes": 2, "peak_bytes": 3, "step_bytes": 0}]
+    engine = SimpleNamespace(workers=[SimpleNamespace(spec=t.worker("decode-0"))], worker_stats=lambda: [
+        {"name": "decode-0", "role": "decode", "alive": True, "inflight": 0, "parallel": "tensor", "ranks": ranks}])
+    [row] = worker_rows(engine, DashboardHistory())
+    assert row["parallel"] == "tensor" and row["ranks"] == ranks
+    engine.worker_stats = lambda: [{"name": "decode-0", "role": "decode", "alive": False, "inflight": 0}]
+    [row] = worker_rows(engine, DashboardHistory())  # no report yet (dead): no ranks to show
+    assert row["parallel"] == "" and row["ranks"] == []
