@@ -234,13 +234,17 @@ class EngineCore:
         drafts with the speculator's rules), then read back the tokens of the step before it (`inflight`,
         sampled on the device while this one was being built), then update the batch's sequences from the
         results (the scheduler); rows sampled on the device this step become the next `InFlight`. A failing
-        step fails the sequences it ran, never the engine."""
+        step fails the sequences it ran, never the engine; except on a worker group's leader (`replicas`), whose
+        followers ran the forward, or wait inside its collectives, or are gone: its ranks are out of step for
+        good, so the failure propagates and ends the group (cluster/worker.py)."""
         try:
             drafts = self.speculator.propose(batch.decode) if batch.decode else {}
             defer = {seq.request_id for seq, _ in batch.items if self._defers(seq)}
             rows, sampled = self.runner.execute(batch, drafts, self.grammars, inflight, defer)
             self.runner.verify(rows, self.speculator.verify)
         except Exception as exc:
+            if self.runner.replicas is not None:
+                raise
             return self._resolve(inflight) + self._fail(batch, exc)
         outputs = self._resolve(inflight)
         try:

@@ -37,7 +37,10 @@ Cluster form (`mlx-pd up FILE`; see topologies/local-1p1d.toml and lab-example.t
     parallel = "tensor"
     backend = "ring"                     # or "jaccl" (RDMA over Thunderbolt 5, macOS 26.2+)
     ranks = [{ host = "127.0.0.1", ring_port = 5610, step_port = 5611, heartbeat_port = 5612 },
-             { host = "10.0.0.3", ring_port = 5610, step_port = 5611, heartbeat_port = 5612 }]
+             { host = "10.0.0.3", ring_port = 5610, step_port = 5611, heartbeat_port = 5612,
+               machine = "mac-studio-2" }]   # optional: the Ray resource of the rank's node (as a worker's)
+    heartbeat_s = 0.5                    # a beat every 0.5 s; a rank silent for deadline_s ends the group
+    deadline_s = 10.0
 
 Every unknown table or key is an error that names it and the file, so a typo never silently falls back to
 a default. The KV format (dtype, kv_bits, kv_group_size, block_size) must be the same on every worker: a
@@ -163,7 +166,9 @@ class RaySection:
 @dataclass(frozen=True)
 class WorkerGroup:
     """A `[workers.group]` table: the worker is a group of ranks (cluster/parallel/), rank 0 at the worker's
-    own host. Fields as `cluster.parallel.spec.GroupPlan`'s; `ranks` one table per rank."""
+    own host. Fields as `cluster.parallel.spec.GroupPlan`'s; `ranks` one table per rank ({host, ring_port,
+    step_port, heartbeat_port, machine}: `mlx-pd up` runs each following rank as a Ray actor of its own on its
+    `machine`, else on the node whose IP is its `host`; rank 0 is the worker's own actor)."""
 
     parallel: str
     backend: str
@@ -207,6 +212,9 @@ class WorkerSpec:
         if self.group is not None and self.group.ranks[0].host != self.host:
             raise ValueError(f"group.ranks[0].host={self.group.ranks[0].host!r} is invalid: rank 0 leads the group "
                              f"at the worker's own host {self.host!r}")
+        if self.group is not None and self.group.ranks[0].machine not in (None, self.machine):
+            raise ValueError(f"group.ranks[0].machine={self.group.ranks[0].machine!r} is invalid: rank 0 is the "
+                             f"worker itself, on the worker's machine {self.machine!r} (leave it out)")
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
             raise ValueError(f"name={self.name!r} is invalid: use letters, digits, '-', '_' or '.'")
         if self.role not in ROLES:

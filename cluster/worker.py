@@ -171,7 +171,7 @@ class Worker:
                 changed = self._poll_control(0.0 if busy else _IDLE_WAIT_S)
                 self._guard(self._poll_transfers)
                 if self.engine.has_work():
-                    outputs = self.engine.step()
+                    outputs = self._step()
                     if any(out.finished for out in outputs):
                         changed = True
                         self._refresh_stats()  # before the final output goes out: who sees it sees the freed blocks
@@ -183,6 +183,24 @@ class Worker:
         finally:
             self._guard(self._teardown)
             self._close_sockets()
+            if self.group_rank is not None:  # a normal stop ends the group: its followers exit with status 0
+                self._guard(self.group_rank.leader.stop, "the worker stops")
+                self.group_rank.heartbeat.stop()
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step. A group's leader whose step fails has a broken group (a collective failed: the ring
+        backend raises once a rank's connection drops; its followers ran the step or died), so the rank is lost
+        as its heartbeat would lose it: by default the process ends with exit status 75, for its supervisor (Ray)
+        to restart the group. Another worker's failure ends the loop, as it always did."""
+        try:
+            return self.engine.step()
+        except Exception as exc:
+            if self.group_rank is None:
+                raise
+            logger.critical("%s: a step of the group failed (%s: %s): the group is broken", self.spec.actor_name,
+                            type(exc).__name__, exc)
+            self.group_rank.heartbeat.on_lost(-1, 0.0)
+            raise
 
     def _close_sockets(self) -> None:
         """Close the control channel and the events socket (role sockets close in `_teardown`)."""

@@ -17,7 +17,10 @@ and the router's own history (router/dashboard_history.py). The page polls it ev
                    kv_bytes_sent / kv_bytes_received (counters since it started), transfers_inflight (KV transfers
                    under way), kv_groups (its KV cache groups: {"group", and the figures the group has of
                    blocks_total, blocks_free, entries, bytes_used, budget_bytes, restores, bytes_sent,
-                   bytes_received}, cluster/stats.py); from the history: tokens_per_s and kv_bytes_per_s (counter deltas over the last
+                   bytes_received}, cluster/stats.py); parallel ("tensor" for a worker that is a group of ranks,
+                   "" otherwise) and ranks (a group's ranks, rank 0 first: {"rank", "host", "alive" (its heartbeat,
+                   as the leader last heard it), "parameter_bytes", "kv_bytes", "peak_bytes", "step_bytes"}; [] for
+                   one process); from the history: tokens_per_s and kv_bytes_per_s (counter deltas over the last
                    interval)
     summary      the last `window_s` seconds (60): requests_per_s, tokens_per_s, and ttft / tpot / itl / e2e as
                  {"p50", "p90", "p99", "count"} (seconds; None without observations)
@@ -42,7 +45,8 @@ _REPORTED = (("running", "num_running"), ("waiting", "num_waiting"), ("kv_blocks
              ("kv_blocks_free", "kv_blocks_free"), ("kv_block_size", "kv_block_size"),
              ("prefix_cache_hit_rate", "prefix_cache_hit_rate"), ("tokens_out", "tokens_out"),
              ("kv_bytes_sent", "kv_bytes_sent"), ("kv_bytes_received", "kv_bytes_received"),
-             ("transfers_inflight", "transfers_inflight"), ("kv_groups", "kv_groups"))
+             ("transfers_inflight", "transfers_inflight"), ("kv_groups", "kv_groups"), ("parallel", "parallel"),
+             ("ranks", "ranks"))
 
 
 def is_cluster(engine: Any) -> bool:
@@ -73,6 +77,7 @@ def worker_rows(engine: Any, history: DashboardHistory) -> list[dict]:
                "alive": bool(report.get("alive")), "inflight": report.get("inflight")}
         for key, field in _REPORTED:
             row[key] = report.get(field)
+        row["parallel"], row["ranks"] = row["parallel"] or "", row["ranks"] or []
         total, free = row["kv_blocks_total"], row["kv_blocks_free"]
         row["kv_blocks_used"] = total - free if total is not None and free is not None else None
         rates = history.worker_rates.get(name, {})

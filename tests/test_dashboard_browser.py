@@ -1,7 +1,8 @@
 """The dashboard in a real browser: Debian's headless Chromium driven by selenium through chromium-driver, on an
 in-process 1P1D cluster of the fast model while streaming requests flow. The page must show both workers alive
 and tokens flowing, then, without a reload, a stopped worker as dead. And the login with an API key, as a browser
-does it: the form, a wrong key, the right key, and the page's polls on the session cookie.
+does it: the form, a wrong key, the right key, and the page's polls on the session cookie. And a worker that is a
+group of ranks: its ranks under its row.
 
 Needs selenium (the `test` extra) and /usr/bin/chromium, /usr/bin/chromedriver (`apt-get install chromium
 chromium-driver`; scripts/setup installs them when CI=true). Without them the test skips, except under CI=true,
@@ -185,3 +186,39 @@ def test_logging_in_with_the_api_key_in_a_browser(browser):
         view = wait_in_page(browser, lambda v: len(v) == 1 and v[0]["alive"], 20, "the engine alive")
         assert view[0]["name"] == "engine"
         assert browser.find_element(By.ID, "live-status").get_attribute("data-state") == "live"
+
+
+def test_a_worker_groups_ranks_show_under_its_row(browser):
+    """A worker that is a tensor-parallel group of two ranks (a scripted cluster stands in): the page lists
+    each rank under the worker's row, where it runs and whether the leader hears it, and the topology node
+    names the group's shape."""
+    from types import SimpleNamespace
+
+    from router.app import create_app
+    from tests.router_fakes import FakeEngine, ServerThread, load_tokenizer
+
+    def rank(r: int, host: str, alive: bool) -> dict:
+        return {"rank": r, "host": host, "alive": alive, "parameter_bytes": 12_000_000, "kv_bytes": 4_000_000,
+                "peak_bytes": 20_000_000, "step_bytes": 0}
+
+    tokenizer = load_tokenizer()
+    engine = FakeEngine(tokenizer)
+    engine.workers = [SimpleNamespace(spec=SimpleNamespace(name="decode-0", host="10.0.0.1", control_port=5611))]
+    engine.worker_stats = lambda: [{"name": "decode-0", "role": "decode", "alive": True, "inflight": 0,
+                                    "parallel": "tensor", "ranks": [rank(0, "10.0.0.1", True),
+                                                                    rank(1, "10.0.0.2", False)]}]
+    app = create_app(engine, tokenizer, served_model_names=[MODEL])
+    with ServerThread(app) as server:
+        browser.get(server.url + "/dashboard")
+        ranks_js = """return Array.from(document.querySelectorAll('tr[data-ranks-of="decode-0"] span[data-rank]'))
+            .map(s => [s.dataset.rank, s.dataset.alive, s.textContent]);"""
+        deadline = time.monotonic() + 15
+        while not browser.execute_script(ranks_js) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ranks = browser.execute_script(ranks_js)
+        assert [(r, alive) for r, alive, _ in ranks] == [("0", "true"), ("1", "false")], ranks
+        assert ranks[0][2].startswith("rank 0 10.0.0.1 alive · weights 12.0 MB · KV 4.0 MB")
+        assert ranks[1][2].startswith("rank 1 10.0.0.2 lost")
+        node = browser.execute_script(
+            "return document.querySelector('#topology g[data-node=\"decode-0\"]').textContent")
+        assert "decode · alive · tensor ×2" in node

@@ -4,7 +4,9 @@ The first half needs no Ray: actor names, placement and options, the head's comm
 status table, the lab example, CLI errors. The `ray` half shares one local cluster (local-1p1d with free
 ports, a private state folder) for the whole module: up, a chat answer through the router, status, an
 idempotent second up, a worker that fails to start, a router restarted while a worker is gone, and down (last:
-no actors, no Ray processes left).
+no actors, no Ray processes left). Beside it on the same head, a topology whose decode worker is a group of two
+ranks on loopback: the following rank is an actor of its own, status shows both ranks, and the rank killed is
+restarted by Ray with its leader, the group re-formed and answering as before.
 """
 
 from __future__ import annotations
@@ -382,6 +384,77 @@ def test_a_router_restarted_while_a_worker_is_gone_serves_and_uses_it_once_it_is
     assert r.status_code == 503 and r.headers.get("retry-after"), r.text
     ray_up.up(str(path), state_dir=state, timeout_s=300, echo=lambda line: None)  # decode-0 again, same ports
     assert "Paris" in _chat(info["endpoint"], "What is the capital of France?")
+
+
+GROUP_TOPOLOGY = """[model]
+source = "{source}"
+[engine]
+dtype = "float32"
+num_blocks = 128
+block_size = 8
+[routing]
+heartbeat_s = 0.5
+dead_after_s = 3.0
+[ray]
+address = "local"
+max_restarts = 2
+[router]
+host = "127.0.0.1"
+port = {ports[0]}
+[[workers]]
+name = "decode-0"
+role = "decode"
+host = "127.0.0.1"
+control_port = {ports[1]}
+kv_port = {ports[2]}
+[workers.group]
+parallel = "tensor"
+backend = "ring"
+deadline_s = 5.0
+ranks = [{{ host = "127.0.0.1", ring_port = {ports[3]}, step_port = {ports[4]}, heartbeat_port = {ports[5]} }},
+         {{ host = "127.0.0.1", ring_port = {ports[6]}, step_port = {ports[7]}, heartbeat_port = {ports[8]} }}]
+"""
+
+
+@pytest.mark.ray
+def test_a_worker_groups_following_rank_is_an_actor_that_ray_restarts_with_its_leader(cluster, tmp_path):
+    import httpx
+
+    from tests.group_helpers import model_folder
+
+    path, state, _ = cluster
+    folder = model_folder("llama", tmp_path / "models")
+    group = tmp_path / "test-group.toml"
+    group.write_text(GROUP_TOPOLOGY.format(source=folder, ports=ray_head.free_ports(9)))
+    body = {"model": folder.name, "prompt": list(range(100, 160)), "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}
+    try:
+        info = ray_up.up(str(group), state_dir=state, timeout_s=300, echo=lambda line: None)
+        assert set(info["workers"]) == {"decode-0", "decode-0-rank1"}
+        r = httpx.post(f"{info['endpoint']}/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        before = r.json()["choices"][0]["text"]
+        row = _rows(group, state)["decode-0"]
+        assert row["state"] == "alive" and row["parallel"] == "tensor"
+        assert [(k["rank"], k["actor"], k["state"], k["alive"]) for k in row["ranks"]] == [
+            (0, "decode-0@127.0.0.1", "alive", True), (1, "decode-0-rank1@127.0.0.1", "alive", True)]
+        assert "decode-0@127.0.0.1: a tensor-parallel group of 2 ranks" in ray_up.format_status(
+            ray_up.status(str(group), state_dir=state))
+        old = {k["rank"]: k["pid"] for k in row["ranks"]}
+        os.kill(old[1], signal.SIGKILL)  # the following rank's process: Ray restarts it; its leader exits (75)
+        deadline, pids, answer = time.monotonic() + 150, old, None
+        while time.monotonic() < deadline and answer is None:
+            time.sleep(1)
+            row = _rows(group, state)["decode-0"]
+            pids = {k["rank"]: k["pid"] for k in row["ranks"]}
+            if row["state"] == "alive" and all(k["state"] == "alive" and k["alive"] for k in row["ranks"]):
+                r = httpx.post(f"{info['endpoint']}/completions", json=body, timeout=60)
+                answer = r.json()["choices"][0]["text"] if r.status_code == 200 else None
+        assert answer == before and pids[0] != old[0] and pids[1] != old[1], (row, answer)
+    finally:
+        result = ray_up.down(str(group), state_dir=state, echo=lambda line: None)
+    assert set(result["stopped"]) == {"router@127.0.0.1", "decode-0@127.0.0.1", "decode-0-rank1@127.0.0.1"}
+    assert not result["head_stopped"] and _rows(path, state)["decode-0"]["state"] == "alive"
 
 
 @pytest.mark.ray

@@ -91,14 +91,17 @@ class LabState:
 class Lab:
     """A lab in folder `root`: `minis` minis beside the studio and the client, links of `rate` (tc's
     spelling), `model` ("fast", "default" or a source), `routing` / `engine` keys added to the topology's
-    [routing] / [engine], `max_restarts` its [ray] max_restarts (how often Ray restarts a dead actor)."""
+    [routing] / [engine], `max_restarts` its [ray] max_restarts (how often Ray restarts a dead actor),
+    `decode_group` (more [workers.group] keys, e.g. {"deadline_s": 5}) makes the minis one tensor-parallel decode
+    group (benchmarks/lab/topology.py)."""
 
     def __init__(self, root: Path = DEFAULT_ROOT, *, prefix: str = DEFAULT_PREFIX, minis: int = 2,
                  rate: str = "10gbit", model: str = "fast", routing: Optional[dict] = None,
-                 engine: Optional[dict] = None, max_restarts: int = 1, echo: Echo = _stderr):
+                 engine: Optional[dict] = None, max_restarts: int = 1, decode_group: Optional[dict] = None,
+                 echo: Echo = _stderr):
         self.root = Path(root).resolve()
         self.model, self.routing, self.engine, self.echo = model, dict(routing or {}), dict(engine or {}), echo
-        self.max_restarts = max_restarts
+        self.max_restarts, self.decode_group = max_restarts, decode_group
         self._owner = False  # True once this object made the folder (or loaded its record): `down` may act
         self.state = LabState(prefix=prefix, minis=minis, rate_bps=net.parse_rate(rate),
                               hosts=lab_hosts(prefix, minis))
@@ -156,14 +159,20 @@ class Lab:
             raise
         return self
 
-    def start(self) -> None:
-        """The folder and its secrets, the network, then Ray on every host but the client (`down` on failure)."""
+    def start(self, ray: bool = True) -> None:
+        """The folder and its secrets, the network, then Ray on every host but the client (`down` on failure).
+        `ray=False`: no Ray (for processes started by hand in the hosts, `command`; `write_topology` writes
+        their topology, and `down` ends whatever still runs in the hosts)."""
         check_platform()
         self._fresh_root()
         try:
             t0 = time.monotonic()
             self._write_secrets()
             self._make_network()
+            if not ray:
+                self.echo(f"lab: network up ({len(self.state.hosts)} hosts, {_rate(self.state.rate_bps)} links) "
+                          f"in {time.monotonic() - t0:.1f} s; no Ray")
+                return
             studio, nodes = self.studio, self.minis
             self.echo(f"lab: network up ({len(self.state.hosts)} hosts, {_rate(self.state.rate_bps)} links); "
                       "starting Ray ...")
@@ -174,14 +183,23 @@ class Lab:
             self.down()
             raise
 
-    def deploy(self, timeout_s: float = 600.0) -> None:
-        """Write the topology and run `mlx-pd up` on it in the studio; LabError with its last lines if it fails."""
+    def write_topology(self) -> Path:
+        """Write the lab's topology (`ROOT/lab.toml`, benchmarks/lab/topology.py) and record it; returns its path."""
         source, served, kv_gb = topology.resolve_model(self.model)
         path = self.root / "lab.toml"
         path.write_text(topology.topology_text(self.studio, self.minis, source=source, served_name=served,
                                                kv_cache_gb=kv_gb, keys_dir=self.root / "keys", routing=self.routing,
-                                               engine=self.engine, max_restarts=self.max_restarts))
+                                               engine=self.engine, max_restarts=self.max_restarts,
+                                               decode_group=self.decode_group))
         self.state.topology, self.state.served_name = str(path), served
+        self.state.endpoint = topology.endpoint(self.studio)
+        self._save()
+        return path
+
+    def deploy(self, timeout_s: float = 600.0) -> None:
+        """Write the topology and run `mlx-pd up` on it in the studio; LabError with its last lines if it fails."""
+        path = self.write_topology()
+        self.state.endpoint = ""
         self._save()
         cmd = [ray_hosts.mlx_pd_cli(), "up", str(path), "--timeout", str(timeout_s)]
         lines = []

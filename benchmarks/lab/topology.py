@@ -1,8 +1,11 @@
 """The lab's topology file: topologies/lab-example.toml's shape on the lab's addresses.
 
 The studio prefills (`prefill-0`, machine `mac-studio-1`) and serves the router; mini N decodes (`decode-<N-1>`,
-machine `mac-mini-N`); every worker binds its host's address; `[ray] address` is the studio's GCS; CurveZMQ
-keys (made by `cluster.transport.generate_keys`, what `mlx-pd keys` runs) guard every cluster socket. The
+machine `mac-mini-N`), or, with `decode_group`, the minis are one decode worker `decode-0`, a tensor-parallel
+group whose rank N-1 runs on mini N (rank 0 leads it on mini-1; each rank's ring, step and heartbeat sockets
+on its mini's address, `GROUP_PORTS`); every worker binds its host's address; `[ray] address` is the studio's
+GCS; CurveZMQ keys (made by `cluster.transport.generate_keys`, what `mlx-pd keys` runs) guard every cluster
+socket (not a group's own ring, step and heartbeat sockets, which take no keys yet). The
 model is float32 (MLX's CPU backend): the random-weight 2-layer stand-in (`"fast"`, the default: a step costs
 milliseconds, so a lab on a 2-core machine answers in seconds), the default SmolLM2 (`"default"`), or any
 source `mlx-pd up` takes.
@@ -19,6 +22,7 @@ from benchmarks.lab.ray_hosts import GCS_PORT
 ROUTER_PORT = 8000
 PREFILL_PORTS = {"control_port": 5601, "events_port": 5603}
 DECODE_PORTS = {"control_port": 5611, "kv_port": 5612, "events_port": 5613}
+GROUP_PORTS = {"ring_port": 5620, "step_port": 5621, "heartbeat_port": 5622}
 
 
 def resolve_model(model: str) -> tuple[str, str, float]:
@@ -44,9 +48,10 @@ def _toml(value) -> str:
 
 def topology_text(studio: Host, minis: list[Host], *, source: str, served_name: str, kv_cache_gb: float,
                   keys_dir: Path, routing: dict | None = None, engine: dict | None = None,
-                  max_restarts: int = 1) -> str:
+                  max_restarts: int = 1, decode_group: dict | None = None) -> str:
     """The lab's topology as TOML text. `routing` adds `[routing]` keys (e.g. heartbeat_s, dead_after_s);
-    `engine` adds `[engine]` keys (e.g. kv_bits: the KV format in the pool and on the wire)."""
+    `engine` adds `[engine]` keys (e.g. kv_bits: the KV format in the pool and on the wire); `decode_group`
+    (e.g. {"deadline_s": 5}: more `[workers.group]` keys) makes the minis one tensor-parallel decode group."""
     lines = ["# Written by the lab harness (benchmarks/lab): the shape of topologies/lab-example.toml on the",
              "# lab's network namespaces.",
              "[model]", f"source = {_toml(source)}", f"served_name = {_toml(served_name)}", "",
@@ -61,10 +66,17 @@ def topology_text(studio: Host, minis: list[Host], *, source: str, served_name: 
               "[[workers]]", 'name = "prefill-0"', 'role = "prefill"', f'machine = "{studio.resource}"',
               f'host = "{studio.ip}"']
     lines += [f"{key} = {port}" for key, port in PREFILL_PORTS.items()]
-    for i, mini in enumerate(minis):
+    for i, mini in enumerate(minis[:1] if decode_group is not None else minis):
         lines += ["", "[[workers]]", f'name = "decode-{i}"', 'role = "decode"', f'machine = "{mini.resource}"',
                   f'host = "{mini.ip}"']
         lines += [f"{key} = {port}" for key, port in DECODE_PORTS.items()]
+    if decode_group is not None:
+        ranks = [{"host": mini.ip, **GROUP_PORTS, **({"machine": mini.resource} if r else {})}
+                 for r, mini in enumerate(minis)]
+        lines += ["[workers.group]", 'parallel = "tensor"', 'backend = "ring"',
+                  *[f"{key} = {_toml(value)}" for key, value in decode_group.items()],
+                  "ranks = [" + ", ".join("{ " + ", ".join(f"{k} = {_toml(v)}" for k, v in r.items()) + " }"
+                                          for r in ranks) + "]"]
     return "\n".join(lines) + "\n"
 
 

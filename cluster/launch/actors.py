@@ -1,4 +1,5 @@
-"""What runs inside the Ray actors of cluster mode: one `WorkerActor` per `[[workers]]` entry and one
+"""What runs inside the Ray actors of cluster mode: one `WorkerActor` per `[[workers]]` entry, one `RankActor` per
+following rank of a worker that is a group (`[workers.group]`; the worker's own actor is its rank 0) and one
 `RouterActor` (the OpenAI API). `ray_driver.py` wraps these plain classes with `ray.remote`.
 
 Both take the topology as TOML text (`TopologySpec.source`), so every process parses the same file.
@@ -130,6 +131,82 @@ class WorkerActor:
     def stop(self) -> None:
         self.exporter.stop()
         self.worker.stop()
+
+
+class RankActor:
+    """Following rank `rank` (1..N-1) of worker `worker_name`'s group, in a Ray actor of its own on the node of
+    that rank (ray_up.py places it by the rank's `machine`, else its `host`): `cluster.parallel.rank.follow` on a
+    thread of this actor's process, so its methods answer while it follows. The rank binds its collective, step
+    and heartbeat sockets on its `host` from the topology (the ring's hostfile lists each rank's host), never
+    on whatever interface comes first.
+
+    The process is the rank: when its group breaks (the leader silent past the deadline, or restarted) the
+    heartbeat ends the process with exit status 75, and a failure while following ends it too, so Ray restarts
+    the actor (`[ray] max_restarts`) and its constructor follows again on the same ports while the leader's
+    worker actor, ended the same way, comes back beside it. A failure before the rank ever started (a model its
+    heads cannot split, say) stays in the actor for `ready()` to raise, unless Ray restarted it (then it ends
+    the process, for another try). A normal `Stop` from the leader leaves the actor idle until it is killed."""
+
+    def __init__(self, topology_text: str, topology_name: str, worker_name: str, rank: int):
+        from cluster.launch.platform import pin_cpus
+
+        topology = parse_topology(topology_text, name=topology_name)
+        self.spec = topology.worker(worker_name)
+        group = self.spec.group
+        if group is None or not 0 < rank < len(group.ranks):
+            raise ValueError(f"{worker_name} has no following rank {rank}")
+        if self.spec.cpu_affinity:
+            pin_cpus(self.spec.cpu_affinity)
+        self.rank, self.address = rank, group.ranks[rank]
+        self.plan = group.plan(topology.model.source, topology.model.served_name, self.spec.engine)
+        self.state = "starting"  # then "following", "stopped" (the leader ended the group) or "failed"
+        self.error: Optional[BaseException] = None
+        self.started_at = time.time()
+        self._restarted = _restarted_by_ray()
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._follow, name=f"rank{rank}-{worker_name}", daemon=True)
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        return f"RankActor({self.spec.name} rank {self.rank})"
+
+    def _follow(self) -> None:
+        from cluster.parallel.heartbeat import LOST_EXIT_CODE
+        from cluster.parallel.rank import follow
+
+        try:
+            follow(self.plan, self.rank, on_started=self._on_started)
+            self.state = "stopped"
+        except BaseException as exc:  # noqa: BLE001 - reported by ready(), or the process ends
+            logger.exception("%s: rank %d failed", self.spec.name, self.rank)
+            if self._started.is_set() or self._restarted:
+                logging.shutdown()
+                os._exit(LOST_EXIT_CODE)
+            self.state, self.error = "failed", exc
+            self._started.set()
+
+    def _on_started(self, started) -> None:
+        self.state = "following"
+        self._started.set()
+
+    def ready(self, timeout_s: float = 600.0) -> dict:
+        """{"name", "rank", "host", "pid", "started_at"} once the rank has joined its group and built its engine
+        (the leader's worker actor is ready at the same time). Raises the rank's own failure, or TimeoutError."""
+        if not self._started.wait(timeout_s):
+            raise TimeoutError(f"rank {self.rank} of {self.spec.name} did not join its group within {timeout_s:.0f} s")
+        if self.error is not None:
+            raise RuntimeError(f"rank {self.rank} of {self.spec.name} failed to start: {self.error}")
+        return {"name": self.spec.name, "rank": self.rank, "host": self.address.host, "pid": os.getpid(),
+                "started_at": self.started_at}
+
+    def stats(self) -> dict:
+        """{"rank", "host", "state", "healthy", "pid"}: what the actor knows of itself (its memory and liveness in
+        the group are in the leader's report, `WorkerStats.ranks`)."""
+        return {"rank": self.rank, "host": self.address.host, "state": self.state,
+                "healthy": self.state in ("starting", "following"), "pid": os.getpid()}
+
+    def stop(self) -> None:
+        """Nothing to do: the leader's `Stop` ends the rank's loop, Ray's kill its process."""
 
 
 def _restarted_by_ray() -> bool:

@@ -281,7 +281,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """Print the topology's actors; exit 0 only if the router and every worker are alive."""
+    """Print the topology's actors; exit 0 only if the router, every worker and every rank of a group are alive."""
     from cluster.launch.ray_up import format_status, status
 
     def run() -> int:
@@ -290,7 +290,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"mlx-pd: {args.topology} is not running")
             return 1
         print(format_status(rows))
-        return 0 if all(r["state"] == "alive" for r in rows) else 1
+        return 0 if all(r["state"] == "alive" and all(k["state"] == "alive" for k in r.get("ranks") or ())
+                        for r in rows) else 1
 
     return _cluster_command(run)
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from cluster.launch.ray_up import (Connection, Echo, LaunchError, error_summary, missing_resources,
-                                   namespace_actors, router_actor_name, router_options, worker_options)
+from cluster.launch.ray_up import (Connection, Echo, LaunchError, error_summary, group_placement_problems,
+                                   missing_resources, namespace_actors, rank_actor_name, rank_actor_names,
+                                   rank_options, router_actor_name, router_options, worker_options)
 from cluster.topology import TopologySpec
 
 _PROGRESS_EVERY_S = 15.0
@@ -22,12 +23,12 @@ def create_cluster(topology: TopologySpec, conn: Connection, *, timeout_s: float
     """Create (or find) every worker actor, wait for all to be ready, then the router; see `ray_up.up`."""
     import ray
 
-    from cluster.launch.actors import RouterActor, WorkerActor
+    from cluster.launch.actors import RankActor, RouterActor, WorkerActor
     from cluster.launch.platform import preload_env
 
     t0 = time.monotonic()
     deadline = t0 + timeout_s
-    names = [w.actor_name for w in topology.workers] + [router_actor_name(topology)]
+    names = [w.actor_name for w in topology.workers] + rank_actor_names(topology) + [router_actor_name(topology)]
     before = namespace_actors(topology.namespace)
     if all(before.get(n, {}).get("state") == "ALIVE" for n in names):
         router = ray.get_actor(router_actor_name(topology))
@@ -41,18 +42,29 @@ def create_cluster(topology: TopologySpec, conn: Connection, *, timeout_s: float
     local_ip = ray.util.get_node_ip_address()
     env = preload_env()
     options = {w.name: worker_options(topology, w, local_ip, env) for w in topology.workers}
-    needed = [o["resources"] for o in options.values()] + [router_options(topology, local_ip)["resources"]]
+    ranks = {(w.name, r): rank_options(topology, w, r, local_ip, env) for w in topology.workers
+             if w.group is not None for r in range(1, len(w.group.ranks))}
+    needed = [o["resources"] for o in [*options.values(), *ranks.values()]] + [
+        router_options(topology, local_ip)["resources"]]
     missing = missing_resources(needed, ray.cluster_resources())
     if missing:
         raise LaunchError(f"no Ray node advertises {', '.join(missing)}: each machine must join with "
                           "`ray start --address=HEAD:6379 --resources='{\"NAME\": 1}'` (a `machine` of the "
                           "topology), and a worker without `machine` must use its node's IP as `host`")
+    shared = group_placement_problems(topology, local_ip, _resource_nodes())
+    if shared:
+        raise LaunchError("a worker group's ranks must run on distinct machines:\n    " + "\n    ".join(shared))
     try:
         pending = {}
         for w in topology.workers:
             actor = ray.remote(WorkerActor).options(**options[w.name]).remote(topology.source, topology.name, w.name)
             pending[actor.ready.remote()] = (actor, w)
-        echo(f"mlx-pd: placing {len(pending)} worker(s): {', '.join(w.actor_name for _, w in pending.values())}")
+            for r in range(1, len(w.group.ranks) if w.group is not None else 1):
+                follower = ray.remote(RankActor).options(**ranks[(w.name, r)]).remote(
+                    topology.source, topology.name, w.name, r)
+                pending[follower.ready.remote()] = (follower, _Rank(w, r))
+        echo(f"mlx-pd: placing {len(pending)} worker(s) and rank(s): "
+             f"{', '.join(w.actor_name for _, w in pending.values())}")
         ready = _wait_workers(pending, deadline, t0, echo)
         router = ray.remote(RouterActor).options(**router_options(topology, local_ip)).remote(
             topology.source, topology.name, api_key)
@@ -67,6 +79,28 @@ def create_cluster(topology: TopologySpec, conn: Connection, *, timeout_s: float
         echo(line)
     return {"namespace": topology.namespace, "endpoint": info["endpoint"], "dashboard": conn.dashboard,
             "address": conn.address, "workers": ready, "already_running": False}
+
+
+class _Rank:
+    """A following rank as `_wait_workers` names it (a worker's `actor_name`, `name`, `role`)."""
+
+    def __init__(self, spec, rank: int):
+        self.spec, self.rank = spec, rank
+        self.actor_name = rank_actor_name(spec, rank)
+        self.name = f"{spec.name}-rank{rank}"
+        self.role = f"rank {rank} of {spec.name}"
+
+
+def _resource_nodes() -> dict[str, set[str]]:
+    """{resource name: ids of the live nodes that advertise it} of the connected cluster."""
+    import ray
+
+    out: dict[str, set[str]] = {}
+    for node in ray.nodes():
+        if node.get("Alive"):
+            for name in node.get("Resources", {}):
+                out.setdefault(name, set()).add(node["NodeID"])
+    return out
 
 
 def endpoint_lines(endpoint: str, dashboard: str, label: str) -> list[str]:
@@ -103,8 +137,9 @@ def _wait_workers(pending: dict, deadline: float, t0: float, echo: Echo) -> dict
                 continue
             except Exception as exc:
                 raise LaunchError(f"worker {w.actor_name} failed to start:\n    {error_summary(exc)}") from None
-            echo(f"mlx-pd: {w.actor_name} ready ({w.role}, control {ready[w.name]['control']}) "
-                 f"after {time.monotonic() - t0:.1f} s")
+            where = (f"at {ready[w.name]['host']}" if isinstance(w, _Rank) else
+                     f"control {ready[w.name]['control']}")
+            echo(f"mlx-pd: {w.actor_name} ready ({w.role}, {where}) after {time.monotonic() - t0:.1f} s")
         if pending and time.monotonic() - last > _PROGRESS_EVERY_S:
             last = time.monotonic()
             echo(f"mlx-pd: waiting for {waiting} ({time.monotonic() - t0:.0f} s)")
@@ -182,7 +217,49 @@ def collect_status(topology: TopologySpec, actors: dict[str, dict], timeout_s: f
         row.update(running=report.get("num_running"), waiting=report.get("num_waiting"), kv_blocks_total=total,
                    kv_blocks_free=free, kv_blocks_used=(total - free) if None not in (total, free) else None,
                    **{k: report.get(k) for k in _PASSED_ON if k in report})
+        row["_ranks"] = report.get("ranks")
+    by_name = {row["name"]: row for row in rows}
+    own = {}  # each live rank actor's own report (`RankActor.stats`), None when it did not answer
+    names = [n for n in rank_actor_names(topology) if actors.get(n, {}).get("state") == "ALIVE"]
+    rank_refs = {n: ray.get_actor(n).stats.remote() for n in names}
+    for name, ref in rank_refs.items():
+        try:
+            own[name] = ray.get(ref, timeout=timeout_s)
+        except Exception:
+            own[name] = None
+    for w in topology.workers:
+        if w.group is not None:
+            row = by_name[w.name]
+            row.update(parallel=w.group.parallel, ranks=group_ranks(w, row, actors, row.pop("_ranks", None), own))
+    for row in rows:
+        row.pop("_ranks", None)
     return rows
+
+
+def group_ranks(spec, row: dict, actors: dict[str, dict], reported: Optional[list],
+                own: Optional[dict] = None) -> list[dict]:
+    """A group worker's `ranks` in its status row (see `ray_up.status`): the topology's ranks, each with its
+    actor's state ("unhealthy" when a live rank actor did not answer or no longer follows), its "pid" and,
+    when the leader answered, what it reported of the rank (`WorkerStats.ranks`). `own`: {rank actor name: its
+    `RankActor.stats()`, None when it did not answer}."""
+    reported = {k["rank"]: k for k in reported or []}
+    out = []
+    for r, address in enumerate(spec.group.ranks):
+        if r == 0:
+            actor, state, pid = spec.actor_name, row["state"], row.get("pid")
+        else:
+            actor = rank_actor_name(spec, r)
+            record = actors.get(actor)
+            state = _STATE_NAMES.get(record["state"], record["state"].lower()) if record else "absent"
+            report = (own or {}).get(actor, {})
+            pid = (report or {}).get("pid")
+            if state == "alive" and (report is None or not report.get("healthy", True)):
+                state = "unhealthy"
+        k = reported.get(r, {})
+        out.append({"rank": r, "host": address.host, "actor": actor, "state": state, "pid": pid,
+                    "alive": k.get("alive"),
+                    **{f: k.get(f) for f in ("parameter_bytes", "kv_bytes", "peak_bytes", "step_bytes")}})
+    return out
 
 
 def kill_namespace(topology: TopologySpec, timeout_s: float, echo: Echo, only: Optional[list[str]] = None) -> list[str]:
@@ -191,7 +268,8 @@ def kill_namespace(topology: TopologySpec, timeout_s: float, echo: Echo, only: O
     import ray
 
     actors = namespace_actors(topology.namespace)
-    order = [router_actor_name(topology)] + [w.actor_name for w in topology.workers]
+    order = [router_actor_name(topology)] + [name for w in topology.workers for name in (
+        w.actor_name, *(rank_actor_name(w, r) for r in range(1, len(w.group.ranks) if w.group else 1)))]
     order += sorted(n for n in actors if n not in order)
     names = [n for n in order if actors.get(n, {}).get("state", "DEAD") != "DEAD" and (only is None or n in only)]
     handles = {}

@@ -13,6 +13,16 @@ worker (and the router) is placed on the node whose IP is its `host`, and a loop
 running `mlx-pd up`. Actors ask for no CPUs (`num_cpus=0`), so a 2-core machine fits three of them; Ray
 restarts a dead one up to `[ray] max_restarts` times, and its constructor loads and binds again.
 
+Worker groups (`[workers.group]`): the worker's actor is rank 0, and each following rank is an actor of its own
+(`actors.RankActor`, named `rank_actor_name`), placed the same way by the rank's own `machine`, else its `host`:
+each rank must run on the node that owns its `host` address, since its collective binds there. (A placement
+group with STRICT_SPREAD would put the ranks on distinct nodes, but of Ray's choosing, not on the ones that
+own the ranks' addresses.) So the ranks of one group land on distinct nodes when they name distinct machines
+(or hosts): `group_placement_problems` refuses, before anything starts, ranks of one group that would share a
+node, except a group whose ranks are all on loopback (one machine, for trying a group out). When a rank dies,
+the group's heartbeats end the others (exit status 75), Ray restarts each actor, and they re-form the group on
+the same ports (cluster/parallel/rank.py); the router uses the worker again once it answers.
+
 Only the modules of `cluster/launch/` import `ray` (DESIGN §3); the Ray calls made while connected are in
 `ray_driver.py`.
 """
@@ -71,6 +81,58 @@ def worker_options(topology: TopologySpec, spec: WorkerSpec, local_ip: str, env:
     if env:
         options["runtime_env"] = {"env_vars": dict(env)}
     return options
+
+
+def rank_actor_name(spec: WorkerSpec, rank: int) -> str:
+    """The readable name of following rank `rank`'s actor, e.g. "decode-0-rank1@mac-mini-2"."""
+    address = spec.group.ranks[rank]
+    return f"{spec.name}-rank{rank}@{address.machine or address.host}"
+
+
+def rank_actor_names(topology: TopologySpec) -> list[str]:
+    """Every following rank's actor name, worker by worker."""
+    return [rank_actor_name(w, r) for w in topology.workers if w.group is not None
+            for r in range(1, len(w.group.ranks))]
+
+
+def rank_options(topology: TopologySpec, spec: WorkerSpec, rank: int, local_ip: str, env: dict[str, str]) -> dict:
+    """The `.options(...)` of following rank `rank`'s actor: placed by the rank's machine or host, restarted as
+    a worker's; a few methods at once (`ready` waits while `stats` answers)."""
+    address = spec.group.ranks[rank]
+    options = {"name": rank_actor_name(spec, rank), "namespace": topology.namespace, "lifetime": "detached",
+               "get_if_exists": True, "num_cpus": 0, "max_concurrency": 4,
+               "resources": placement_resources(address.host, address.machine, local_ip),
+               "max_restarts": topology.ray.max_restarts, "max_task_retries": 0}
+    if env:
+        options["runtime_env"] = {"env_vars": dict(env)}
+    return options
+
+
+def group_placement_problems(topology: TopologySpec, local_ip: str,
+                             nodes: Optional[dict[str, set[str]]] = None) -> list[str]:
+    """One line per pair of ranks of a group that would share a node, so that a group's ranks each get a machine
+    of their own: the same placement resource, or (given `nodes`, {resource name: ids of the nodes that advertise
+    it}, from the connected cluster) two resources that one and the same node alone advertises. A group whose
+    ranks are all on loopback hosts is one machine's by design, and passes."""
+    def node_of(name: str) -> str:
+        owners = (nodes or {}).get(name, set())
+        return f"node {next(iter(owners))}" if len(owners) == 1 else name
+
+    problems = []
+    for w in topology.workers:
+        if w.group is None or all(is_loopback(r.host) for r in w.group.ranks):
+            continue
+        where = [placement_resources(w.host, w.machine, local_ip)] + [
+            placement_resources(r.host, r.machine, local_ip) for r in w.group.ranks[1:]]
+        seen: dict[str, int] = {}
+        for rank, resources in enumerate(where):
+            (name,) = resources
+            name = node_of(name)
+            if name in seen:
+                problems.append(f"{w.name}: ranks {seen[name]} and {rank} would share a node ({name}): give each "
+                                "rank of a group a machine of its own (its `machine`, or a `host` on another node)")
+            seen.setdefault(name, rank)
+    return problems
 
 
 def router_options(topology: TopologySpec, local_ip: str) -> dict:
@@ -218,7 +280,10 @@ def status(topology_path: str, *, state_dir: Optional[Path] = None, timeout_s: f
     "restarting", "dead", "absent" (no such actor) or "stopped" (the local Ray head is not running).
     Worker rows add running, waiting, kv_blocks_used/free/total, prefix_cache_hit_rate and load_check (the
     worker's `LoadCheckReport.report()` map, None when its engine ran none; absent when the worker did not
-    answer); the router row adds its endpoint. Nothing secret is included.
+    answer); a worker that is a group adds `parallel` and `ranks`, one map per rank: rank, host, actor (rank 0:
+    the worker's own), state (its actor's, as above), pid, alive (its heartbeat as the leader last heard it;
+    None when the leader did not answer) and parameter_bytes, kv_bytes, peak_bytes, step_bytes (`RankStats`); the
+    router row adds its endpoint. Nothing secret is included.
     """
     from cluster.launch.ray_driver import collect_status
 
@@ -289,6 +354,10 @@ def format_status(rows: list[dict]) -> str:
     text = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
     text += [f"{r['actor']}: {load_check_line(r)}" for r in rows if r["role"] != "router"]
     for r in rows:
+        if r.get("ranks"):
+            text.append(f"{r['actor']}: a {r.get('parallel') or 'tensor'}-parallel group of {len(r['ranks'])} ranks")
+            text += [f"  {line}" for line in rank_lines(r["ranks"])]
+    for r in rows:
         if r["role"] == "router":
             where = r.get("endpoint") or f"http://{r['host']}:?/v1"
             text.append(f"router {r['actor']}: {r['state']}, OpenAI API at {where}, layout {cluster_layout(rows)}")
@@ -303,6 +372,24 @@ def cluster_layout(rows: list[dict]) -> str:
     roles = [r["role"] for r in rows if r["role"] != "router"]
     counts = ", ".join(f"{roles.count(role)} {role}" for role in ("prefill", "decode") if role in roles)
     return f"cluster (router + {counts or 'no'} worker process{'es' if len(roles) != 1 else ''})"
+
+
+def rank_lines(ranks: list[dict]) -> list[str]:
+    """A group worker's ranks in `mlx-pd status` (pure), one line each: where it runs, its actor's Ray state, its
+    liveness in the group (its heartbeat, as the leader last heard it) and its memory, e.g.
+    "rank 1  10.77.0.12  decode-0-rank1@mac-mini-2 alive  in group: alive  weights 1.2 MiB, KV 4.0 MiB, peak
+    9.0 MiB, steps 12.3 KiB"."""
+    def mib(n) -> str:
+        return "-" if n is None else f"{n / 2**20:.1f} MiB"
+
+    lines = []
+    for k in ranks:
+        alive = {True: "alive", False: "silent", None: "unknown"}[k.get("alive")]
+        memory = (f"weights {mib(k.get('parameter_bytes'))}, KV {mib(k.get('kv_bytes'))}, peak "
+                  f"{mib(k.get('peak_bytes'))}, steps {(k.get('step_bytes') or 0) / 2**10:.1f} KiB")
+        lines.append(f"rank {k['rank']}  {k['host']}  {k.get('actor') or '-'} {k.get('state') or '-'}  "
+                     f"in group: {alive}  {memory}")
+    return lines
 
 
 def load_check_line(row: dict) -> str:

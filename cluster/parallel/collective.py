@@ -23,8 +23,11 @@ def ring_hostfile(plan: GroupPlan) -> list[list[str]]:
 
 def join_group(plan: GroupPlan, rank: int):
     """Start the collective for `rank` of `plan` and return its `mx.distributed.Group`. Blocks until every rank
-    has joined (the caller's heartbeat watch bounds the wait). Raises ValueError for a backend this machine
-    cannot run, or a group the backend did not form (its size differs from the plan's)."""
+    has joined, holding Python's lock all along (MLX does not release it here, so no other thread of this
+    process runs meanwhile, its heartbeat included: cluster/parallel/rank.py joins only once every rank is
+    ready, and bounds the join). Raises ValueError for a backend this machine cannot run, or a group the
+    backend did not form (its size differs from the plan's); RuntimeError when the ring backend gives up
+    connecting (it retries for about 15 s)."""
     import mlx.core as mx
 
     if plan.backend == "jaccl":

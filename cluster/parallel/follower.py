@@ -9,6 +9,7 @@ built so that its collectives meet the leader's.
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import mlx.core as mx
 import msgspec
@@ -25,17 +26,28 @@ class FollowerError(RuntimeError):
     """The leader's messages disagree with this rank (a different KV pool): the group cannot run."""
 
 
-def run_follower(engine, sock: zmq.Socket, group=None, poll_ms: int = 1000) -> str:
+def run_follower(engine, sock: zmq.Socket, group=None, poll_ms: int = 1000, leader_boot: Optional[int] = None) -> str:
     """Run the leader's messages from `sock` (a bound PULL socket) on `engine` until a `Stop`; returns its
-    reason. `group`: the collective (`mx.distributed.Group`) that a `Gather` joins. Liveness is the heartbeat's job (cluster/parallel/heartbeat.py): this loop waits for messages
-    without a deadline. Raises FollowerError when the leader's pool differs from this rank's."""
+    reason. `group`: the collective (`mx.distributed.Group`) that a `Gather` joins. `leader_boot`: the boot id of
+    the leader this rank formed its group with; a message from any other leader (an old one, whose steps reached
+    this rank's socket before it ended) is dropped, unrun (None: every message runs). Liveness is the heartbeat's
+    job (cluster/parallel/heartbeat.py): this loop waits for messages without a deadline. Raises FollowerError
+    when the leader's pool differs from this rank's, or a message is not a step message."""
     runner = engine.runner
     engine.owner.take()
+    dropped = 0
     while True:
         if not sock.poll(poll_ms):
             continue
+        frames = sock.recv_multipart()
+        if len(frames) != 2 or len(frames[0]) != step_wire.BOOT_BYTES:
+            raise FollowerError(f"a step message of {len(frames)} frame(s) this rank cannot read")
+        if leader_boot is not None and int.from_bytes(frames[0], "big") != leader_boot:
+            dropped += 1
+            log.warning("worker group: dropped a step of another leader than this group's (%d so far)", dropped)
+            continue
         try:
-            msg = step_wire.decode(sock.recv())
+            msg = step_wire.decode(frames[1])
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise FollowerError(f"a step message this rank cannot read: {exc}") from None
         if isinstance(msg, step_wire.Forward):

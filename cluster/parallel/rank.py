@@ -1,17 +1,29 @@
 """One rank of a worker group, from its plan to a built engine: watch the peers' heartbeats, join the collective,
 load this rank's share of the model, build the same engine as every other rank (the load check runs on all
 ranks at once), check the rank's memory budget. The leader then serves through its engine; a follower runs
-`follower.run_follower` (`python -m cluster.parallel.rank PLAN_FILE RANK` starts one by hand)."""
+`follower.run_follower` (`python -m cluster.parallel.rank PLAN_FILE RANK` starts one by hand).
+
+Joining, and joining again after a restart (a supervisor brings back the ranks of a broken group on the same
+ports): MLX holds Python's lock while it joins, so no heartbeat runs inside the join; the ranks first agree
+over their heartbeats that all of them are about to join (`Heartbeat.ready_to_join`), and a join that still
+takes more than `join_timeout_s` ends the process (exit status 1, faulthandler's watchdog: nothing else runs).
+A follower restarted while the old leader is still being ended waits for the new one. Once joined, the ranks
+exchange their heartbeats' boot ids over the collective (`Heartbeat.formed`): a rank that restarts later is
+lost at once. A rank that cannot join, or whose collective fails (the ring backend raises once a peer's
+connection drops), is lost as a silent peer is: by default its process ends with exit status 75, for its
+supervisor to restart the group."""
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from cluster.parallel.collective import check_parallel_kind, check_tensor_parallel, join_group
 from cluster.parallel.heartbeat import Heartbeat
@@ -73,7 +85,7 @@ def start_rank(plan: GroupPlan, rank: int, heartbeat: Optional[Heartbeat] = None
     path, spec = served_model(plan.model, plan.served_name, config.dtype)
     model_config = json.loads((Path(path) / "config.json").read_text())
     check_tensor_parallel(model_config, plan.size)
-    group = join_group(plan, rank)
+    group = _join(plan, rank, heartbeat)
     model, tokenizer = load_sharded_model(path, group, config.dtype)
     where = f"rank {rank} of {plan.size}"
     if plan.memory_budget_gb is not None:
@@ -85,7 +97,7 @@ def start_rank(plan: GroupPlan, rank: int, heartbeat: Optional[Heartbeat] = None
     if rank == 0:
         from cluster.parallel.leader import GroupLeader
 
-        leader = GroupLeader(plan)
+        leader = GroupLeader(plan, boot=heartbeat.boot)
     engine = checked_engine(model, tokenizer, spec, config, replicas=leader)
     memory = check_rank_memory(model, engine, plan.memory_budget_gb or float("inf"), where)
     heartbeat.info = memory.report()
@@ -103,6 +115,50 @@ def start_rank(plan: GroupPlan, rank: int, heartbeat: Optional[Heartbeat] = None
     return GroupRank(rank, plan, engine, group, heartbeat, memory, leader)
 
 
+def join_timeout_s(plan: GroupPlan) -> float:
+    """How long a rank may take inside the collective's join once every rank is ready for it."""
+    return max(30.0, 3 * plan.deadline_s)
+
+
+def _join(plan: GroupPlan, rank: int, heartbeat: Heartbeat):
+    """Join the collective as `rank` (see the module docstring) and tell the heartbeat whom it formed with."""
+    import mlx.core as mx
+    import numpy as np
+
+    t0 = time.monotonic()
+    if not heartbeat.ready_to_join(heartbeat.startup_s):
+        waited = time.monotonic() - t0
+        log.critical("rank %d: the group's ranks were not all ready to join within %.0f s", rank, waited)
+        if heartbeat.lost is None:  # else its watch has already lost a rank
+            heartbeat.on_lost(0 if rank else 1, waited)
+        raise RuntimeError(f"rank {rank}: the group's ranks were not ready to join")
+    watchdog = _join_watchdog(join_timeout_s(plan))
+    try:
+        group = join_group(plan, rank)
+    except RuntimeError as exc:  # the ring backend gave up connecting: the group cannot form
+        peer = (rank + 1) % plan.size
+        log.critical("rank %d could not join the group (%s): ending this rank so that the group restarts", rank, exc)
+        heartbeat.on_lost(peer, time.monotonic() - t0)
+        raise
+    finally:
+        if watchdog:
+            faulthandler.cancel_dump_traceback_later()
+    boots = mx.distributed.all_gather(mx.array([heartbeat.boot], dtype=mx.int32), group=group)
+    heartbeat.formed({r: int(b) for r, b in enumerate(np.array(boots).reshape(-1))})
+    log.info("rank %d of %d: joined the group in %.1f s", rank, plan.size, time.monotonic() - t0)
+    return group
+
+
+def _join_watchdog(timeout_s: float) -> bool:
+    """End this process if the join takes more than `timeout_s` (faulthandler's own thread: it needs no Python
+    lock); False when it cannot be armed (no stderr file to write the tracebacks to)."""
+    try:
+        faulthandler.dump_traceback_later(timeout_s, exit=True)
+    except (ValueError, RuntimeError, OSError, AttributeError):
+        return False
+    return True
+
+
 def rank_heartbeat(plan: GroupPlan, rank: int) -> Heartbeat:
     """Rank `rank`'s heartbeat: it beats on its own port and watches the leader (a follower) or every follower
     (the leader)."""
@@ -113,9 +169,10 @@ def rank_heartbeat(plan: GroupPlan, rank: int) -> Heartbeat:
                      plan.deadline_s)
 
 
-def follow(plan: GroupPlan, rank: int) -> int:
+def follow(plan: GroupPlan, rank: int, on_started: Optional[Callable[[GroupRank], None]] = None) -> int:
     """A follower's life: bind the step socket, start the rank, run the leader's steps until it stops the group.
-    Returns the exit code (0 after a `Stop`)."""
+    Returns the exit code (0 after a `Stop`). `on_started(GroupRank)` runs once the rank has joined and built its
+    engine. An exception stops this rank's heartbeat before it propagates, so the leader sees the rank lost."""
     import zmq
 
     from cluster.parallel.follower import run_follower
@@ -124,12 +181,22 @@ def follow(plan: GroupPlan, rank: int) -> int:
     heartbeat.start()
     sock = zmq.Context.instance().socket(zmq.PULL)
     sock.linger = 0
-    me = plan.ranks[rank]
-    sock.bind(f"tcp://{me.host}:{me.step_port}")
-    started = start_rank(plan, rank, heartbeat)
-    reason = run_follower(started.engine, sock, started.group)
-    log.info("rank %d: the group stopped (%s)", rank, reason)
-    heartbeat.stop()
+    try:
+        me = plan.ranks[rank]
+        sock.bind(f"tcp://{me.host}:{me.step_port}")
+        started = start_rank(plan, rank, heartbeat)
+        if on_started is not None:
+            on_started(started)
+        try:
+            reason = run_follower(started.engine, sock, started.group, leader_boot=heartbeat.formed_with[0])
+        except RuntimeError as exc:  # a collective failed (the leader's connection dropped): the group broke
+            log.critical("rank %d: the group broke (%s): ending this rank so that the group restarts", rank, exc)
+            heartbeat.on_lost(-1, 0.0)
+            raise
+        log.info("rank %d: the group stopped (%s)", rank, reason)
+    finally:
+        heartbeat.stop()
+        sock.close(0)
     return 0
 
 

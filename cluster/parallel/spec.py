@@ -3,7 +3,9 @@
 The leader (rank 0) writes the plan; each follower reads it (`GroupPlan.from_json`) and so builds the same
 engine: same model, same `EngineConfig`, same KV pool. A rank's addresses: `ring_port` for the collective's
 ring backend, `step_port` where the follower takes its steps (ZeroMQ PULL), `heartbeat_port` where it
-publishes its heartbeats.
+publishes its heartbeats. `machine` (optional) is the Ray custom resource of the node the rank runs on (`mlx-pd up`
+places a following rank as a Ray actor there, as it places a worker with `machine`); the rank itself never
+reads it.
 """
 
 from __future__ import annotations
@@ -22,12 +24,15 @@ BACKENDS = ("ring", "jaccl")
 @dataclass(frozen=True)
 class RankAddress:
     """Where rank `rank` listens: `host` (an address on the group's link, not whatever interface comes first),
-    `ring_port` (the ring backend's), `step_port` (a follower's step socket), `heartbeat_port` (its beats)."""
+    `ring_port` (the ring backend's), `step_port` (a follower's step socket), `heartbeat_port` (its beats).
+    `machine`: the Ray custom resource of its node (`mlx-pd up`'s placement; None: the node whose IP is
+    `host`)."""
 
     host: str
     ring_port: int
     step_port: int
     heartbeat_port: int
+    machine: Optional[str] = None
 
 
 @dataclass(frozen=True)

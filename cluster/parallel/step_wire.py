@@ -75,6 +75,7 @@ class Stop(msgspec.Struct, tag="stop", frozen=True):
 
 
 StepMessage = Union[Forward, CopyBlock, Gather, WriteBlocks, Hello, Stop]
+BOOT_BYTES = 4  # a message's first frame: the sending leader's boot id (cluster/parallel/leader.py)
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(StepMessage)
 
