@@ -1,0 +1,156 @@
+"""`mlx-pd bench tensor-parallel` (benchmarks/tp_compare.py) and its mlx_lm.server launcher
+(benchmarks/tp_servers.py): the pure parts only, on known data: the ring hostfile and rank environment, the
+mlx.launch and mlx-pd command lines, the options, the detection of a server that rejects --tensor-parallel, and
+the tables. Nothing starts a server or loads a model; nothing is timed."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+
+from benchmarks import cli, tp_compare, tp_servers
+from benchmarks.random_models import SMOL_SHAPE_CONFIG
+
+
+def test_the_ring_hostfile_has_one_loopback_address_per_rank():
+    assert tp_servers.ring_hostfile([38111, 38112]) == [["127.0.0.1:38111"], ["127.0.0.1:38112"]]
+    assert tp_servers.ring_hostfile([5, 6, 7], host="10.0.0.2")[2] == ["10.0.0.2:7"]
+    for bad in ([38111], [38111, 38111], []):
+        with pytest.raises(ValueError, match="ring"):
+            tp_servers.ring_hostfile(bad)
+    assert tp_servers.rank_env(1, "/tmp/h.json") == {"MLX_HOSTFILE": "/tmp/h.json", "MLX_RANK": "1"}
+
+
+def test_the_direct_launcher_writes_the_hostfile_and_gives_each_rank_its_env(tmp_path):
+    group = tp_servers.MlxLmTensorParallel("/models/m", 2, 8123, ring_ports=[40001, 40002], log_dir=str(tmp_path),
+                                           env={"X": "1"})
+    try:
+        hostfile = group.dir / "hostfile.json"
+        assert json.loads(hostfile.read_text()) == [["127.0.0.1:40001"], ["127.0.0.1:40002"]]
+        assert [p.env for p in group.procs] == [{"X": "1", "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(r)}
+                                                for r in (0, 1)]
+        assert group.argv[1:] == ["-m", "mlx_lm", "server", "--model", "/models/m", "--port", "8123", "--log-level",
+                                  "WARNING"]
+        assert group.url == "http://127.0.0.1:8123" and len(group.log_paths) == 2
+    finally:
+        group.stop()  # never started: only removes the hostfile's folder
+    assert not group.dir.exists()
+    with pytest.raises(ValueError, match="launcher"):
+        tp_servers.MlxLmTensorParallel("/m", 2, 1, launcher="ssh")
+    with pytest.raises(ValueError, match="2 ranks"):
+        tp_servers.MlxLmTensorParallel("/m", 1, 1)
+
+
+def test_mlx_launch_runs_the_server_on_loopback_ranks_with_consecutive_ring_ports():
+    argv = tp_servers.mlx_launch_command(["python", "-m", "mlx_lm", "server"], 2, 38111, launcher="/bin/mlx.launch")
+    assert argv == ["/bin/mlx.launch", "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2", "--starting-port",
+                    "38111", "--", "python", "-m", "mlx_lm", "server"]
+    base = tp_servers.consecutive_free_ports(2)
+    assert 0 < base < 65535
+
+
+def test_the_options_and_their_defaults():
+    assert cli.MODULES["tensor-parallel"] == "tp_compare" and "tensor-parallel" in cli.SUBCOMMANDS
+    p = cli.build_subcommand_parser("tensor-parallel")
+    a = p.parse_args([])
+    assert (a.ranks, a.concurrency, a.num_requests, a.launcher, a.targets) == (
+        2, [1, 8], [16, 32], "direct", "mlx_lm.server,mlx-pd")
+    assert a.mlx_pd_command == tp_compare.MLX_PD_COMMAND and a.env == []
+    a = p.parse_args(["--random-model", "smol-shape", "--concurrency", "1,4,8", "--num-requests", "8",
+                      "--env", "OMP_NUM_THREADS=1", "--env", "A_B=x=y", "--launcher", "mlx.launch"])
+    assert (a.random_model, a.concurrency, a.num_requests, a.env) == (
+        "smol-shape", [1, 4, 8], [8], [("OMP_NUM_THREADS", "1"), ("A_B", "x=y")])
+    for bad in (["--env", "NOEQUALS"], ["--env", "BAD-KEY=1"], ["--model-dir", "/m", "--random-model", "fast"],
+                ["--concurrency", "0"], ["--launcher", "ssh"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(bad)
+
+
+def test_targets_request_counts_and_heads(tmp_path):
+    assert tp_compare.parse_targets("mlx_lm.server") == ["mlx_lm.server"]
+    assert tp_compare.parse_targets(" mlx-pd , mlx_lm.server ") == ["mlx-pd", "mlx_lm.server"]
+    for bad in ("", "vllm", "mlx-pd,mlx-pd"):
+        with pytest.raises(ValueError, match="--targets"):
+            tp_compare.parse_targets(bad)
+    assert tp_compare.level_counts([1, 8], [16]) == [16, 16]
+    assert tp_compare.level_counts([1, 8], [4, 32]) == [4, 32]
+    with pytest.raises(ValueError, match="one per level"):
+        tp_compare.level_counts([1, 8], [1, 2, 3])
+    (tmp_path / "config.json").write_text(json.dumps(SMOL_SHAPE_CONFIG))
+    assert tp_compare.heads_divide(str(tmp_path), 2) is None
+    assert "do not divide" in tp_compare.heads_divide(str(tmp_path), 3)
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 9, "num_key_value_heads": 3}))
+    assert "9 attention heads over 3 KV heads" in tp_compare.heads_divide(str(tmp_path), 2)
+
+
+def test_the_mlx_pd_command_fills_its_placeholders_word_by_word():
+    argv = tp_compare.mlx_pd_argv(tp_compare.MLX_PD_COMMAND, "/my models/m", 2, 9000, python="/py")
+    assert argv == ["/py", "-m", "cluster.launch.cli", "serve", "--model", "/my models/m", "--tensor-parallel", "2",
+                    "--port", "9000"]
+    assert tp_compare.mlx_pd_argv("run --tp={ranks} '{model}'", "m", 4, 1)[1:] == ["--tp=4", "m"]
+    assert tp_compare.mlx_pd_argv("x", "m", 2, 1) == ["x"]
+    with pytest.raises(ValueError, match="placeholder"):
+        tp_compare.mlx_pd_argv("{python} --gpus {gpus}", "m", 2, 1)
+    assert tp_compare.mlx_pd_argv("{python}", "m", 2, 1) == [sys.executable]
+
+
+def test_a_server_that_rejects_the_flag_is_told_apart_from_one_that_fails():
+    log = ("usage: mlx-pd [-h]\n              {serve,generate}\n"
+           "mlx-pd: error: unrecognized arguments: --tensor-parallel 2\n")
+    assert tp_compare.flag_rejected(log) == "mlx-pd: error: unrecognized arguments: --tensor-parallel 2"
+    assert tp_compare.flag_rejected("Traceback ...\nRuntimeError: out of memory\n") is None
+    assert tp_compare.flag_rejected("serving with --tensor-parallel 2\n") is None
+
+
+def summary(tok_s: float, ttft_p50: float, errors: int = 0) -> dict:
+    return {"output_throughput": tok_s, "ttft_s": {"p50": ttft_p50}, "errors": errors,
+            "host_cpu_s_per_output_token": 0.02}
+
+
+def target(name: str, levels: dict, status: str = "ok", reason=None, identical=True) -> dict:
+    return {"status": status, "reason": reason, "ready_s": 3.0 if status == "ok" else None,
+            "check": {"identical": identical, "common_prefix_chars": 5} if status == "ok" else None,
+            "idle_cpu_s_per_s": 1.0 if status == "ok" else None,
+            "memory": {"rss_mib": 500.0} if status == "ok" else None,
+            "levels": [{"concurrency": c, "servers": {name: s}} for c, s in levels.items()]}
+
+
+def result(servers: dict) -> dict:
+    r = {"ranks": 2, "model_dir": "/m/fast-llama-2l-seed0", "max_tokens": 64, "launcher": "direct",
+         "concurrency": [1, 8], "servers": servers}
+    r["ratios"] = tp_compare.level_ratios(r)
+    r["errors"] = tp_compare.errors(r)
+    return r
+
+
+def test_the_table_has_both_sides_and_the_ratios_mlx_pd_over_mlx_lm():
+    r = result({"mlx_lm.server": target("mlx_lm.server", {1: summary(20.0, 0.1), 8: summary(80.0, 0.4)}),
+                "mlx-pd": target("mlx-pd", {1: summary(30.0, 0.05), 8: summary(40.0, 0.8, errors=2)},
+                                 identical=False)})
+    assert r["ratios"]["1"] == {"output_throughput": 1.5, "ttft_s_p50": 0.5}
+    assert r["ratios"]["8"] == {"output_throughput": 0.5, "ttft_s_p50": 2.0}
+    assert r["errors"] == ["mlx-pd: 2 failed requests at concurrency 8",
+                           "mlx-pd: its greedy answer differs from single-process mlx-lm's"]
+    (_, head, rows), (_, head2, rows2) = tp_compare.tables(r)
+    assert head[:3] == ["concurrency", "mlx_lm.server tok/s", "mlx-pd tok/s"]
+    assert rows == [["1", "20.0", "30.0", "1.50x", "100.0", "50.0", "0.50x"],
+                    ["8", "80.0", "40.0", "0.50x", "400.0", "800.0", "2.00x"]]
+    assert [row[:4] for row in rows2] == [["mlx_lm.server", "ok", "3.0", "yes"], ["mlx-pd", "ok", "3.0",
+                                                                                "no (5 chars agree)"]]
+    assert rows2[1][6:8] == ["20.0 / 20.0", "2"]
+    assert len(head2) == len(rows2[0])
+
+
+def test_a_skipped_mlx_pd_leaves_dashes_and_is_no_error():
+    reason = "mlx-pd: error: unrecognized arguments: --tensor-parallel 2"
+    r = result({"mlx_lm.server": target("mlx_lm.server", {1: summary(20.0, 0.1), 8: summary(80.0, 0.4)}),
+                "mlx-pd": target("mlx-pd", {}, status="skipped", reason=reason)})
+    assert math.isnan(r["ratios"]["1"]["output_throughput"]) and r["errors"] == []
+    (_, _, rows), (_, _, rows2) = tp_compare.tables(r)
+    assert rows[0] == ["1", "20.0", "-", "-", "100.0", "-", "-"]
+    assert rows2[1] == ["mlx-pd", "skipped", "-", "-", "-", "-", "-", "0", reason]
+    failed = result({"mlx_lm.server": target("mlx_lm.server", {}, status="failed", reason="exited with code 1")})
+    assert failed["errors"] == ["mlx_lm.server: exited with code 1"]
