@@ -3,6 +3,7 @@
     mlx-pd bench tensor-parallel --random-model fast --ranks 2 --concurrency 1,8 --out tp-fast.json
     mlx-pd bench tensor-parallel --random-model smol-shape --concurrency 1,8 --num-requests 8,32 --max-tokens 32
     mlx-pd bench tensor-parallel --model-dir DIR --targets mlx_lm.server          # mlx-lm's side alone
+    mlx-pd bench tensor-parallel --random-model fast --passes 2 --pin-ranks       # ABBA passes, pinned ranks
     mlx-pd bench tensor-parallel --mlx-pd-command "{python} -m cluster.launch.cli serve --model {model} \\
         --tensor-parallel {ranks} --port {port} --log-level warning"
 
@@ -12,6 +13,8 @@ machine's cores), on the same model folder and number of ranks, on loopback:
 - ``mlx_lm.server``: mlx-lm's own server on `--ranks` ranks over MLX's ring backend (benchmarks/tp_servers.py:
   `MlxLmTensorParallel`; `--launcher direct` starts the ranks itself with `MLX_HOSTFILE` and `MLX_RANK`, the
   default, or `--launcher mlx.launch` through MLX's launcher, whose I/O threads spin on a core);
+  `--pin-ranks` runs each rank under taskset on its own share of the CPUs, which on a small machine decides
+  the speed (see that module's doc);
 - ``mlx-pd``: the command `--mlx-pd-command` (default `MLX_PD_COMMAND`, `mlx-pd serve --tensor-parallel N`),
   whose `{python}`, `{model}`, `{ranks}` and `{port}` are filled in. When it exits before it is ready and its
   output names the flag in an error (`flag_rejected`: an `mlx-pd serve` without `--tensor-parallel` prints
@@ -22,17 +25,20 @@ The model folder is `--model-dir`, or `--random-model fast` (the random-weight 2
 benchmarks/reliability_long.py, the default) or `smol-shape` (a random llama of SmolLM2-135M's size with 8 query
 and 4 KV heads, benchmarks/random_models.py); its heads must divide by `--ranks`.
 
-For each target: start it, wait until /v1/models answers and a 1-token chat completion does (the ready time);
+For each pass of a target: start it, wait until /v1/models answers and a 1-token chat completion does (the ready time);
 check one greedy answer of `--check-tokens` tokens against mlx-lm's single-process `generate` on the same
 model (computed once, in this process, before any server starts); read the group's host CPU over
 `--idle-seconds` with nothing in flight (mlx_lm.server's ranks poll each other while idle); then the levels of
 `bench --compare` (benchmarks/compare.py: `run_levels`, one target): per concurrency level a warm-up, then
 `--num-requests` unique chat prompts in `--rounds` rounds, greedy, `--max-tokens` each with the EOS ids
 suppressed by logit_bias (unless `--no-eos-bias`); output tokens/s over the rounds' wall time, TTFT, host CPU
-time per output token; then stop it. The table has, per level, each target's output tokens/s and TTFT p50 and
-the ratios mlx-pd / mlx_lm.server. Sequential targets see drift in machine speed unevenly (no ABBA rounds:
-the groups cannot both be up at once without sharing cores); the load averages at each level's start and
-end are in the JSON.
+time per output token; then stop it. The two groups cannot be up at once without sharing the cores, so the
+alternation of `bench --compare` happens between passes instead of rounds: `--passes N` runs each target N
+times in ABBA order (mlx_lm.server, mlx-pd, mlx-pd, mlx_lm.server, ...; `pass_order`), each pass a fresh
+start, so that drift in machine speed (other processes on a shared host) hits both alike. The table has, per
+level, each target's output tokens/s and TTFT p50 (medians over its passes) and the ratios mlx-pd /
+mlx_lm.server; the JSON has every pass and the load averages at each level's start and end. A target that is
+skipped or fails is not started again.
 """
 
 from __future__ import annotations
@@ -41,16 +47,17 @@ import argparse
 import math
 import os
 import shlex
+import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from benchmarks.cli import _int_list
-from benchmarks.compare import eos_token_ids, machine_info, run_levels
+from benchmarks.compare import eos_token_ids, machine_info, round_order, run_levels
 from benchmarks.engine_pair import fmt_ms, fmt_ratio, ratio
 from benchmarks.servers import ServerProcess
-from benchmarks.tp_servers import LAUNCHERS, MlxLmTensorParallel, wait_ready
+from benchmarks.tp_servers import LAUNCHERS, MlxLmTensorParallel, rank_cpus, wait_ready
 from cluster.ports import free_ports
 
 OURS, THEIRS = "mlx-pd", "mlx_lm.server"
@@ -83,11 +90,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="measured requests per level and target: one count, or one per level (default 16,32)")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
     p.add_argument("--rounds", type=int, default=2, help="rounds per level (at most; default 2)")
+    p.add_argument("--passes", type=int, default=1,
+                   help="start, measure and stop each target this many times, in ABBA order (mlx_lm.server, "
+                        "mlx-pd, mlx-pd, mlx_lm.server, ...); the table has the medians (default 1)")
     p.add_argument("--targets", default=",".join(TARGETS),
                    help=f"which to run, in this order, from {', '.join(TARGETS)} (default {','.join(TARGETS)})")
     p.add_argument("--launcher", choices=LAUNCHERS, default="direct",
                    help="how mlx_lm.server's ranks start: direct (this tool sets MLX_HOSTFILE and MLX_RANK, the "
                         "default) or mlx.launch (MLX's launcher; its I/O threads spin on a core)")
+    p.add_argument("--pin-ranks", action="store_true",
+                   help="run each of mlx_lm.server's ranks under taskset on its own share of the CPUs (direct "
+                        "launcher); mlx-pd's side runs as its command says, so pin its ranks there too")
     p.add_argument("--mlx-pd-command", default=MLX_PD_COMMAND,
                    help="mlx-pd's tensor-parallel server; {python} {model} {ranks} {port} are filled in "
                         f"(default: {MLX_PD_COMMAND!r})")
@@ -216,7 +229,7 @@ def _server(name: str, args, model_dir: str, env: dict, log_dir: str):
     """The (not yet started) server of target `name`."""
     if name == THEIRS:
         return MlxLmTensorParallel(model_dir, args.ranks, launcher=args.launcher, name=f"{THEIRS}-tp{args.ranks}",
-                                   env=env, log_dir=log_dir, cwd=str(REPO_ROOT))
+                                   pin=args.pin_ranks, env=env, log_dir=log_dir, cwd=str(REPO_ROOT))
     port = free_ports(1)[0]
     return ServerProcess(f"{OURS}-tp{args.ranks}", mlx_pd_argv(args.mlx_pd_command, model_dir, args.ranks, port),
                          port, env=env, log_dir=log_dir, cwd=str(REPO_ROOT))
@@ -228,18 +241,28 @@ def _ready(name: str, server, deadline_s: float) -> float:
     return wait_ready(server.url, [server], deadline_s)
 
 
+def level_numbers(level: dict, name: str) -> dict:
+    """The headline numbers of target `name` at one level of `run_levels`: output tokens/s, TTFT p50, host CPU
+    seconds per output token, failed requests, the load averages at the level's start and end."""
+    s = level["servers"][name]
+    return {"output_throughput": s["output_throughput"], "ttft_s_p50": s["ttft_s"]["p50"],
+            "host_cpu_s_per_output_token": s.get("host_cpu_s_per_output_token", math.nan), "errors": s["errors"],
+            "loadavg_start": level.get("loadavg_start"), "loadavg_end": level.get("loadavg_end")}
+
+
 def measure(name: str, args, model_dir: str, reference: Optional[str], suppress: tuple[int, ...], env: dict,
             log: Callable[[str], None]) -> dict:
-    """Start target `name`, wait until ready, check, read its idle CPU, run the levels, stop it; returns
-    {"status": "ok" | "skipped" | "failed", "reason", "command", "ready_s", "check", "idle_cpu_s_per_s",
-    "memory_idle", "memory", "levels", "log_paths"}."""
+    """One pass of target `name`: start it, wait until ready, check its answer, read its idle CPU, run the levels,
+    stop it. Returns {"status": "ok" | "skipped" | "failed", "reason", "command", "ready_s", "check",
+    "idle_cpu_s_per_s", "memory_idle", "memory", "levels" (run_levels'), "by_level" (level_numbers by
+    concurrency, as strings), "log_paths"}."""
     import tempfile
 
     levels = list(args.concurrency)
     counts = level_counts(levels, args.num_requests)
     server = _server(name, args, model_dir, env, tempfile.gettempdir())
     out = {"status": "failed", "reason": None, "command": server.argv, "ready_s": None, "check": None,
-           "idle_cpu_s_per_s": None, "levels": [],
+           "idle_cpu_s_per_s": None, "memory_idle": None, "memory": None, "levels": [], "by_level": {},
            "log_paths": getattr(server, "log_paths", [str(server.log_path)])}
     log(f"{name}: starting {shlex.join(server.argv)}")
     with server:
@@ -268,15 +291,56 @@ def measure(name: str, args, model_dir: str, reference: Optional[str], suppress:
             log(f"{name}: failed: {exc}")
             return out
         out["memory"] = server.memory()
+    out["by_level"] = {str(lv["concurrency"]): level_numbers(lv, name) for lv in out["levels"]}
     out["status"] = "ok"
     return out
 
 
+def pass_order(passes: int, targets: Sequence[str]) -> list[tuple[int, str]]:
+    """(pass, target) in the order they run: the targets forward in passes 0, 3, 4, 7, ... and backward in the
+    others (ABBA, as `bench --compare`'s rounds), so that drift in machine speed hits both alike."""
+    return [(p, name) for p in range(passes) for name in round_order(p, targets)]
+
+
+def _median(values) -> float:
+    vals = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+    return statistics.median(vals) if vals else math.nan
+
+
+def combine(passes: Sequence[dict]) -> dict:
+    """One target's passes as one entry: each pass under "passes"; "status" "ok" when every pass was, else that
+    of the first pass that was not (its "reason" too); per level ("by_level") the medians over the passes of
+    output tokens/s, TTFT p50 and host CPU per output token, and the failed requests summed; the median ready
+    time and idle CPU; "check_identical" (every checked answer equal to single-process mlx-lm's, None when
+    none was checked); the largest RSS seen."""
+    bad = next((p for p in passes if p["status"] != "ok"), None)
+    ok = [p for p in passes if p["status"] == "ok"]
+    by_level = {}
+    for c in (ok[0]["by_level"] if ok else {}):
+        nums = [p["by_level"][c] for p in ok if c in p["by_level"]]
+        by_level[c] = {k: _median(n[k] for n in nums)
+                       for k in ("output_throughput", "ttft_s_p50", "host_cpu_s_per_output_token")}
+        by_level[c]["errors"] = sum(n["errors"] for n in nums)
+    checks = [p["check"] for p in passes if p.get("check")]
+    rss = [m["rss_mib"] for p in passes for m in (p.get("memory_idle"), p.get("memory")) if m]
+    return {"status": "not run" if not passes else bad["status"] if bad else "ok",
+            "reason": bad["reason"] if bad else None, "passes": list(passes), "passes_ok": len(ok),
+            "by_level": by_level, "ready_s": _median(p["ready_s"] for p in passes),
+            "idle_cpu_s_per_s": _median(p["idle_cpu_s_per_s"] for p in passes),
+            "check_identical": all(c["identical"] for c in checks) if checks else None,
+            "check_common_prefix_chars": min((c["common_prefix_chars"] for c in checks), default=None),
+            "rss_mib_max": max(rss, default=None)}
+
+
 def run(args, log=None) -> dict:
-    """Run every target in turn (see the module doc), print the tables; returns the JSON-ready result."""
+    """Run every target in turn, `--passes` times in ABBA order (see the module doc), print the tables; returns
+    the JSON-ready result."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    if args.ranks < 2 or args.max_tokens < 1 or args.rounds < 1 or args.check_tokens < 0:
-        raise ValueError("--ranks must be >= 2, --max-tokens and --rounds >= 1, --check-tokens >= 0")
+    if args.ranks < 2 or args.max_tokens < 1 or args.rounds < 1 or args.passes < 1 or args.check_tokens < 0:
+        raise ValueError("--ranks must be >= 2, --max-tokens, --rounds and --passes >= 1, --check-tokens >= 0")
+    if args.pin_ranks and args.launcher != "direct":
+        raise ValueError("--pin-ranks needs --launcher direct")
+    rank_cpu_sets = rank_cpus(args.ranks) if args.pin_ranks else None
     targets = parse_targets(args.targets)
     level_counts(args.concurrency, args.num_requests)
     model_dir = model_dir_of(args)
@@ -292,12 +356,19 @@ def run(args, log=None) -> dict:
         reference = reference_text(model_dir, CHECK_PROMPT, args.check_tokens)
         log(f"single-process mlx-lm's greedy answer: {reference!r}")
     result = {"machine": machine_info(), "model_dir": model_dir, "ranks": args.ranks, "launcher": args.launcher,
+              "mlx_lm_rank_cpus": rank_cpu_sets, "mlx_pd_command": args.mlx_pd_command,
               "max_tokens": args.max_tokens, "concurrency": list(args.concurrency),
               "num_requests": level_counts(args.concurrency, args.num_requests), "rounds": args.rounds,
-              "seed": args.seed, "suppressed_token_ids": list(suppress), "env": dict(args.env),
-              "check_prompt": CHECK_PROMPT, "reference_text": reference, "targets": targets, "servers": {}}
-    for name in targets:
-        result["servers"][name] = measure(name, args, model_dir, reference, suppress, env, log)
+              "passes": args.passes, "seed": args.seed, "suppressed_token_ids": list(suppress),
+              "env": dict(args.env), "check_prompt": CHECK_PROMPT, "reference_text": reference, "targets": targets,
+              "servers": {}}
+    runs: dict[str, list] = {name: [] for name in targets}
+    for p, name in pass_order(args.passes, targets):
+        if runs[name] and runs[name][-1]["status"] != "ok":
+            continue  # skipped or failed once: not started again
+        log(f"pass {p + 1}/{args.passes}: {name}")
+        runs[name].append(measure(name, args, model_dir, reference, suppress, env, log))
+    result["servers"] = {name: combine(runs[name]) for name in targets}
     result["machine"]["loadavg_end"] = os.getloadavg()
     result["ratios"] = level_ratios(result)
     result["errors"] = errors(result)
@@ -311,7 +382,7 @@ def _summary(result: dict, name: str, concurrency: int) -> Optional[dict]:
     s = result["servers"].get(name)
     if not s or s["status"] != "ok":
         return None
-    return next((lv["servers"][name] for lv in s["levels"] if lv["concurrency"] == concurrency), None)
+    return s["by_level"].get(str(concurrency))
 
 
 def level_ratios(result: dict) -> dict[str, dict]:
@@ -320,9 +391,7 @@ def level_ratios(result: dict) -> dict[str, dict]:
     out = {}
     for c in result["concurrency"]:
         ours, theirs = _summary(result, OURS, c), _summary(result, THEIRS, c)
-        out[str(c)] = {
-            "output_throughput": ratio(ours and ours["output_throughput"], theirs and theirs["output_throughput"]),
-            "ttft_s_p50": ratio(ours and ours["ttft_s"]["p50"], theirs and theirs["ttft_s"]["p50"])}
+        out[str(c)] = {k: ratio(ours and ours[k], theirs and theirs[k]) for k in ("output_throughput", "ttft_s_p50")}
     return out
 
 
@@ -332,48 +401,48 @@ def errors(result: dict) -> list[str]:
     for name, s in result["servers"].items():
         if s["status"] == "failed":
             out.append(f"{name}: {s['reason']}")
-        for lv in s["levels"]:
-            if lv["servers"][name]["errors"]:
-                out.append(f"{name}: {lv['servers'][name]['errors']} failed requests at concurrency "
-                           f"{lv['concurrency']}")
-        if s.get("check") and not s["check"]["identical"]:
+        for c, n in s["by_level"].items():
+            if n["errors"]:
+                out.append(f"{name}: {n['errors']} failed requests at concurrency {c}")
+        if s["check_identical"] is False:
             out.append(f"{name}: its greedy answer differs from single-process mlx-lm's")
     return out
 
 
-def _tok_s(s: Optional[dict]) -> str:
-    return "-" if s is None or math.isnan(s["output_throughput"]) else f"{s['output_throughput']:.1f}"
+def _num(x: Optional[float], digits: int = 1) -> str:
+    return "-" if x is None or math.isnan(x) else f"{x:.{digits}f}"
 
 
 def tables(result: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) for the terminal and Markdown: per level each target's output tokens/s and TTFT p50
-    and the ratios mlx-pd / mlx_lm.server; then one row per target (status, ready time, answer check, idle CPU,
-    memory, host CPU per output token, reason)."""
-    ranks = result["ranks"]
+    (medians over its passes) and the ratios mlx-pd / mlx_lm.server; then one row per target (status, passes,
+    ready time, answer check, idle CPU, memory, host CPU per output token, failed requests, reason)."""
     head = ["concurrency", f"{THEIRS} tok/s", f"{OURS} tok/s", "tok/s ratio", f"{THEIRS} TTFT p50 ms",
             f"{OURS} TTFT p50 ms", "TTFT p50 ratio"]
     rows = []
     for c in result["concurrency"]:
         theirs, ours = _summary(result, THEIRS, c), _summary(result, OURS, c)
         r = result["ratios"][str(c)]
-        rows.append([str(c), _tok_s(theirs), _tok_s(ours), fmt_ratio(r["output_throughput"]),
-                     fmt_ms(theirs and theirs["ttft_s"]["p50"]), fmt_ms(ours and ours["ttft_s"]["p50"]),
-                     fmt_ratio(r["ttft_s_p50"])])
-    title = (f"Tensor parallel, {ranks} ranks on loopback, {Path(result['model_dir']).name}, {result['max_tokens']} "
-             f"output tokens a request (ratios {OURS} / {THEIRS}; tok/s: higher is better, TTFT: lower)")
-    head2 = ["target", "status", "ready s", "answer = 1-process mlx-lm", "idle CPU s/s", "RSS MiB",
+        rows.append([str(c), _num(theirs and theirs["output_throughput"]), _num(ours and ours["output_throughput"]),
+                     fmt_ratio(r["output_throughput"]), fmt_ms(theirs and theirs["ttft_s_p50"]),
+                     fmt_ms(ours and ours["ttft_s_p50"]), fmt_ratio(r["ttft_s_p50"])])
+    passes = result.get("passes", 1)
+    title = (f"Tensor parallel, {result['ranks']} ranks on loopback, {Path(result['model_dir']).name}, "
+             f"{result['max_tokens']} output tokens a request, " + (f"medians over {passes} passes (ABBA), "
+                                                                    if passes > 1 else "")
+             + f"ratios {OURS} / {THEIRS} (tok/s: higher is better, TTFT: lower)")
+    head2 = ["target", "status", "passes ok", "ready s", "answer = 1-process mlx-lm", "idle CPU s/s", "RSS MiB",
              "host CPU ms/token by level", "errors", "note"]
     rows2 = []
     for name, s in result["servers"].items():
-        check = s.get("check")
-        per_tok = " / ".join(fmt_ms(lv["servers"][name].get("host_cpu_s_per_output_token")) for lv in s["levels"])
-        mem = s.get("memory") or s.get("memory_idle")
-        rows2.append([name, s["status"], "-" if s["ready_s"] is None else f"{s['ready_s']:.1f}",
-                      "-" if not check else ("yes" if check["identical"] else f"no ({check['common_prefix_chars']} "
-                                                                              "chars agree)"),
-                      "-" if s["idle_cpu_s_per_s"] is None else f"{s['idle_cpu_s_per_s']:.2f}",
-                      "-" if not mem else f"{mem['rss_mib']:.0f}", per_tok or "-",
-                      str(sum(lv["servers"][name]["errors"] for lv in s["levels"])), s["reason"] or ""])
+        check = s["check_identical"]
+        per_tok = " / ".join(fmt_ms(n["host_cpu_s_per_output_token"]) for n in s["by_level"].values())
+        rows2.append([name, s["status"], f"{s['passes_ok']}/{len(s['passes'])}", _num(s["ready_s"]),
+                      "-" if check is None else "yes" if check else f"no ({s['check_common_prefix_chars']} chars "
+                                                                     "agree)",
+                      _num(s["idle_cpu_s_per_s"], 2), _num(s["rss_mib_max"], 0), per_tok or "-",
+                      str(sum(n["errors"] for n in s["by_level"].values())), s["reason"] or ""])
     launcher = "ranks started directly" if result["launcher"] == "direct" else "mlx.launch"
+    if result.get("mlx_lm_rank_cpus"):
+        launcher += ", pinned to CPUs " + " | ".join(",".join(map(str, c)) for c in result["mlx_lm_rank_cpus"])
     return [(title, head, rows), (f"Targets ({THEIRS}: {launcher}; one target up at a time)", head2, rows2)]
-

@@ -44,6 +44,20 @@ def test_the_direct_launcher_writes_the_hostfile_and_gives_each_rank_its_env(tmp
         tp_servers.MlxLmTensorParallel("/m", 1, 1)
 
 
+def test_pinned_ranks_get_disjoint_cpu_shares(tmp_path):
+    assert tp_servers.rank_cpus(2, [0, 1]) == [[0], [1]]
+    assert tp_servers.rank_cpus(2, [3, 0, 2, 1, 4]) == [[0, 1, 2], [3, 4]]
+    with pytest.raises(ValueError, match="a CPU each"):
+        tp_servers.rank_cpus(3, [0, 1])
+    group = tp_servers.MlxLmTensorParallel("/m", 2, 1, ring_ports=[2, 3], pin=True, cpus=[0, 1],
+                                           log_dir=str(tmp_path))
+    group.stop()
+    if tp_servers.shutil.which("taskset"):
+        assert [p.argv[:3] for p in group.procs] == [["taskset", "-c", "0"], ["taskset", "-c", "1"]]
+    with pytest.raises(ValueError, match="direct launcher"):
+        tp_servers.MlxLmTensorParallel("/m", 2, 1, launcher="mlx.launch", pin=True)
+
+
 def test_mlx_launch_runs_the_server_on_loopback_ranks_with_consecutive_ring_ports():
     argv = tp_servers.mlx_launch_command(["python", "-m", "mlx_lm", "server"], 2, 38111, launcher="/bin/mlx.launch")
     assert argv == ["/bin/mlx.launch", "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2", "--starting-port",
@@ -56,9 +70,9 @@ def test_the_options_and_their_defaults():
     assert cli.MODULES["tensor-parallel"] == "tp_compare" and "tensor-parallel" in cli.SUBCOMMANDS
     p = cli.build_subcommand_parser("tensor-parallel")
     a = p.parse_args([])
-    assert (a.ranks, a.concurrency, a.num_requests, a.launcher, a.targets) == (
-        2, [1, 8], [16, 32], "direct", "mlx_lm.server,mlx-pd")
-    assert a.mlx_pd_command == tp_compare.MLX_PD_COMMAND and a.env == []
+    assert (a.ranks, a.concurrency, a.num_requests, a.launcher, a.targets, a.passes) == (
+        2, [1, 8], [16, 32], "direct", "mlx_lm.server,mlx-pd", 1)
+    assert a.mlx_pd_command == tp_compare.MLX_PD_COMMAND and a.env == [] and not a.pin_ranks
     a = p.parse_args(["--random-model", "smol-shape", "--concurrency", "1,4,8", "--num-requests", "8",
                       "--env", "OMP_NUM_THREADS=1", "--env", "A_B=x=y", "--launcher", "mlx.launch"])
     assert (a.random_model, a.concurrency, a.num_requests, a.env) == (
@@ -105,31 +119,47 @@ def test_a_server_that_rejects_the_flag_is_told_apart_from_one_that_fails():
     assert tp_compare.flag_rejected("serving with --tensor-parallel 2\n") is None
 
 
-def summary(tok_s: float, ttft_p50: float, errors: int = 0) -> dict:
-    return {"output_throughput": tok_s, "ttft_s": {"p50": ttft_p50}, "errors": errors,
-            "host_cpu_s_per_output_token": 0.02}
+def numbers(tok_s: float, ttft_p50: float, errors: int = 0) -> dict:
+    return {"output_throughput": tok_s, "ttft_s_p50": ttft_p50, "host_cpu_s_per_output_token": 0.02,
+            "errors": errors, "loadavg_start": None, "loadavg_end": None}
 
 
-def target(name: str, levels: dict, status: str = "ok", reason=None, identical=True) -> dict:
-    return {"status": status, "reason": reason, "ready_s": 3.0 if status == "ok" else None,
-            "check": {"identical": identical, "common_prefix_chars": 5} if status == "ok" else None,
-            "idle_cpu_s_per_s": 1.0 if status == "ok" else None,
-            "memory": {"rss_mib": 500.0} if status == "ok" else None,
-            "levels": [{"concurrency": c, "servers": {name: s}} for c, s in levels.items()]}
+def one_pass(by_level: dict, status: str = "ok", reason=None, identical=True, ready_s: float = 3.0) -> dict:
+    ok = status == "ok"
+    return {"status": status, "reason": reason, "ready_s": ready_s if ok else None,
+            "check": {"identical": identical, "common_prefix_chars": 5} if ok else None,
+            "idle_cpu_s_per_s": 1.0 if ok else None, "memory_idle": {"rss_mib": 400.0} if ok else None,
+            "memory": {"rss_mib": 500.0} if ok else None, "levels": [],
+            "by_level": {str(c): n for c, n in by_level.items()}}
 
 
 def result(servers: dict) -> dict:
     r = {"ranks": 2, "model_dir": "/m/fast-llama-2l-seed0", "max_tokens": 64, "launcher": "direct",
-         "concurrency": [1, 8], "servers": servers}
+         "concurrency": [1, 8], "passes": 1, "servers": {n: tp_compare.combine(p) for n, p in servers.items()}}
     r["ratios"] = tp_compare.level_ratios(r)
     r["errors"] = tp_compare.errors(r)
     return r
 
 
+def test_passes_alternate_abba_and_combine_as_medians():
+    assert tp_compare.pass_order(3, ["mlx_lm.server", "mlx-pd"]) == [
+        (0, "mlx_lm.server"), (0, "mlx-pd"), (1, "mlx-pd"), (1, "mlx_lm.server"), (2, "mlx-pd"),
+        (2, "mlx_lm.server")]
+    s = tp_compare.combine([one_pass({1: numbers(10.0, 0.3)}, ready_s=2.0),
+                            one_pass({1: numbers(30.0, 0.1, errors=1)}, ready_s=4.0),
+                            one_pass({1: numbers(20.0, float("nan"))}, identical=False, ready_s=9.0)])
+    assert s["status"] == "ok" and s["passes_ok"] == 3 and s["ready_s"] == 4.0 and s["rss_mib_max"] == 500.0
+    assert s["by_level"]["1"] == {"output_throughput": 20.0, "ttft_s_p50": 0.2, "host_cpu_s_per_output_token": 0.02,
+                                  "errors": 1}
+    assert s["check_identical"] is False and s["check_common_prefix_chars"] == 5
+    failed = tp_compare.combine([one_pass({1: numbers(10.0, 0.3)}), one_pass({}, status="failed", reason="died")])
+    assert (failed["status"], failed["reason"], failed["passes_ok"]) == ("failed", "died", 1)
+    assert tp_compare.combine([])["status"] == "not run"
+
+
 def test_the_table_has_both_sides_and_the_ratios_mlx_pd_over_mlx_lm():
-    r = result({"mlx_lm.server": target("mlx_lm.server", {1: summary(20.0, 0.1), 8: summary(80.0, 0.4)}),
-                "mlx-pd": target("mlx-pd", {1: summary(30.0, 0.05), 8: summary(40.0, 0.8, errors=2)},
-                                 identical=False)})
+    r = result({"mlx_lm.server": [one_pass({1: numbers(20.0, 0.1), 8: numbers(80.0, 0.4)})],
+                "mlx-pd": [one_pass({1: numbers(30.0, 0.05), 8: numbers(40.0, 0.8, errors=2)}, identical=False)]})
     assert r["ratios"]["1"] == {"output_throughput": 1.5, "ttft_s_p50": 0.5}
     assert r["ratios"]["8"] == {"output_throughput": 0.5, "ttft_s_p50": 2.0}
     assert r["errors"] == ["mlx-pd: 2 failed requests at concurrency 8",
@@ -138,19 +168,19 @@ def test_the_table_has_both_sides_and_the_ratios_mlx_pd_over_mlx_lm():
     assert head[:3] == ["concurrency", "mlx_lm.server tok/s", "mlx-pd tok/s"]
     assert rows == [["1", "20.0", "30.0", "1.50x", "100.0", "50.0", "0.50x"],
                     ["8", "80.0", "40.0", "0.50x", "400.0", "800.0", "2.00x"]]
-    assert [row[:4] for row in rows2] == [["mlx_lm.server", "ok", "3.0", "yes"], ["mlx-pd", "ok", "3.0",
-                                                                                "no (5 chars agree)"]]
-    assert rows2[1][6:8] == ["20.0 / 20.0", "2"]
+    assert [row[:5] for row in rows2] == [["mlx_lm.server", "ok", "1/1", "3.0", "yes"],
+                                          ["mlx-pd", "ok", "1/1", "3.0", "no (5 chars agree)"]]
+    assert rows2[1][5:9] == ["1.00", "500", "20.0 / 20.0", "2"]
     assert len(head2) == len(rows2[0])
 
 
 def test_a_skipped_mlx_pd_leaves_dashes_and_is_no_error():
     reason = "mlx-pd: error: unrecognized arguments: --tensor-parallel 2"
-    r = result({"mlx_lm.server": target("mlx_lm.server", {1: summary(20.0, 0.1), 8: summary(80.0, 0.4)}),
-                "mlx-pd": target("mlx-pd", {}, status="skipped", reason=reason)})
+    r = result({"mlx_lm.server": [one_pass({1: numbers(20.0, 0.1), 8: numbers(80.0, 0.4)})],
+                "mlx-pd": [one_pass({}, status="skipped", reason=reason)]})
     assert math.isnan(r["ratios"]["1"]["output_throughput"]) and r["errors"] == []
     (_, _, rows), (_, _, rows2) = tp_compare.tables(r)
     assert rows[0] == ["1", "20.0", "-", "-", "100.0", "-", "-"]
-    assert rows2[1] == ["mlx-pd", "skipped", "-", "-", "-", "-", "-", "0", reason]
-    failed = result({"mlx_lm.server": target("mlx_lm.server", {}, status="failed", reason="exited with code 1")})
+    assert rows2[1] == ["mlx-pd", "skipped", "0/1", "-", "-", "-", "-", "-", "0", reason]
+    failed = result({"mlx_lm.server": [one_pass({}, status="failed", reason="exited with code 1")]})
     assert failed["errors"] == ["mlx_lm.server: exited with code 1"]
