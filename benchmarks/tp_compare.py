@@ -44,6 +44,7 @@ skipped or fails is not started again.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import shlex
@@ -57,7 +58,7 @@ from benchmarks.cli import _int_list
 from benchmarks.compare import eos_token_ids, machine_info, round_order, run_levels
 from benchmarks.engine_pair import fmt_ms, fmt_ratio, ratio
 from benchmarks.servers import ServerProcess
-from benchmarks.tp_servers import LAUNCHERS, MlxLmTensorParallel, rank_cpus, wait_ready
+from benchmarks.tp_servers import LAUNCHERS, MlxLmTensorParallel, rank_cpus, stop_tree, wait_ready
 from cluster.ports import free_ports
 
 OURS, THEIRS = "mlx-pd", "mlx_lm.server"
@@ -200,7 +201,8 @@ def reference_text(model_dir: str, prompt: str, max_tokens: int) -> str:
 
 def check_answer(url: str, reference: str, prompt: str, max_tokens: int) -> dict:
     """Send `prompt` greedy (non-streaming, `max_tokens`) to `url` and compare the answer with `reference`:
-    {"text", "identical", "common_prefix_chars", "error"}."""
+    {"text", "identical", "same_but_spaces" (equal once leading and trailing whitespace is stripped: servers
+    differ on whether the first token's leading space is sent), "common_prefix_chars", "error"}."""
     import httpx
 
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0.0}
@@ -209,11 +211,13 @@ def check_answer(url: str, reference: str, prompt: str, max_tokens: int) -> dict
         r.raise_for_status()
         text = r.json()["choices"][0]["message"]["content"] or ""
     except Exception as exc:  # noqa: BLE001 -- any failure is the check's result
-        return {"text": None, "identical": False, "common_prefix_chars": 0, "error": f"{type(exc).__name__}: {exc}"}
+        return {"text": None, "identical": False, "same_but_spaces": False, "common_prefix_chars": 0,
+                "error": f"{type(exc).__name__}: {exc}"}
     n = 0
     while n < min(len(text), len(reference)) and text[n] == reference[n]:
         n += 1
-    return {"text": text, "identical": text == reference, "common_prefix_chars": n, "error": None}
+    return {"text": text, "identical": text == reference, "same_but_spaces": text.strip() == reference.strip(),
+            "common_prefix_chars": n, "error": None}
 
 
 def idle_cpu(cpu_seconds: Callable[[], float], seconds: float) -> Optional[float]:
@@ -265,10 +269,12 @@ def measure(name: str, args, model_dir: str, reference: Optional[str], suppress:
            "idle_cpu_s_per_s": None, "memory_idle": None, "memory": None, "levels": [], "by_level": {},
            "log_paths": getattr(server, "log_paths", [str(server.log_path)])}
     log(f"{name}: starting {shlex.join(server.argv)}")
-    with server:
+    with contextlib.ExitStack() as stack:
+        stack.callback(server.stop if name == THEIRS else lambda: stop_tree(server))
         try:
+            server.start()
             out["ready_s"] = _ready(name, server, args.ready_deadline)
-        except RuntimeError as exc:
+        except (RuntimeError, OSError) as exc:
             rejected = flag_rejected(server.log_tail(50)) if name == OURS else None
             out["status"], out["reason"] = ("skipped", rejected) if rejected else ("failed", str(exc))
             log(f"{name}: {'skipped, its server rejected ' + TP_FLAG if rejected else 'failed to start'}: "
@@ -277,8 +283,10 @@ def measure(name: str, args, model_dir: str, reference: Optional[str], suppress:
         log(f"{name}: ready after {out['ready_s']:.1f} s on {server.url} (logs: {', '.join(out['log_paths'])})")
         if reference is not None:
             out["check"] = check_answer(server.url, reference, CHECK_PROMPT, args.check_tokens)
-            log(f"{name}: greedy answer {'identical to' if out['check']['identical'] else 'DIFFERS from'} "
-                f"single-process mlx-lm: {out['check']['text']!r}")
+            check = out["check"]
+            verdict = ("identical to" if check["identical"] else "equal but for surrounding whitespace to"
+                       if check["same_but_spaces"] else "DIFFERS from")
+            log(f"{name}: greedy answer {verdict} single-process mlx-lm's: {check['text']!r}")
         out["memory_idle"] = server.memory()
         out["idle_cpu_s_per_s"] = idle_cpu(server.cpu_seconds, args.idle_seconds)
         try:
@@ -312,7 +320,7 @@ def combine(passes: Sequence[dict]) -> dict:
     of the first pass that was not (its "reason" too); per level ("by_level") the medians over the passes of
     output tokens/s, TTFT p50 and host CPU per output token, and the failed requests summed; the median ready
     time and idle CPU; "check_identical" (every checked answer equal to single-process mlx-lm's, None when
-    none was checked); the largest RSS seen."""
+    none was checked) and "check_same_but_spaces" (equal once stripped); the largest RSS seen."""
     bad = next((p for p in passes if p["status"] != "ok"), None)
     ok = [p for p in passes if p["status"] == "ok"]
     by_level = {}
@@ -328,6 +336,7 @@ def combine(passes: Sequence[dict]) -> dict:
             "by_level": by_level, "ready_s": _median(p["ready_s"] for p in passes),
             "idle_cpu_s_per_s": _median(p["idle_cpu_s_per_s"] for p in passes),
             "check_identical": all(c["identical"] for c in checks) if checks else None,
+            "check_same_but_spaces": all(c["same_but_spaces"] for c in checks) if checks else None,
             "check_common_prefix_chars": min((c["common_prefix_chars"] for c in checks), default=None),
             "rss_mib_max": max(rss, default=None)}
 
@@ -404,7 +413,7 @@ def errors(result: dict) -> list[str]:
         for c, n in s["by_level"].items():
             if n["errors"]:
                 out.append(f"{name}: {n['errors']} failed requests at concurrency {c}")
-        if s["check_identical"] is False:
+        if s["check_same_but_spaces"] is False:
             out.append(f"{name}: its greedy answer differs from single-process mlx-lm's")
     return out
 
@@ -435,11 +444,12 @@ def tables(result: dict) -> list[tuple[str, list[str], list[list[str]]]]:
              "host CPU ms/token by level", "errors", "note"]
     rows2 = []
     for name, s in result["servers"].items():
-        check = s["check_identical"]
+        check = ("-" if s["check_identical"] is None else "yes" if s["check_identical"] else
+                 "yes but for surrounding whitespace" if s["check_same_but_spaces"] else
+                 f"no ({s['check_common_prefix_chars']} chars agree)")
         per_tok = " / ".join(fmt_ms(n["host_cpu_s_per_output_token"]) for n in s["by_level"].values())
         rows2.append([name, s["status"], f"{s['passes_ok']}/{len(s['passes'])}", _num(s["ready_s"]),
-                      "-" if check is None else "yes" if check else f"no ({s['check_common_prefix_chars']} chars "
-                                                                     "agree)",
+                      check,
                       _num(s["idle_cpu_s_per_s"], 2), _num(s["rss_mib_max"], 0), per_tok or "-",
                       str(sum(n["errors"] for n in s["by_level"].values())), s["reason"] or ""])
     launcher = "ranks started directly" if result["launcher"] == "direct" else "mlx.launch"

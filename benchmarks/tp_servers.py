@@ -152,6 +152,30 @@ def wait_ready(url: str, procs: Sequence[ServerProcess], deadline_s: float = 600
         time.sleep(interval_s)
 
 
+def stop_tree(server: ServerProcess, grace_s: float = 10.0) -> None:
+    """Stop `server` (its process group, as `ServerProcess.stop`), then every process that was under it and is
+    still alive, even one in a session of its own (mlx-pd's tensor-parallel ranks start so, and would otherwise
+    outlive their leader until their heartbeat gives up): SIGTERM, then SIGKILL after `grace_s`. Off Linux only
+    the group is stopped."""
+    import signal
+
+    from benchmarks.host_cpu import process_tree
+
+    alive = server.proc is not None and server.proc.poll() is None
+    pids = process_tree(server.proc.pid)[1:] if alive and Path("/proc/self/task").exists() else []
+    server.stop()
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids = [p for p in pids if Path(f"/proc/{p}").exists()]
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while pids and time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
+            time.sleep(0.1)
+
+
 class MlxLmTensorParallel:
     """mlx_lm.server on `ranks` tensor-parallel ranks on loopback, HTTP on `port` (rank 0); see the module doc.
 

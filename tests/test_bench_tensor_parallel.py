@@ -124,10 +124,11 @@ def numbers(tok_s: float, ttft_p50: float, errors: int = 0) -> dict:
             "errors": errors, "loadavg_start": None, "loadavg_end": None}
 
 
-def one_pass(by_level: dict, status: str = "ok", reason=None, identical=True, ready_s: float = 3.0) -> dict:
+def one_pass(by_level: dict, status: str = "ok", reason=None, identical: str = "yes", ready_s: float = 3.0) -> dict:
     ok = status == "ok"
     return {"status": status, "reason": reason, "ready_s": ready_s if ok else None,
-            "check": {"identical": identical, "common_prefix_chars": 5} if ok else None,
+            "check": {"identical": identical == "yes", "same_but_spaces": identical != "no", "common_prefix_chars": 5}
+            if ok else None,
             "idle_cpu_s_per_s": 1.0 if ok else None, "memory_idle": {"rss_mib": 400.0} if ok else None,
             "memory": {"rss_mib": 500.0} if ok else None, "levels": [],
             "by_level": {str(c): n for c, n in by_level.items()}}
@@ -147,11 +148,14 @@ def test_passes_alternate_abba_and_combine_as_medians():
         (2, "mlx_lm.server")]
     s = tp_compare.combine([one_pass({1: numbers(10.0, 0.3)}, ready_s=2.0),
                             one_pass({1: numbers(30.0, 0.1, errors=1)}, ready_s=4.0),
-                            one_pass({1: numbers(20.0, float("nan"))}, identical=False, ready_s=9.0)])
+                            one_pass({1: numbers(20.0, float("nan"))}, identical="no", ready_s=9.0)])
     assert s["status"] == "ok" and s["passes_ok"] == 3 and s["ready_s"] == 4.0 and s["rss_mib_max"] == 500.0
     assert s["by_level"]["1"] == {"output_throughput": 20.0, "ttft_s_p50": 0.2, "host_cpu_s_per_output_token": 0.02,
                                   "errors": 1}
-    assert s["check_identical"] is False and s["check_common_prefix_chars"] == 5
+    assert s["check_identical"] is False and s["check_same_but_spaces"] is False
+    assert s["check_common_prefix_chars"] == 5
+    spaces = tp_compare.combine([one_pass({}, identical="spaces"), one_pass({})])
+    assert (spaces["check_identical"], spaces["check_same_but_spaces"]) == (False, True)
     failed = tp_compare.combine([one_pass({1: numbers(10.0, 0.3)}), one_pass({}, status="failed", reason="died")])
     assert (failed["status"], failed["reason"], failed["passes_ok"]) == ("failed", "died", 1)
     assert tp_compare.combine([])["status"] == "not run"
@@ -159,7 +163,7 @@ def test_passes_alternate_abba_and_combine_as_medians():
 
 def test_the_table_has_both_sides_and_the_ratios_mlx_pd_over_mlx_lm():
     r = result({"mlx_lm.server": [one_pass({1: numbers(20.0, 0.1), 8: numbers(80.0, 0.4)})],
-                "mlx-pd": [one_pass({1: numbers(30.0, 0.05), 8: numbers(40.0, 0.8, errors=2)}, identical=False)]})
+                "mlx-pd": [one_pass({1: numbers(30.0, 0.05), 8: numbers(40.0, 0.8, errors=2)}, identical="no")]})
     assert r["ratios"]["1"] == {"output_throughput": 1.5, "ttft_s_p50": 0.5}
     assert r["ratios"]["8"] == {"output_throughput": 0.5, "ttft_s_p50": 2.0}
     assert r["errors"] == ["mlx-pd: 2 failed requests at concurrency 8",
@@ -172,6 +176,60 @@ def test_the_table_has_both_sides_and_the_ratios_mlx_pd_over_mlx_lm():
                                           ["mlx-pd", "ok", "1/1", "3.0", "no (5 chars agree)"]]
     assert rows2[1][5:9] == ["1.00", "500", "20.0 / 20.0", "2"]
     assert len(head2) == len(rows2[0])
+
+
+def test_an_answer_that_differs_only_in_surrounding_whitespace_passes_the_check():
+    r = result({"mlx_lm.server": [one_pass({1: numbers(20.0, 0.1)})],
+                "mlx-pd": [one_pass({1: numbers(30.0, 0.05)}, identical="spaces")]})
+    assert r["errors"] == []
+    assert tp_compare.tables(r)[1][2][1][4] == "yes but for surrounding whitespace"
+
+
+def test_the_answer_check_compares_text_and_stripped_text(monkeypatch):
+    class Reply:
+        def __init__(self, text):
+            self.text = text
+
+        def raise_for_status(self):
+            pass
+
+        def json(self):
+            return {"choices": [{"message": {"content": self.text}}]}
+
+    import httpx
+
+    for text, verdict in (("abc def", (True, True, 7)), (" abc def", (False, True, 0)), ("abc xyz", (False, False, 4))):
+        monkeypatch.setattr(httpx, "post", lambda *a, _t=text, **k: Reply(_t))
+        c = tp_compare.check_answer("http://x", "abc def", "p", 4)
+        assert (c["identical"], c["same_but_spaces"], c["common_prefix_chars"]) == verdict and c["error"] is None
+    monkeypatch.setattr(httpx, "post", lambda *a, **k: (_ for _ in ()).throw(httpx.ConnectError("refused")))
+    c = tp_compare.check_answer("http://x", "abc", "p", 4)
+    assert not c["same_but_spaces"] and "ConnectError" in c["error"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="stop_tree finds descendants in /proc")
+def test_stop_tree_ends_a_child_in_a_session_of_its_own(tmp_path):
+    """mlx-pd's ranks start in sessions of their own: stopping the server's process group alone would leave them."""
+    import os
+    import time
+
+    from benchmarks.servers import ServerProcess
+
+    pidfile = tmp_path / "child.pid"
+    script = ("import subprocess, sys, time; "
+              "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True); "
+              f"open({str(pidfile)!r}, 'w').write(str(c.pid)); time.sleep(60)")
+    server = ServerProcess("tree", [sys.executable, "-c", script], 1, log_dir=str(tmp_path)).start()
+    try:
+        deadline = time.monotonic() + 30
+        while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child = int(pidfile.read_text())
+        assert os.path.exists(f"/proc/{child}")
+    finally:
+        tp_servers.stop_tree(server, grace_s=5)
+    assert server.proc.poll() is not None
+    assert not os.path.exists(f"/proc/{child}") or "Z" in open(f"/proc/{child}/stat").read().split(")")[1][:3]
 
 
 def test_a_skipped_mlx_pd_leaves_dashes_and_is_no_error():
