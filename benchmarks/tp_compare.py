@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from benchmarks.cli import _int_list
-from benchmarks.compare import eos_token_ids, machine_info, round_order, run_levels
+from benchmarks.compare import REPO_ROOT, eos_token_ids, machine_info, round_order, run_levels
 from benchmarks.engine_pair import fmt_ms, fmt_ratio, ratio
 from benchmarks.servers import ServerProcess
 from benchmarks.tp_servers import LAUNCHERS, MlxLmTensorParallel, rank_cpus, stop_tree, wait_ready
@@ -67,7 +67,6 @@ MLX_PD_COMMAND = "{python} -m cluster.launch.cli serve --model {model} --tensor-
 TP_FLAG = "--tensor-parallel"
 RANDOM_MODELS = ("fast", "smol-shape")
 CHECK_PROMPT = "Tell me about the sea."
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def _env_pair(text: str) -> tuple[str, str]:
