@@ -22,6 +22,7 @@
     mlx-pd bench mixed-prefill --out m.json                 # 8 prompts of 100-2000 tokens at once: prefill tok/s
     mlx-pd bench aiperf --aiperf /tmp/aiperf-venv/bin/aiperf  # NVIDIA aiperf against both servers, ABBA rounds
     mlx-pd bench host-profile --fast-model --concurrency 32,64   # py-spy: a token's host time per stage
+    mlx-pd bench tensor-parallel --random-model smol-shape --ranks 2 --concurrency 1,8   # TP2: mlx-pd vs mlx-lm
 
 Every run warms up first (not measured), sends unique prompts (unless --shared-prefix), and reports
 p50/p90/p99. See docs/BENCHMARKS.md for the rules and the latest numbers.
@@ -153,13 +154,16 @@ SUBCOMMANDS = {
     "host-profile": "where a token's host time goes: every server process sampled with py-spy under streaming load, "
                     "single-node and 1P1D, per stage, per thread, against the model's compute floor "
                     "(benchmarks/host_profile.py)",
+    "tensor-parallel": "mlx-pd's tensor-parallel server vs mlx_lm.server on the same ranks over MLX's ring backend "
+                       "on loopback, one at a time: output tokens/s and TTFT p50 per concurrency "
+                       "(benchmarks/tp_compare.py)",
 }
 MODULES = {"cluster": "cluster_bench", "routing": "routing_bench", "routing-sim": "routing_sim",
            "speculative": "speculative_bench", "hybrid-turns": "hybrid_bench",
            "structured": "structured_bench", "interference": "interference_bench",
            "mixed-prefill": "mixed_prefill_bench", "aiperf": "aiperf_compare", "link-transfer": "link_transfer",
            "lab-ttft": "lab_ttft", "load-check": "load_check_bench",
-           "host-profile": "host_profile"}  # own add/run/tables
+           "host-profile": "host_profile", "tensor-parallel": "tp_compare"}  # own add/run/tables
 
 
 def build_subcommand_parser(name: str) -> argparse.ArgumentParser:

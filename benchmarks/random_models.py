@@ -1,6 +1,8 @@
 """Random-weight models built in code from mlx-lm's own model classes, saved once as mlx-lm folders with
-SmolLM2's tokenizer: the fast-accelerator stand-in (benchmarks/reliability_long.py) and the hybrid model
-(benchmarks/hybrid_model.py). No download: the weights come from `mx.random.seed(seed)`."""
+SmolLM2's tokenizer: the fast-accelerator stand-in (benchmarks/reliability_long.py), the hybrid model
+(benchmarks/hybrid_model.py) and, here, a llama of SmolLM2-135M's size whose heads split over 2 tensor-parallel
+ranks (`smol_shape_model_dir`, for `mlx-pd bench tensor-parallel`). No download: the weights come from
+`mx.random.seed(seed)`."""
 
 from __future__ import annotations
 
@@ -54,3 +56,23 @@ def random_model_dir(name: str, config: dict, seed: int = 0, root: Optional[Path
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
+
+
+# SmolLM2-135M's shape (hidden 576, 30 layers, MLP 1536, vocabulary 49,152, tied embeddings) with 8 query heads over
+# 4 KV heads of 72 (SmolLM2 has 9 over 3 of 64), so that both divide by 2 tensor-parallel ranks
+SMOL_SHAPE_NAME = "smollm2-135m-shape-8h4kv"
+SMOL_SHAPE_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 576,
+                     "num_hidden_layers": 30, "intermediate_size": 1536, "num_attention_heads": 8,
+                     "num_key_value_heads": 4, "head_dim": 72, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+                     "vocab_size": 49152, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+                     "attention_bias": False, "mlp_bias": False, "bos_token_id": 1, "eos_token_id": 2,
+                     "pad_token_id": 2}
+
+
+def smol_shape_model_dir(root: Optional[Path] = None, seed: int = 0) -> Path:
+    """A random-weight llama of SmolLM2-135M's size whose 8 query and 4 KV heads divide by 2 tensor-parallel ranks
+    (SMOL_SHAPE_CONFIG, weights from `mx.random.seed(seed)`, float32, about 540 MB), as an mlx-lm model folder
+    with SmolLM2's tokenizer files, built once by :func:`random_model_dir` under `root` (default: the mlx-pd
+    cache); returns the folder. With tied random embeddings its greedy answers tend to repeat one token: fine
+    for speed, weak as a check of the output text."""
+    return random_model_dir(SMOL_SHAPE_NAME, SMOL_SHAPE_CONFIG, seed, root)

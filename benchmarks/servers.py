@@ -75,12 +75,15 @@ def process_memory(pid: int) -> dict:
 
 
 class ServerProcess:
-    """One server subprocess: start, wait until `/health` answers 200, measure memory, stop."""
+    """One server subprocess: start, wait until `/health` answers 200, measure memory, stop.
+
+    `stdin` is handed to Popen as it is (default: inherited); ``subprocess.PIPE`` gives the server a pipe that
+    stays open and empty while it runs."""
 
     def __init__(self, name: str, argv: Sequence[str], port: int, *, env: Optional[dict] = None,
-                 log_dir: Optional[str] = None, cwd: Optional[str] = None):
+                 log_dir: Optional[str] = None, cwd: Optional[str] = None, stdin=None):
         self.name, self.argv, self.port = name, list(argv), port
-        self.env, self.cwd = env, cwd
+        self.env, self.cwd, self.stdin = env, cwd, stdin
         self.log_path = Path(log_dir or tempfile.gettempdir()) / f"bench-{name}-{port}.log"
         self.proc: Optional[subprocess.Popen] = None
 
@@ -96,8 +99,8 @@ class ServerProcess:
         env = {**os.environ, **(self.env or {})}
         env.update(preload_env(env))
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(self.argv, stdin=self.stdin, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         cwd=self.cwd, start_new_session=True)
         return self
 
     def log_tail(self, n: int = 20) -> str:
