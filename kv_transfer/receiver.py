@@ -31,6 +31,7 @@ import zmq
 
 from cluster.config import TransferConfig
 from cluster.kv.manager import KVManager
+from cluster.kv.store import write_received_blocks
 from cluster.transport import LOOPBACK, CurveKeys, server_socket
 from kv_transfer.handshake import Busy, KVFormat, Refusal, Reservation, reserve
 from kv_transfer.metrics import TransferMetrics
@@ -257,7 +258,7 @@ class KVReceiver:
         if msg.block_hashes != t.hashes[start:min(stop, len(t.hashes))]:
             raise WireError("block hashes do not match the prompt's: the workers hash blocks differently")
         arrays = decode_arrays(msg, payload)  # checks every frame's size before anything is written
-        store.write_wire_blocks(t.table(msg.group)[start:stop], layers, arrays)
+        write_received_blocks(store, t.table(msg.group)[start:stop], layers, arrays)
         t.received[msg.group][start:stop, layers.start:layers.stop] = True
         self.metrics.moved(sum(a.nbytes for a in msg.arrays),
                            msg.num_blocks if layers.start == 0 and msg.group == 0 else 0)

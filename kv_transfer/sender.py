@@ -32,7 +32,7 @@ from cluster.config import TransferConfig
 from cluster.kv.attention_groups import FullAttentionGroup
 from cluster.kv.groups import KVCacheGroup
 from cluster.kv.manager import KVManager
-from cluster.kv.store import KVStore
+from cluster.kv.store import KVStore, read_shipped_blocks
 from cluster.transport import CurveKeys, client_socket
 from kv_transfer.handshake import KVFormat
 from kv_transfer.metrics import TransferMetrics
@@ -310,7 +310,7 @@ class KVSender:
         num_layers, step = store.spec.num_layers, self.layers_per_message
         for l0 in range(0, num_layers, step):
             layers = range(l0, min(num_layers, l0 + step))
-            arrays = store.read_wire_blocks(ids, layers)
+            arrays = read_shipped_blocks(store, ids, layers)
             specs = [ArraySpec(name=nm, dtype=dt, shape=list(sh))
                      for nm, dt, sh in store.block_array_specs(len(ids), len(layers))]
             stop = start + len(ids)

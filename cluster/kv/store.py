@@ -104,21 +104,8 @@ class KVStore:
         """KV heads of a block on the wire: this pool's, times the ranks that split them in a worker group."""
         return self.spec.num_kv_heads * (self.ranks.head_factor if self.ranks is not None else 1)
 
-    def read_wire_blocks(self, block_ids: Sequence[int], layers: range) -> list[np.ndarray]:
-        """`read_blocks` as the KV transfer ships them: in a worker group whose ranks split the heads, every
-        rank's heads (`ranks.gather`: one all-gather across the group), shaped as in `block_array_specs`."""
-        arrays = self.read_blocks(block_ids, layers)
-        return arrays if self.ranks is None else self.ranks.gather(block_ids, layers, arrays)
-
-    def write_wire_blocks(self, block_ids: Sequence[int], layers: range, arrays: Sequence[np.ndarray]) -> None:
-        """`write_blocks` of blocks as the KV transfer brings them (`block_array_specs`); in a worker group,
-        each follower gets its share first (`ranks.scatter`)."""
-        if self.ranks is not None:
-            arrays = self.ranks.scatter(block_ids, layers, arrays)
-        self.write_blocks(block_ids, layers, arrays)
-
     def block_array_specs(self, num_blocks: int, num_layers: int) -> list[tuple[str, str, tuple[int, ...]]]:
-        """(name, dtype name, shape) of each array `read_wire_blocks` returns for `num_blocks` blocks and
+        """(name, dtype name, shape) of each array `read_shipped_blocks` returns for `num_blocks` blocks and
         `num_layers` layers: shape [num_layers, num_blocks * block_size, kv_heads, d] (kv_heads:
         `wire_kv_heads`) with d = the width w
         (head_dim for keys, the spec's v_dim for values), or w * kv_bits / 32 (uint32 packed) and
@@ -225,3 +212,21 @@ class KVStore:
 
 # MLX dtype -> the NumPy dtype of its pool's views and wire frames (NumPy has no bfloat16: its raw words)
 _NUMPY_DTYPES = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16, mx.uint32: np.uint32}
+
+
+def read_shipped_blocks(store, block_ids: Sequence[int], layers: range) -> list[np.ndarray]:
+    """What the KV transfer ships of blocks `block_ids` of `layers` from any kind of store: its `read_blocks`,
+    and in a worker group whose ranks split the heads, every rank's heads (`store.ranks.gather`: one all-gather
+    across the group), shaped as in `block_array_specs`."""
+    arrays = store.read_blocks(block_ids, layers)
+    ranks = getattr(store, "ranks", None)  # a KVStore of a worker group's leader; other kinds have none
+    return arrays if ranks is None else ranks.gather(block_ids, layers, arrays)
+
+
+def write_received_blocks(store, block_ids: Sequence[int], layers: range, arrays: Sequence[np.ndarray]) -> None:
+    """Store blocks as the KV transfer brings them (`block_array_specs`) into any kind of store (`write_blocks`);
+    in a worker group, each follower gets its share first (`store.ranks.scatter`)."""
+    ranks = getattr(store, "ranks", None)
+    if ranks is not None:
+        arrays = ranks.scatter(block_ids, layers, arrays)
+    store.write_blocks(block_ids, layers, arrays)

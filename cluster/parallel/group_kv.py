@@ -3,7 +3,7 @@
 Under tensor parallelism each rank's pool holds its slice of the KV heads (rank r heads [r*h, (r+1)*h), as
 mlx-lm's `shard` splits the projections), or, for a family whose cache is a latent (multi-head latent
 attention, `kv_lora_rank` in its config), the whole latent on every rank. Blocks leave and enter the group
-through its leader (`KVStore.read_wire_blocks` / `write_wire_blocks`, which the KV transfer uses):
+through its leader (`cluster.kv.store.read_shipped_blocks` / `write_received_blocks`, which the KV transfer uses):
 
 - shipping: every rank joins one all-gather of its heads of the blocks over the group's collective, and the
   leader ships whole blocks (a latent: the leader's own copy);
