@@ -29,11 +29,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.lab import Lab, LabError
-from benchmarks.lab.lab import check_platform
+from benchmarks.lab import Lab
+from tests.lab_gate import require_lab
 from benchmarks.lab.ray_hosts import mlx_pd_cli
 
-IN_CI = os.environ.get("CI", "").lower() == "true"
 ROUTING = {"heartbeat_s": 0.5, "dead_after_s": 3.0}
 STALE_RAY_ADDRESS = "10.77.0.250:6379"  # in the lab's subnet, where no host is
 # a client run in the client host: prints {"status": N}, then the body's lines as they arrive; with PEEK > 0 also
@@ -73,12 +72,7 @@ def make_lab(request):
     """A function that starts (not deploys) a lab in a short folder of its own (Ray's socket paths must stay
     short) with namespaces named after this process; every lab is torn down after the test, and its folder
     removed unless the test failed (its logs are there)."""
-    try:
-        check_platform()
-    except LabError as exc:
-        if IN_CI:
-            pytest.fail(f"the lab cannot run under CI: {exc}")
-        pytest.skip(f"the lab cannot run here: {exc}")
+    require_lab()
     labs, failed = [], request.session.testsfailed
 
     def make(minis: int, rate: str = "10gbit", routing: dict | None = None) -> Lab:

@@ -33,13 +33,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.lab import Lab, LabError
-from benchmarks.lab.lab import check_platform
+from benchmarks.lab import Lab
+from tests.lab_gate import require_lab
 from tests.family_helpers import COMMON
 from tests.group_helpers import model_folder
 
 REPO = Path(__file__).resolve().parents[1]
-IN_CI = os.environ.get("CI", "").lower() == "true"
 DEADLINE_S = 5.0  # the group's: a rank silent this long is lost
 ROUTING = {"heartbeat_s": 0.5, "dead_after_s": 3.0, "local_prefill_max_tokens": 0}  # every prompt on the studio
 ENGINE = {"num_blocks": 256, "block_size": 8}
@@ -90,12 +89,7 @@ with httpx.Client(headers=headers, timeout=60) as client:
 def lab(request):
     """The lab's network (a studio, two minis, the client), no Ray, in a short folder of its own; torn down
     after the test (every process left in its hosts ended), its folder removed unless the test failed."""
-    try:
-        check_platform()
-    except LabError as exc:
-        if IN_CI:
-            pytest.fail(f"the lab cannot run under CI: {exc}")
-        pytest.skip(f"the lab cannot run here: {exc}")
+    require_lab()
     failed = request.session.testsfailed
     root = Path(tempfile.mkdtemp(prefix="mlxpd-labg-", dir="/tmp"))
     folder = model_folder("llama", root / "models")

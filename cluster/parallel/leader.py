@@ -47,7 +47,8 @@ class GroupLeader:
         self.num_forwards = 0
         self.stopped = False
 
-    def _send(self, msg: step_wire.StepMessage) -> None:
+    def send_all(self, msg: step_wire.StepMessage) -> None:
+        """Send `msg` to every follower, in rank order."""
         data = step_wire.encode(msg)
         for rank in range(1, self.plan.size):
             self._send_bytes(rank, data)
@@ -55,10 +56,6 @@ class GroupLeader:
     def send_to(self, rank: int, msg: step_wire.StepMessage) -> None:
         """Send `msg` to follower `rank` only."""
         self._send_bytes(rank, step_wire.encode(msg))
-
-    def send_all(self, msg: step_wire.StepMessage) -> None:
-        """Send `msg` to every follower."""
-        self._send(msg)
 
     def _send_bytes(self, rank: int, data: bytes) -> None:
         try:
@@ -70,14 +67,14 @@ class GroupLeader:
 
     def hello(self, num_blocks: int, pool_bytes: int) -> None:
         """Tell the followers the leader's KV pool (they check their own against it)."""
-        self._send(step_wire.Hello(num_blocks, pool_bytes))
+        self.send_all(step_wire.Hello(num_blocks, pool_bytes))
 
     def forward(self, items: Sequence[BatchItem], mirror) -> None:
         self.num_forwards += 1
-        self._send(step_wire.to_wire(items, mirror))
+        self.send_all(step_wire.to_wire(items, mirror))
 
     def copy_block(self, src: int, dst: int) -> None:
-        self._send(step_wire.CopyBlock(src, dst))
+        self.send_all(step_wire.CopyBlock(src, dst))
 
     def abandon(self, exc: BaseException) -> None:
         """A forward the followers took failed here: the ranks' collectives are out of step, so the group ends
