@@ -40,10 +40,11 @@ def topology_toml(workers: Sequence[dict], router_port: int, *, engine: dict, ro
     return "\n".join(lines) + "\n"
 
 
-def group_table(size: int, host: str = "127.0.0.1") -> dict:
-    """A `[workers.group]` table of a tensor-parallel group of `size` ranks on `host`, on free ports."""
+def group_table(size: int, host: str = "127.0.0.1", parallel: str = "tensor") -> dict:
+    """A `[workers.group]` table of a `parallel` ("tensor" or "pipeline") group of `size` ranks on `host`, on
+    free ports."""
     ports = iter(free_ports(3 * size))
-    return {"parallel": "tensor", "backend": "ring",
+    return {"parallel": parallel, "backend": "ring",
             "ranks": [{"host": host, "ring_port": next(ports), "step_port": next(ports), "heartbeat_port": next(ports)}
                       for _ in range(size)]}
 

@@ -70,6 +70,9 @@ class EngineCore:
         self.kv = kv_plan.build(self.owner)  # the one owner of every request's KV, by KV cache group
         self.pool, self.store = self.kv.pool, self.kv.block_groups[0].store
         self.runner = ModelRunner(model, self.kv, verified, replicas)
+        # a pipeline group's leader: the whole model's cache slot kinds (its own model runs only its layers'; the
+        # KV transfer's format states the whole, kv_transfer/handshake.py)
+        self.group_layer_kinds: Optional[tuple[str, ...]] = None
         if replicas is not None and self.kv.copy_block is not None:  # a head hit's copy runs on every rank
             self.kv.copy_block = _copied_on_replicas(self.kv.copy_block, replicas)
         eos_ids = set(spec.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())

@@ -37,7 +37,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from cluster.config import EngineConfig
 from cluster.model import ModelSpec
-from cluster.model_structure import VerifiedModel, body_of, text_model, verify_model
+from cluster.model_structure import VerifiedModel, body_of, layers_of, text_model, verify_model
 from cluster.request import GenerateRequest, SamplingParams
 from cluster.stats import LoadCheckReport
 
@@ -170,6 +170,7 @@ def _check_head(model, verified: VerifiedModel, vocab: int, tol: float) -> str:
     """The head found (`call_head`) over the body's output equals the model's own call on 8 tokens."""
     tokens = mx.array([_tokens(8, vocab, 1)], dtype=mx.int32)
     own = model(tokens, cache=make_prompt_cache(model)).astype(mx.float32)
+    mx.eval(own)  # one forward at a time: a pipeline rank's transfers run in call order on every rank
     _, body = body_of(text_model(model))
     try:
         ours = verified.head(body(tokens, cache=make_prompt_cache(model))[0]).astype(mx.float32)
@@ -347,7 +348,7 @@ def _paged_prefill(model, tokenizer, spec, verified: VerifiedModel, dtype: str, 
 
 def _layer_outputs(body, run) -> list[mx.array]:
     """The first row's output of each layer of `body` in the first call that `run` makes: [1, T, hidden]."""
-    layers = list(body.layers)
+    layers = layers_of(body)
     seen: list = [None] * len(layers)
     originals = [type(layer) for layer in layers]
 

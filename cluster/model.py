@@ -164,29 +164,38 @@ def load_model(path: Path, dtype: str = "float32"):
     return model, tokenizer
 
 
-def load_sharded_model(path: Path, group, dtype: str = "float32"):
-    """Load (model, tokenizer) as `load_model` does, but only this rank's tensor-parallel share of the weights:
-    the model is built lazily (mlx-lm's `load_model(lazy=True)`), `model.shard(group)` slices its layers (heads
-    and MLP columns), and the slices are evaluated one layer at a time, so a rank holds its share plus at most one
-    layer's whole tensors while loading (mlx-lm's `sharded_load` evaluates every slice at once, and its peak is
-    the whole model). `group`: the worker group's `mx.distributed.Group` (every rank of it calls this at the
-    same time: the load ends with a collective). Raises ValueError for a `model_type` without a class or whose
-    mlx-lm class has no `shard` (tensor parallelism), naming it."""
+def load_sharded_model(path: Path, group, dtype: str = "float32", parallel: str = "tensor"):
+    """Load (model, tokenizer) as `load_model` does, but only this rank's share of the weights: the model is built
+    lazily (mlx-lm's `load_model(lazy=True)`) and sliced, under `parallel="tensor"` by `model.shard(group)` (heads
+    and MLP columns of every layer), under "pipeline" by its body's `pipeline(group)` (a range of whole layers:
+    rank 0 the last, rank size-1 the first; every rank keeps the embeddings, final norm and head). The slices are
+    evaluated one layer at a time, so a rank holds its share plus at most one layer's whole tensors while
+    loading (mlx-lm's `sharded_load` evaluates every slice at once, and its peak is the whole model). `group`:
+    the worker group's `mx.distributed.Group` (every rank of it calls this at the same time: the load ends with a
+    collective). Raises ValueError for a `model_type` without a class, or whose mlx-lm class cannot be split
+    that way (no `shard`, or no `pipeline` on its body), naming it."""
     import mlx.core as mx
     from mlx.utils import tree_map
     from mlx_lm.utils import load_model as load_lazy, load_tokenizer as load_tokenizer_of
 
     from cluster.model_families import check_config
-    from cluster.model_structure import layers_of, text_model
+    from cluster.model_structure import body_of, layers_of, text_model
 
     config = json.loads((Path(path) / "config.json").read_text())
     check_config(config)
     t0 = time.monotonic()
     model, _ = load_lazy(Path(path), lazy=True, strict=False)
-    if not hasattr(model, "shard"):
+    if parallel == "pipeline":
+        _, body = body_of(text_model(model))
+        if not hasattr(body, "pipeline"):
+            raise ValueError(f"model_type {config.get('model_type')!r} cannot run pipeline parallel: mlx-lm's "
+                             f"class for it has no pipeline(); use parallel='tensor' or one rank")
+        body.pipeline(group)
+    elif not hasattr(model, "shard"):
         raise ValueError(f"model_type {config.get('model_type')!r} cannot run tensor parallel: mlx-lm's class for "
-                         f"it has no shard(); serve it on one rank")
-    model.shard(group)
+                         f"it has no shard(); use parallel='pipeline' or one rank")
+    else:
+        model.shard(group)
     target = getattr(mx, dtype)
 
     def cast(module) -> None:

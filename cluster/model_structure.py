@@ -123,11 +123,12 @@ def text_model(model):
 
 def layers_of(body, depth: int = 2) -> list:
     """The body's list of decoder layers (`layers`, `h` or `blocks`, or such a list one module down, as in a
-    body whose `layers` is a decoder module); empty when it has none of them."""
+    body whose `layers` is a decoder module); empty when it has none of them. A pipeline rank's body (mlx-lm's
+    `PipelineMixin.pipeline`) keeps None in place of the layers other ranks run: its list is the rank's own."""
     for name in LAYER_NAMES:
         layers = getattr(body, name, None)
         if isinstance(layers, (list, tuple)) and layers:
-            return list(layers)
+            return [layer for layer in layers if layer is not None]
         if depth > 1 and layers is not None and not isinstance(layers, (list, tuple)):
             inner = layers_of(layers, depth - 1)
             if inner:

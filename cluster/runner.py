@@ -117,6 +117,10 @@ class ModelRunner:
         self._body, self._head, self._mask_rank = self.verified.body, self.verified.head, self.verified.mask_rank
         self._num_slots = {space: sum(len(g.layers) for g in self.groups if g.layer_space == space)
                            for space in ("kv", "state")}
+        # a pipeline-parallel rank's body (mlx-lm's `pipeline`) receives from one rank, sends to another and
+        # all-gathers; each rank's graph differs, so two forwards evaluated together could run their transfers in
+        # different orders on different ranks: every forward is evaluated at once, whole, on every rank
+        self._pipelined = getattr(self._body, "pipeline_size", 1) > 1
         self.num_prefill_tokens = 0  # prompt tokens computed
         self.num_padding_tokens = 0  # padding computed beside them (bounded by `pack_prefill`)
 
@@ -159,6 +163,8 @@ class ModelRunner:
         kv_views = slots["kv"]
         caches = self.verified.caches(kv_views, slots["state"]) if self.verified.layer_kinds else kv_views
         hidden = self._body(tokens, cache=caches)
+        if self._pipelined:  # its receive, send and all-gather, before any other forward's (see __init__)
+            mx.eval(hidden)
         out: list[Optional[mx.array]] = [None] * len(items)
         # one [rows, hidden] x [hidden, vocab] product: the head's weights are read once per step
         batch_rows, positions, spans = [], [], []

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.kv.hashing import carried_hashes, extend_block_hashes, first_block_key
 from cluster.kv.manager import KVManager
+from cluster.kv.store import shipped_num_layers
 
 # Fields whose mismatch makes transferred KV meaningless, in the order a refusal names them.
 _CHECKED = ("model_id", "revision", "dtype", "kv_bits", "kv_group_size", "block_size", "num_layers",
@@ -87,10 +88,13 @@ class KVFormat(BaseModel):
     @classmethod
     def of_engine(cls, engine) -> "KVFormat":
         """The format of the blocks and state of a `cluster.engine.EngineCore` (its model, config, layers), as
-        they travel: a worker group's whole heads (`KVStore.wire_kv_heads`)."""
-        spec = dataclasses.replace(engine.spec, num_kv_heads=engine.store.wire_kv_heads)
-        return cls.of(spec, engine.config, layer_kinds=engine.runner.verified.layer_kind_names,
-                      state_shapes=engine.kv.state_shapes())
+        they travel: a worker group's whole heads (`KVStore.wire_kv_heads`) and whole model's layers
+        (`shipped_num_layers`; a pipeline group's leader sets `engine.group_layer_kinds`)."""
+        stores = [g.store for g in engine.kv.block_groups if getattr(g, "store", None) is not None]
+        layers = engine.spec.num_layers + sum(shipped_num_layers(s) - s.spec.num_layers for s in stores)
+        spec = dataclasses.replace(engine.spec, num_kv_heads=engine.store.wire_kv_heads, num_layers=layers)
+        kinds = engine.group_layer_kinds or engine.runner.verified.layer_kind_names
+        return cls.of(spec, engine.config, layer_kinds=kinds, state_shapes=engine.kv.state_shapes())
 
     def mismatches(self, other: "KVFormat") -> list[str]:
         """Human-readable differences, e.g. ["kv_bits: sender 4, receiver 8"] (self = the receiver)."""

@@ -31,7 +31,7 @@ import zmq
 
 from cluster.config import TransferConfig
 from cluster.kv.manager import KVManager
-from cluster.kv.store import write_received_blocks
+from cluster.kv.store import shipped_num_layers, write_received_blocks
 from cluster.transport import LOOPBACK, CurveKeys, server_socket
 from kv_transfer.handshake import Busy, KVFormat, Refusal, Reservation, reserve
 from kv_transfer.metrics import TransferMetrics
@@ -233,7 +233,7 @@ class KVReceiver:
             self._epoch += 1
             now = self.clock()
             self.live[rid] = _Incoming(offer, identity, self._epoch, got, hashes, now, now + self.config.timeout_s,
-                                       tuple(s.spec.num_layers if s is not None else 0 for s in self.stores))
+                                       tuple(shipped_num_layers(s) if s is not None else 0 for s in self.stores))
             answer(Reserved(request_id=rid, epoch=self._epoch, num_cached_blocks=got.num_cached_blocks,
                             num_blocks=len(got.block_table)), "reserved")
 
@@ -244,10 +244,10 @@ class KVReceiver:
             raise WireError(f"blocks of KV cache group {msg.group}, but this model's groups with blocks are "
                             f"{[g for g, s in enumerate(self.stores) if s is not None]}")
         store, first = self.stores[msg.group], t.first_sent(msg.group)
-        if start < first or stop > len(t.block_table) or layers.stop > store.spec.num_layers:
+        if start < first or stop > len(t.block_table) or layers.stop > shipped_num_layers(store):
             raise WireError(f"blocks [{start}, {stop}) x layers [{layers.start}, {layers.stop}) of group {msg.group} "
                             f"are outside the reservation (blocks [{first}, {len(t.block_table)}), "
-                            f"{store.spec.num_layers} layers)")
+                            f"{shipped_num_layers(store)} layers)")
         if (msg.kv_bits, msg.kv_group_size) != (self.fmt.kv_bits, self.fmt.kv_group_size):
             raise WireError(f"blocks quantized as kv_bits={msg.kv_bits}, group {msg.kv_group_size}, but the "
                             f"transfer agreed on kv_bits={self.fmt.kv_bits}, group {self.fmt.kv_group_size}")

@@ -32,7 +32,7 @@ from cluster.config import TransferConfig
 from cluster.kv.attention_groups import FullAttentionGroup
 from cluster.kv.groups import KVCacheGroup
 from cluster.kv.manager import KVManager
-from cluster.kv.store import KVStore, read_shipped_blocks
+from cluster.kv.store import KVStore, read_shipped_blocks, shipped_num_layers
 from cluster.transport import CurveKeys, client_socket
 from kv_transfer.handshake import KVFormat
 from kv_transfer.metrics import TransferMetrics
@@ -118,9 +118,10 @@ class KVSender:
         encrypting, sending, receiving and decrypting messages overlap; never below one block of one layer).
         Raises ValueError when one block of one layer does not fit `max_frame_bytes`."""
         blocks = self.config.max_blocks_per_message
-        if not self.store.spec.num_layers:  # no layer caches KV (a recurrent-only model): no blocks messages
+        num_layers = shipped_num_layers(self.store)
+        if not num_layers:  # no layer caches KV (a recurrent-only model): no blocks messages
             return blocks, 1
-        layers = self.config.layers_per_message or self.store.spec.num_layers
+        layers = self.config.layers_per_message or num_layers
 
         def frame_bytes(b: int, n: int) -> list[int]:  # one array frame each, for b blocks of n layers
             return [ArraySpec(name=name, dtype=dtype, shape=list(shape)).nbytes
@@ -307,7 +308,7 @@ class KVSender:
         """Queue the `blocks` messages of blocks `ids` (positions from block `start`) of KV cache group
         `group`, `layers_per_message` layers each (none for a group without layers: its blocks hold no KV, and
         the receiver counts them complete)."""
-        num_layers, step = store.spec.num_layers, self.layers_per_message
+        num_layers, step = shipped_num_layers(store), self.layers_per_message
         for l0 in range(0, num_layers, step):
             layers = range(l0, min(num_layers, l0 + step))
             arrays = read_shipped_blocks(store, ids, layers)

@@ -1,9 +1,9 @@
 """Runs one side of the worker-group tests in processes of its own (a process joins one MLX collective only):
 
-- `reference FOLDER PROMPTS OUT`, on every rank of a ring group (MLX_HOSTFILE, MLX_RANK): mlx-lm's own
-  tensor-parallel generation (`sharded_load`, `generate_step`) of each prompt alone; rank 0 writes
+- `reference PARALLEL FOLDER PROMPTS OUT`, on every rank of a ring group (MLX_HOSTFILE, MLX_RANK): mlx-lm's own
+  tensor- or pipeline-parallel generation (`sharded_load`, `generate_step`) of each prompt alone; rank 0 writes
   {"tokens", "logprobs"} per prompt.
-- `engine FOLDER PROMPTS REFERENCE OUT`: rank 0 of a local group of 2 (rank 1 a child process), whose engine
+- `engine PARALLEL FOLDER PROMPTS REFERENCE OUT`: rank 0 of a local group of 2 (rank 1 a child process), whose engine
   runs the prompts alone, together, again after their blocks are cached, and with drafts to verify; writes
   each run's tokens and logprobs, both ranks' memory and what the leader sent.
 """
@@ -18,13 +18,13 @@ from pathlib import Path
 NEW_TOKENS = 6
 
 
-def reference(folder: str, prompts: list, out: str) -> None:
+def reference(parallel: str, folder: str, prompts: list, out: str) -> None:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import sharded_load
 
     group = mx.distributed.init(strict=True, backend="ring")
-    model, _ = sharded_load(folder, tensor_group=group)
+    model, _ = sharded_load(folder, **{f"{parallel}_group": group})
     results = []
     for prompt in prompts:
         tokens, logprobs = [], []
@@ -37,7 +37,7 @@ def reference(folder: str, prompts: list, out: str) -> None:
         Path(out).write_text(json.dumps(results))
 
 
-def engine(folder: str, prompts: list, reference_path: str, out: str) -> None:
+def engine(parallel: str, folder: str, prompts: list, reference_path: str, out: str) -> None:
     from cluster.config import EngineConfig
     from cluster.launch.local_group import local_plan, start_local_group
     from decode_node.speculative import DecodeSpeculator
@@ -46,7 +46,7 @@ def engine(folder: str, prompts: list, reference_path: str, out: str) -> None:
 
     refs = json.loads(Path(reference_path).read_text())
     config = EngineConfig(dtype="float32", num_blocks=96, block_size=8, enable_prefix_caching=True)
-    started, followers = start_local_group(local_plan(2, folder, "group-test", config))
+    started, followers = start_local_group(local_plan(2, folder, "group-test", config, parallel=parallel))
     eng = started.engine
 
     def tokens_and_logprobs(results: dict) -> dict:
@@ -74,9 +74,9 @@ def engine(folder: str, prompts: list, reference_path: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    mode, folder, prompts_path, *rest = sys.argv[1:]
+    mode, kind, folder, prompts_path, *rest = sys.argv[1:]
     prompt_list = json.loads(Path(prompts_path).read_text())
     if mode == "reference":
-        reference(folder, prompt_list, rest[0])
+        reference(kind, folder, prompt_list, rest[0])
     else:
-        engine(folder, prompt_list, rest[0], rest[1])
+        engine(kind, folder, prompt_list, rest[0], rest[1])

@@ -40,15 +40,26 @@ def model_folder(model_type: str, root: Path) -> Path:
     return random_model_dir(f"group-{model_type}", config, 0, root)
 
 
-def rank_parameter_bytes(folder: Path, rank: int, size: int) -> int:
-    """The bytes of rank `rank`'s share of the folder's model under mlx-lm's own `shard`."""
-    import mlx.core as mx
+def rank_parameter_bytes(folder: Path, rank: int, size: int, parallel: str = "tensor") -> int:
+    """The bytes of rank `rank`'s share of the folder's model under mlx-lm's own `shard` (tensor) or `pipeline`."""
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load_model
 
     model, _ = load_model(folder, lazy=True, strict=False)
-    model.shard(StandInGroup(rank, size))
+    if parallel == "pipeline":
+        model.model.pipeline(StandInGroup(rank, size))
+    else:
+        model.shard(StandInGroup(rank, size))
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def write_weight_index(folder: Path) -> None:
+    """The folder's `model.safetensors.index.json` (which weight is in which file), which mlx-lm's pipeline-parallel
+    `sharded_load` reads to open only a rank's files; a one-file test model has none."""
+    import mlx.core as mx
+
+    weight_map = {name: f.name for f in sorted(folder.glob("*.safetensors")) for name in mx.load(str(f))}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
 def _env() -> dict:
@@ -57,21 +68,24 @@ def _env() -> dict:
     return env
 
 
-def run_reference(folder: Path, prompts_path: Path, out: Path, size: int = 2) -> list:
-    """mlx-lm's own tensor-parallel generation on `size` ring ranks over loopback; the per-prompt results."""
+def run_reference(folder: Path, prompts_path: Path, out: Path, size: int = 2, parallel: str = "tensor") -> list:
+    """mlx-lm's own `parallel` generation on `size` ring ranks over loopback; the per-prompt results."""
+    if parallel == "pipeline":
+        write_weight_index(folder)
     hostfile = out.with_suffix(".hosts.json")
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(size)]))
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.group_driver", "reference", str(folder), str(prompts_path),
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.group_driver", "reference", parallel, str(folder),
+                               str(prompts_path),
                                str(out)], env={**_env(), "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(r)},
                               cwd=REPO) for r in range(size)]
     for p in procs:
-        assert p.wait(RUN_TIMEOUT_S) == 0, "mlx-lm's tensor-parallel reference failed"
+        assert p.wait(RUN_TIMEOUT_S) == 0, f"mlx-lm's {parallel}-parallel reference failed"
     return json.loads(out.read_text())
 
 
-def run_group(folder: Path, prompts_path: Path, reference_path: Path, out: Path) -> dict:
+def run_group(folder: Path, prompts_path: Path, reference_path: Path, out: Path, parallel: str = "tensor") -> dict:
     """mlx-pd's group of 2 local ranks over the prompts (tests/group_driver.py's `engine`); its report."""
-    proc = subprocess.run([sys.executable, "-m", "tests.group_driver", "engine", str(folder), str(prompts_path),
+    proc = subprocess.run([sys.executable, "-m", "tests.group_driver", "engine", parallel, str(folder), str(prompts_path),
                            str(reference_path), str(out)], env=_env(), cwd=REPO, timeout=RUN_TIMEOUT_S)
     assert proc.returncode == 0, "the worker group's run failed"
     return json.loads(out.read_text())

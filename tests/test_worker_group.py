@@ -1,7 +1,7 @@
-"""A worker group of two tensor-parallel ranks against mlx-lm's own tensor-parallel generation on the same ranks:
-greedy tokens equal and logprobs within 1e-3, for prompts run alone, together, again once their blocks are
-cached, and with drafts to verify; and each rank holding only its share of the weights and of the KV (a leader
-that ran the whole model would hold all of it)."""
+"""A worker group of two ranks, tensor or pipeline parallel, against mlx-lm's own generation split the same way on
+the same ranks: greedy tokens equal and logprobs within 1e-3, for prompts run alone, together, again once their
+blocks are cached, and with drafts to verify; and each rank holding only its share of the weights and of the KV
+(its heads, or its layers; a leader that ran the whole model would hold all of it)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ import pytest
 from tests.family_helpers import COMMON, CONFIGS, NEW_TOKENS, TOL, expected_kv_bytes_per_token
 from tests.group_helpers import model_folder, rank_parameter_bytes, run_group, run_reference
 
-# dense attention, routed experts, and latent attention (whose latent every rank keeps whole)
-FAMILIES = ["llama", "qwen3_moe", "deepseek_v3"]
+# tensor: dense attention, routed experts, and latent attention (whose latent every rank keeps whole);
+# pipeline: the families whose mlx-lm class can split its layers, with routed experts and with a latent
+SPLITS = [("llama", "tensor"), ("qwen3_moe", "tensor"), ("deepseek_v3", "tensor"),
+          ("qwen3_moe", "pipeline"), ("deepseek_v3", "pipeline")]
 
 
 def _prompts() -> list[list[int]]:
@@ -27,14 +29,14 @@ def models(tmp_path_factory):
     return tmp_path_factory.mktemp("group-models")
 
 
-@pytest.mark.parametrize("model_type", FAMILIES)
-def test_group_of_two_equals_mlx_lm_tensor_parallel(model_type, models, tmp_path):
+@pytest.mark.parametrize("model_type,parallel", SPLITS)
+def test_group_of_two_equals_mlx_lm_split_the_same_way(model_type, parallel, models, tmp_path):
     folder = model_folder(model_type, models)
     prompts = _prompts()
     prompts_path = tmp_path / "prompts.json"
     prompts_path.write_text(json.dumps(prompts))
-    refs = run_reference(folder, prompts_path, tmp_path / "reference.json")
-    report = run_group(folder, prompts_path, tmp_path / "reference.json", tmp_path / "group.json")
+    refs = run_reference(folder, prompts_path, tmp_path / "reference.json", parallel=parallel)
+    report = run_group(folder, prompts_path, tmp_path / "reference.json", tmp_path / "group.json", parallel)
     runs = report["runs"]
     n = len(prompts) // 2
     expected = {**{f"solo{i}": refs[i] for i in range(n)}, **{f"batch{i}": refs[i] for i in range(n, 2 * n)},
@@ -53,9 +55,13 @@ def test_group_of_two_equals_mlx_lm_tensor_parallel(model_type, models, tmp_path
     # each rank holds its share of the weights and of the KV, not the whole model
     config = {"model_type": model_type, **COMMON, **CONFIGS[model_type]}
     whole_kv = expected_kv_bytes_per_token(config) * 8 * report["num_blocks"]
-    latent = model_type == "deepseek_v3"  # every rank keeps the whole latent
+    if parallel == "pipeline":  # one of the two layers each
+        shares = [whole_kv // 2, whole_kv // 2]
+    else:  # half the heads each; every rank keeps a latent whole
+        shares = [whole_kv] * 2 if model_type == "deepseek_v3" else [whole_kv // 2] * 2
     for rank in (0, 1):
         memory = report["memory"][str(rank)]
-        assert memory["parameter_bytes"] == rank_parameter_bytes(folder, rank, 2), f"rank {rank}'s weights"
-        assert memory["kv_bytes"] == (whole_kv if latent else whole_kv // 2), f"rank {rank}'s KV"
+        assert memory["parameter_bytes"] == rank_parameter_bytes(folder, rank, 2, parallel), f"rank {rank}'s weights"
+        assert memory["parameter_bytes"] < rank_parameter_bytes(folder, 0, 1, parallel), f"rank {rank} holds it all"
+        assert memory["kv_bytes"] == shares[rank], f"rank {rank}'s KV"
     assert report["forwards"] > 0 and report["bytes_sent"][0] > 0

@@ -1,7 +1,8 @@
 """Prefill and decode between workers of different shapes: a prefill worker that is a tensor-parallel group of
-two ranks ships to a decode worker of one, a prefill worker of one to a decode group of two, and a group of two
-to a group of two with 8-bit KV. All answer greedy requests exactly as one engine alone does, and the decode group's second rank receives its share
-of the KV (half the heads), not the whole."""
+two ranks ships to a decode worker of one, a prefill worker of one to a decode group of two, a group of two to a
+group of two with 8-bit KV, and a pipeline-parallel group of two (each rank a layer) to a tensor-parallel group
+of two and back. All answer greedy requests exactly as one engine alone does, and the decode group's second rank
+receives its share of the KV (half the heads, or its layer), not the whole."""
 
 from __future__ import annotations
 
@@ -27,13 +28,15 @@ def _prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """name -> (folder, config): the llama test model (head_dim 16), and the 2-layer stand-in (head_dim 64,
-    which 8-bit KV quantizes in groups of 64)."""
+    """name -> (folder, config): the llama and qwen3_moe test models (head_dim 16; qwen3_moe's class splits its
+    layers), and the 2-layer stand-in (head_dim 64, which 8-bit KV quantizes in groups of 64)."""
     from benchmarks.reliability_long import fast_model_dir
 
     stand_in = fast_model_dir()
-    return {"llama": (model_folder("llama", tmp_path_factory.mktemp("pd-models")),
-                      {"model_type": "llama", **COMMON, **CONFIGS["llama"]}),
+    folders = tmp_path_factory.mktemp("pd-models")
+    return {"llama": (model_folder("llama", folders), {"model_type": "llama", **COMMON, **CONFIGS["llama"]}),
+            "qwen3_moe": (model_folder("qwen3_moe", folders),
+                          {"model_type": "qwen3_moe", **COMMON, **CONFIGS["qwen3_moe"]}),
             "stand-in": (stand_in, json.loads((stand_in / "config.json").read_text()))}
 
 
@@ -53,15 +56,18 @@ def _alone(folder, kv_bits, kv_group_size):
 
 
 @pytest.mark.parametrize("model,prefill_ranks,decode_ranks,kv_bits",
-                         [("llama", 2, 1, None), ("llama", 1, 2, None), ("stand-in", 2, 2, 8)],
-                         ids=["tp2-to-one", "one-to-tp2", "tp2-to-tp2-8bit-kv"])
+                         [("llama", 2, 1, None), ("llama", 1, 2, None), ("stand-in", 2, 2, 8),
+                          ("qwen3_moe", "pipeline2", 2, None), ("qwen3_moe", 2, "pipeline2", None)],
+                         ids=["tp2-to-one", "one-to-tp2", "tp2-to-tp2-8bit-kv", "pp2-to-tp2", "tp2-to-pp2"])
 def test_prefill_and_decode_across_group_shapes(models, model, prefill_ranks, decode_ranks, kv_bits, tmp_path):
     folder, config = models[model]
     group_size = 64
     workers = make_workers([("prefill-0", "prefill", []), ("decode-0", "decode", [])])
-    for w, size in zip(workers, (prefill_ranks, decode_ranks)):
-        if size > 1:
-            w["group"] = group_table(size)
+    for w, shape in zip(workers, (prefill_ranks, decode_ranks)):
+        if shape == "pipeline2":
+            w["group"] = group_table(2, parallel="pipeline")
+        elif shape > 1:
+            w["group"] = group_table(shape)
     router_port = free_ports(1)[0]
     topo = tmp_path / "topology.toml"
     topo.write_text(topology_toml(workers, router_port, model_source=str(folder),
@@ -84,9 +90,12 @@ def test_prefill_and_decode_across_group_shapes(models, model, prefill_ranks, de
     per_token = expected_kv_bytes_per_token(config) * (1 if kv_bits is None else (1 / 4 + 2 / group_size))
     shipped = sum(-(-len(p) // BLOCK) * BLOCK for p in _prompts()) * per_token
     assert prefill["kv_bytes_sent"] == decode["kv_bytes_received"] == shipped
-    group = decode if decode_ranks > 1 else prefill
+    group = decode if decode_ranks != 1 else prefill
     assert [r["rank"] for r in group["ranks"]] == [0, 1] and all(r["alive"] for r in group["ranks"])
-    if decode_ranks > 1:
-        # the blocks arrived whole at rank 0, which handed rank 1 its half of the heads (plus the steps)
+    shape = decode_ranks if decode_ranks != 1 else prefill_ranks
+    assert group["parallel"] == ("pipeline" if shape == "pipeline2" else "tensor")
+    if decode_ranks != 1:
+        # the blocks arrived whole at rank 0, which handed rank 1 its share (half the heads, or its one of the two
+        # layers) plus the steps
         sent = group["ranks"][1]["step_bytes"]
         assert shipped // 2 <= sent < shipped, (sent, shipped)

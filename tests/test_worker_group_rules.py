@@ -1,7 +1,7 @@
 """A worker group's rules, checked in this process without forming a collective: what the leader sends its
 followers (every step message survives the wire; a forward that could not be replayed on another rank is
 refused), the decode mirror key, the group's plan (a JSON round trip; each invalid field refused by name), which
-models and kinds of parallelism a group refuses, the jaccl backend refused off macOS, the heartbeats (two ranks
+models and kinds of parallelism a group refuses, how a pipeline's KV maps onto its ranks, the jaccl backend refused off macOS, the heartbeats (two ranks
 see each other and what each reports; one that stops, or never starts, is lost), and a rank's memory budget."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import time
 from types import SimpleNamespace
 
 import mlx.core as mx
+import numpy as np
 import msgspec
 import pytest
 
@@ -20,7 +21,8 @@ from cluster.config import EngineConfig
 from cluster.kv.decode_mirror import DecodeMirror
 from cluster.memory_budget import GB, check_rank_memory, check_weights
 from cluster.parallel import step_wire
-from cluster.parallel.collective import check_parallel_kind, check_tensor_parallel, join_group, ring_hostfile
+from cluster.parallel.collective import check_parallel, check_tensor_parallel, join_group, ring_hostfile
+from cluster.parallel.group_kv import KVShard
 from cluster.parallel.heartbeat import Heartbeat
 from cluster.parallel.spec import GroupPlan, RankAddress
 from cluster.ports import free_ports
@@ -131,10 +133,51 @@ def test_heads_that_do_not_split_across_the_ranks_are_refused_by_name():
     check_tensor_parallel({"num_attention_heads": 9, "num_key_value_heads": 3}, 3)
 
 
-def test_pipeline_parallelism_is_refused_by_name():
-    with pytest.raises(ValueError, match="parallel='pipeline'.*parallel='tensor'"):
-        check_parallel_kind("pipeline")
-    check_parallel_kind("tensor")
+def test_a_pipeline_needs_a_layer_per_rank_and_not_heads_that_split():
+    with pytest.raises(ValueError, match="num_hidden_layers=2 .* 3 pipeline ranks"):
+        check_parallel({"num_hidden_layers": 2, "num_attention_heads": 4}, "pipeline", 3)
+    # SmolLM2's 9 query and 3 KV heads do not split in two, its 30 layers do
+    smol = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3}
+    check_parallel(smol, "pipeline", 2)
+    with pytest.raises(ValueError, match="num_attention_heads=9"):
+        check_parallel(smol, "tensor", 2)
+    with pytest.raises(ValueError, match="parallel='expert'.*'tensor' or 'pipeline'"):
+        check_parallel(smol, "expert", 2)
+
+
+def test_a_family_whose_mlx_lm_class_cannot_split_its_layers_is_refused_by_name(tmp_path):
+    from cluster.model import load_sharded_model
+    from tests.group_helpers import StandInGroup, model_folder
+
+    with pytest.raises(ValueError, match="'llama' cannot run pipeline parallel.*parallel='tensor'"):
+        load_sharded_model(model_folder("llama", tmp_path), StandInGroup(0, 2), parallel="pipeline")
+
+
+def test_both_kinds_of_parallelism_at_once_are_refused_before_loading():
+    from cluster.launch.single_node import start_single_node_engine
+
+    with pytest.raises(ValueError, match="tensor_parallel and pipeline_parallel"):
+        start_single_node_engine("no-such-model", tensor_parallel=2, pipeline_parallel=2)
+
+
+def test_a_pipeline_shard_maps_the_whole_models_layers_to_each_ranks_pool():
+    # 5 layers on 2 ranks as mlx-lm splits them: rank 1 the first 2, rank 0 the last 3
+    shard = KVShard(0, 2, layer_counts=(3, 2))
+    assert shard.num_layers(3) == 5
+    assert shard.layers_of(1, range(0, 5)) == (range(0, 2), range(0, 2))
+    assert shard.layers_of(0, range(0, 5)) == (range(2, 5), range(0, 3))
+    assert shard.layers_of(0, range(1, 3)) == (range(2, 3), range(0, 1))
+    assert shard.layers_of(0, range(0, 2)) == (range(0), range(0))
+    whole = [np.arange(5 * 4 * 2 * 3, dtype=np.float32).reshape(5, 4, 2, 3)]  # [layers, slots, heads, d]
+    local, share = shard.share(1, range(1, 4), [whole[0][1:4]])
+    assert local == range(1, 2) and np.array_equal(share[0], whole[0][1:2])
+    local, share = shard.share(0, range(1, 4), [whole[0][1:4]])
+    assert local == range(0, 2) and np.array_equal(share[0], whole[0][2:4])
+    # tensor parallel: every layer, half the heads
+    heads = KVShard(1, 2, head_ranks=2)
+    local, share = heads.share(1, range(0, 5), whole)
+    assert local == range(0, 5) and np.array_equal(share[0], whole[0][:, :, 1:2])
+    assert KVShard(0, 2).whole and not heads.whole and not shard.whole
 
 
 @pytest.mark.skipif(sys.platform == "darwin", reason="jaccl may run on macOS")

@@ -23,8 +23,18 @@ if TYPE_CHECKING:
     from cluster.kv.store import KVStore
 
 
+NO_SEND = mx.zeros((0,))  # `LayerCacheView.keys` until a pipeline-parallel body hangs its send on it
+
+
 class LayerCacheView:
-    """mlx-lm's cache protocol for one layer over the KVStore, for one step."""
+    """mlx-lm's cache protocol for one layer over the KVStore, for one step.
+
+    `keys`: a pipeline-parallel rank's body (mlx-lm's `PipelineMixin` families) hangs the hidden state it sends
+    to the next rank on its last layer's cache (`cache[-1].keys = mx.depends(cache[-1].keys, h)`), so that
+    evaluating the KV runs the send; here it is only somewhere for that hook to land (`NO_SEND` until then): the
+    runner evaluates a pipeline rank's whole forward, its send included (cluster/runner.py)."""
+
+    keys = NO_SEND
 
     def __init__(self, store: KVStore, layer: int, batch: BatchLayout):
         self.store, self.layer, self.batch = store, layer, batch
@@ -128,3 +138,4 @@ def _gather(pool: mx.array, slots: mx.array) -> mx.array:
     """pool [S, H, D] gathered at slots [B, L] -> [B, H, L, D], made contiguous once here (measured ~10%
     faster decode on the CPU backend than handing attention the strided view)."""
     return mx.contiguous(pool[slots].transpose(0, 2, 1, 3))
+

@@ -214,19 +214,26 @@ class KVStore:
 _NUMPY_DTYPES = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16, mx.uint32: np.uint32}
 
 
-def read_shipped_blocks(store, block_ids: Sequence[int], layers: range) -> list[np.ndarray]:
-    """What the KV transfer ships of blocks `block_ids` of `layers` from any kind of store: its `read_blocks`,
-    and in a worker group whose ranks split the heads, every rank's heads (`store.ranks.gather`: one all-gather
-    across the group), shaped as in `block_array_specs`."""
-    arrays = store.read_blocks(block_ids, layers)
+def shipped_num_layers(store) -> int:
+    """The layers of any kind of store's blocks on the wire: its own, or in a worker group whose ranks hold
+    ranges of layers (pipeline parallelism) the whole model's (`store.ranks.shard`)."""
     ranks = getattr(store, "ranks", None)  # a KVStore of a worker group's leader; other kinds have none
-    return arrays if ranks is None else ranks.gather(block_ids, layers, arrays)
+    return store.spec.num_layers if ranks is None else ranks.shard.num_layers(store.spec.num_layers)
+
+
+def read_shipped_blocks(store, block_ids: Sequence[int], layers: range) -> list[np.ndarray]:
+    """What the KV transfer ships of blocks `block_ids` of `layers` (of `shipped_num_layers`) from any kind of
+    store: its `read_blocks`, and in a worker group whose ranks split the heads or the layers, every rank's share
+    (`store.ranks.read`: one all-gather across the group), shaped as in `block_array_specs`."""
+    ranks = getattr(store, "ranks", None)
+    return store.read_blocks(block_ids, layers) if ranks is None else ranks.read(store, block_ids, layers)
 
 
 def write_received_blocks(store, block_ids: Sequence[int], layers: range, arrays: Sequence[np.ndarray]) -> None:
-    """Store blocks as the KV transfer brings them (`block_array_specs`) into any kind of store (`write_blocks`);
-    in a worker group, each follower gets its share first (`store.ranks.scatter`)."""
+    """Store blocks as the KV transfer brings them (`block_array_specs`, of `shipped_num_layers`' layers) into
+    any kind of store (`write_blocks`); in a worker group, each rank gets its share (`store.ranks.write`)."""
     ranks = getattr(store, "ranks", None)
-    if ranks is not None:
-        arrays = ranks.scatter(block_ids, layers, arrays)
-    store.write_blocks(block_ids, layers, arrays)
+    if ranks is None:
+        store.write_blocks(block_ids, layers, arrays)
+    else:
+        ranks.write(store, block_ids, layers, arrays)

@@ -129,6 +129,7 @@ def _start(args: argparse.Namespace):
     name = args.served_model_name[0] if args.served_model_name else topology.model.served_name
     return start_single_node_engine(model, _engine_config(args, topology), name,
                                     tensor_parallel=getattr(args, "tensor_parallel", 1),
+                                    pipeline_parallel=getattr(args, "pipeline_parallel", 1),
                                     memory_budget_gb=getattr(args, "memory_budget_gb", None))
 
 
@@ -149,9 +150,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host = args.host or topology.router.host
     port = args.port or topology.router.port
     layout, reason = choose_layout(args.layout)
-    if args.tensor_parallel > 1:
-        layout, reason = "one-process", (f"rank 0 of a tensor-parallel group of {args.tensor_parallel} local ranks "
-                                         "leads in this process")
+    if args.tensor_parallel > 1 and args.pipeline_parallel > 1:
+        print("mlx-pd serve: --tensor-parallel and --pipeline-parallel cannot both exceed 1 (MLX's ring backend "
+              "cannot split one group in two): choose one", file=sys.stderr)
+        return 2
+    ranks = max(args.tensor_parallel, args.pipeline_parallel)
+    if ranks > 1:
+        kind = "tensor" if args.tensor_parallel > 1 else "pipeline"
+        layout, reason = "one-process", f"rank 0 of a {kind}-parallel group of {ranks} local ranks leads in this process"
     if layout == "split":
         from cluster.launch.split_serve import serve_split
 
@@ -352,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run the model across N local ranks (one process each, MLX's ring backend over "
                             "loopback), each holding 1/N of every layer's heads and of the KV (default 1; see "
                             "README, 'Worker groups')")
+    serve.add_argument("--pipeline-parallel", type=int, default=1, metavar="N",
+                       help="run the model across N local ranks each holding a range of whole layers and their KV "
+                            "(default 1; not with --tensor-parallel)")
     serve.add_argument("--memory-budget-gb", type=float, default=None, metavar="GB",
                        help="each rank's budget for weights plus KV, checked at load: a model over it is refused "
                             "(default: unchecked)")

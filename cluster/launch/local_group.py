@@ -1,5 +1,5 @@
 """A worker group of local ranks, for development and one machine with several processes' worth of memory:
-`mlx-pd serve --tensor-parallel N` leads the group in its own process (rank 0: the router and the engine) and
+`mlx-pd serve --tensor-parallel N` (or `--pipeline-parallel N`) leads the group in its own process (rank 0: the router and the engine) and
 starts ranks 1..N-1 as child processes (`python -m cluster.parallel.rank`), all over loopback with the ring
 backend. Across Macs, a group's ranks run on their own hosts (`mlx-pd up`'s placement, or by hand)."""
 
@@ -23,11 +23,11 @@ log = logging.getLogger(__name__)
 
 def local_plan(size: int, model: Optional[str], served_name: Optional[str], engine: EngineConfig,
                memory_budget_gb: Optional[float] = None, deadline_s: float = 10.0,
-               host: str = "127.0.0.1") -> GroupPlan:
-    """A tensor-parallel plan of `size` ranks on `host`, on free ports."""
+               host: str = "127.0.0.1", parallel: str = "tensor") -> GroupPlan:
+    """A plan of `size` ranks on `host`, on free ports; `parallel`: "tensor" or "pipeline"."""
     ports = free_ports(3 * size, host)
     ranks = tuple(RankAddress(host, *ports[3 * r:3 * r + 3]) for r in range(size))
-    return GroupPlan("tensor", "ring", ranks, model, served_name, engine, deadline_s=deadline_s,
+    return GroupPlan(parallel, "ring", ranks, model, served_name, engine, deadline_s=deadline_s,
                      memory_budget_gb=memory_budget_gb)
 
 

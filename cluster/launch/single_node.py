@@ -119,9 +119,10 @@ def start_in_process_worker(engine, model_source: Optional[str] = None, model_na
 
 def start_single_node_engine(model: Optional[str] = None, config: Optional[EngineConfig] = None,
                              model_name: Optional[str] = None, tensor_parallel: int = 1,
-                             memory_budget_gb: Optional[float] = None):
-    """Load the model and start the single-node worker; with `tensor_parallel` > 1 the engine is rank 0 of a
-    group of that many local ranks (cluster/launch/local_group.py). `memory_budget_gb`: each rank's budget for
+                             memory_budget_gb: Optional[float] = None, pipeline_parallel: int = 1):
+    """Load the model and start the single-node worker; with `tensor_parallel` (or `pipeline_parallel`) > 1 the
+    engine is rank 0 of a group of that many local ranks (cluster/launch/local_group.py); both at once are
+    refused (ValueError: MLX's ring backend cannot split a group). `memory_budget_gb`: each rank's budget for
     weights plus KV, checked at load (ValueError when exceeded).
 
     Returns (InProcessEngineClient, tokenizer_path). `model` is anything `cluster.model.resolve_model_path`
@@ -131,13 +132,18 @@ def start_single_node_engine(model: Optional[str] = None, config: Optional[Engin
     from cluster.load_check import checked_engine
     from cluster.model import load_model, served_model
 
+    if tensor_parallel > 1 and pipeline_parallel > 1:
+        raise ValueError("tensor_parallel and pipeline_parallel cannot both exceed 1: MLX's ring backend cannot "
+                         "split one group in two; choose one")
     config = config or EngineConfig()
     path, spec = served_model(model, model_name, config.dtype)
     started = None
-    if tensor_parallel > 1:  # rank 0 of a group of local ranks (local_group.py)
+    if max(tensor_parallel, pipeline_parallel) > 1:  # rank 0 of a group of local ranks (local_group.py)
         from cluster.launch.local_group import local_plan, start_local_group
 
-        started, _ = start_local_group(local_plan(tensor_parallel, model, model_name, config, memory_budget_gb))
+        parallel = "tensor" if tensor_parallel > 1 else "pipeline"
+        started, _ = start_local_group(local_plan(max(tensor_parallel, pipeline_parallel), model, model_name, config,
+                                                  memory_budget_gb, parallel=parallel))
         engine = started.engine
     else:
         from cluster.memory_budget import check_rank_memory, check_weights

@@ -2,7 +2,8 @@
 
 `join_group` starts MLX's distributed backend for one rank: `ring` (TCP, on any OS; its hostfile lists each
 rank's address on the group's link) or `jaccl` (RDMA over Thunderbolt 5, macOS 26.2+ only; refused by name
-elsewhere). `check_tensor_parallel` refuses, before any weight loads, what mlx-lm's `shard` would split wrongly.
+elsewhere). `check_parallel` refuses, before any weight loads, what mlx-lm's `shard` (tensor parallelism) or
+`pipeline` (pipeline parallelism) would split wrongly.
 """
 
 from __future__ import annotations
@@ -68,8 +69,22 @@ def check_tensor_parallel(config: dict, size: int) -> None:
                              f"count that divides it")
 
 
-def check_parallel_kind(parallel: str) -> None:
-    """Refuse pipeline parallelism by name: the runner's paged caches are built per layer of the whole model,
-    and a pipeline rank's model runs only its range of layers."""
-    if parallel != "tensor":
-        raise ValueError(f"parallel={parallel!r} is not served yet: use parallel='tensor'")
+def check_pipeline_parallel(config: dict, size: int) -> None:
+    """Refuse, by name, a model with fewer decoder layers than `size` pipeline ranks (mlx-lm's `pipeline` would
+    leave a rank without layers). Raises ValueError naming the field and what to do."""
+    text = config.get("text_config") or config
+    layers = text.get("num_hidden_layers") or text.get("n_layer")
+    if layers is not None and layers < size:
+        raise ValueError(f"num_hidden_layers={layers} does not split across {size} pipeline ranks: use at most "
+                         f"{layers} ranks, or parallel='tensor'")
+
+
+def check_parallel(config: dict, parallel: str, size: int) -> None:
+    """Refuse, by name, a group that mlx-lm would split wrongly: `parallel` is "tensor" (`check_tensor_parallel`)
+    or "pipeline" (`check_pipeline_parallel`). Raises ValueError naming the field."""
+    if parallel == "tensor":
+        check_tensor_parallel(config, size)
+    elif parallel == "pipeline":
+        check_pipeline_parallel(config, size)
+    else:
+        raise ValueError(f"parallel={parallel!r} is not a kind of worker group: use 'tensor' or 'pipeline'")

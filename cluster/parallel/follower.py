@@ -17,7 +17,7 @@ import numpy as np
 import zmq
 
 from cluster.parallel import step_wire
-from cluster.parallel.group_kv import gather_heads
+from cluster.parallel.group_kv import gather_whole
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +26,11 @@ class FollowerError(RuntimeError):
     """The leader's messages disagree with this rank (a different KV pool): the group cannot run."""
 
 
-def run_follower(engine, sock: zmq.Socket, group=None, poll_ms: int = 1000, leader_boot: Optional[int] = None) -> str:
+def run_follower(engine, sock: zmq.Socket, group=None, poll_ms: int = 1000, leader_boot: Optional[int] = None,
+                 shards: Optional[dict] = None) -> str:
     """Run the leader's messages from `sock` (a bound PULL socket) on `engine` until a `Stop`; returns its
-    reason. `group`: the collective (`mx.distributed.Group`) that a `Gather` joins. `leader_boot`: the boot id of
+    reason. `group`: the collective (`mx.distributed.Group`) that a `Gather` joins; `shards`: per KV cache group
+    index, how the ranks spread its blocks (`cluster.parallel.group_kv.KVShard`; a `Gather` needs it). `leader_boot`: the boot id of
     the leader this rank formed its group with; a message from any other leader (an old one, whose steps reached
     this rank's socket before it ended) is dropped, unrun (None: every message runs). Liveness is the heartbeat's
     job (cluster/parallel/heartbeat.py): this loop waits for messages without a deadline. Raises FollowerError
@@ -59,8 +61,8 @@ def run_follower(engine, sock: zmq.Socket, group=None, poll_ms: int = 1000, lead
         elif isinstance(msg, step_wire.CopyBlock):
             engine.kv.copy_block(msg.src, msg.dst)
         elif isinstance(msg, step_wire.Gather):
-            store = engine.kv.groups[msg.group].store
-            gather_heads(group, store.read_blocks(msg.block_ids, range(msg.layer_start, msg.layer_stop)))
+            gather_whole(shards[msg.group], group, engine.kv.groups[msg.group].store, msg.block_ids,
+                         range(msg.layer_start, msg.layer_stop))
         elif isinstance(msg, step_wire.WriteBlocks):
             arrays = [np.frombuffer(b, dtype=np.dtype(d)).reshape(shape)
                       for b, d, shape in zip(msg.data, msg.dtypes, msg.shapes)]

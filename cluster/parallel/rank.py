@@ -21,11 +21,12 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from cluster.parallel.collective import check_parallel_kind, check_tensor_parallel, join_group
+from cluster.parallel.collective import check_parallel, join_group
 from cluster.parallel.heartbeat import Heartbeat
 from cluster.parallel.spec import GroupPlan
 
@@ -35,8 +36,9 @@ log = logging.getLogger(__name__)
 @dataclass
 class GroupRank:
     """A started rank: its `engine` (the leader's serves; a follower's runs the leader's steps), the `group`
-    (`mx.distributed.Group`), its `heartbeat`, its `memory` (`cluster.memory_budget.RankMemory`) and, on the
-    leader, `leader` (`GroupLeader`)."""
+    (`mx.distributed.Group`), its `heartbeat`, its `memory` (`cluster.memory_budget.RankMemory`), on the
+    leader `leader` (`GroupLeader`), and `shards`: per KV cache group with blocks (by index), how the ranks
+    spread them (`cluster.parallel.group_kv.KVShard`)."""
 
     rank: int
     plan: GroupPlan
@@ -45,6 +47,7 @@ class GroupRank:
     heartbeat: Heartbeat
     memory: object
     leader: Optional[object] = None
+    shards: dict = field(default_factory=dict)
 
 
     def stats(self) -> dict:
@@ -70,29 +73,34 @@ def group_id(plan: GroupPlan) -> str:
 def start_rank(plan: GroupPlan, rank: int, heartbeat: Optional[Heartbeat] = None) -> GroupRank:
     """Bring up `rank` of `plan` (see the module docstring); the leader's engine has the followers as its
     replicas and has told them its KV pool. `heartbeat`: one already started (else started here). Raises
-    ValueError for what the group cannot serve (pipeline parallelism, heads that do not split, recurrent
-    layers, a budget exceeded), naming it; every rank raises the same."""
+    ValueError for what the group cannot serve (heads or layers that do not split, a family mlx-lm cannot split
+    that way, recurrent layers, a budget exceeded), naming it; every rank raises the same. Pipeline ranks of
+    unequal layers agree on the smallest pool's block count (block ids are shared)."""
+    from cluster.kv.plan import plan_kv
     from cluster.load_check import checked_engine
     from cluster.memory_budget import check_rank_memory, check_weights
     from cluster.model import load_sharded_model, served_model
-    from cluster.model_structure import verify_model
+    from cluster.model_structure import kv_spec, verify_model
 
-    check_parallel_kind(plan.parallel)
     if heartbeat is None:
         heartbeat = rank_heartbeat(plan, rank)
         heartbeat.start()
     config = plan.engine
     path, spec = served_model(plan.model, plan.served_name, config.dtype)
     model_config = json.loads((Path(path) / "config.json").read_text())
-    check_tensor_parallel(model_config, plan.size)
+    check_parallel(model_config, plan.parallel, plan.size)
     group = _join(plan, rank, heartbeat)
-    model, tokenizer = load_sharded_model(path, group, config.dtype)
+    model, tokenizer = load_sharded_model(path, group, config.dtype, plan.parallel)
     where = f"rank {rank} of {plan.size}"
     if plan.memory_budget_gb is not None:
         check_weights(model, plan.memory_budget_gb, where)
-    if verify_model(model).num_state_layers:
+    verified = verify_model(model)
+    if verified.num_state_layers:
         raise ValueError(f"{spec.model_id}: a model with recurrent layers is not served by a worker group yet "
                          "(their per-request state is not replicated across ranks); serve it on one rank")
+    if plan.parallel == "pipeline" and config.num_blocks is None:  # ranks of unequal layers: the smallest pool
+        config = dataclasses.replace(config, num_blocks=_fewest(group, plan_kv(kv_spec(spec, verified), config,
+                                                                            verified).num_blocks))
     leader = None
     if rank == 0:
         from cluster.parallel.leader import GroupLeader
@@ -103,16 +111,61 @@ def start_rank(plan: GroupPlan, rank: int, heartbeat: Optional[Heartbeat] = None
     heartbeat.info = memory.report()
     log.info("%s: %.1f MiB of weights, %.1f MiB of KV, peak %.1f MiB", where, memory.parameter_bytes / 2**20,
              memory.kv_bytes / 2**20, memory.peak_bytes / 2**20)
+    shards = kv_shards(plan, rank, group, engine, model_config)
+    if plan.parallel == "pipeline":
+        kinds = _gathered_kinds(group, engine.runner.verified.layer_kind_names)
+        engine.group_layer_kinds = kinds if rank == 0 else None
     if leader is not None:
-        from cluster.parallel.group_kv import GroupKV, splits_kv_heads
+        from cluster.parallel.group_kv import GroupKV
 
         leader.hello(engine.pool.num_blocks, memory.kv_bytes)
-        for index, kv_group in enumerate(engine.kv.groups):  # KV enters and leaves the group whole
-            store = getattr(kv_group, "store", None)
-            if store is not None and kv_group.pool is not None:
-                split = splits_kv_heads(model_config, store.spec.num_kv_heads, plan.size)
-                store.ranks = GroupKV(leader, group, index, split)
-    return GroupRank(rank, plan, engine, group, heartbeat, memory, leader)
+        for index, shard in shards.items():  # KV enters and leaves the group whole
+            engine.kv.groups[index].store.ranks = GroupKV(leader, group, index, shard)
+    return GroupRank(rank, plan, engine, group, heartbeat, memory, leader, shards)
+
+
+def kv_shards(plan: GroupPlan, rank: int, group, engine, model_config: dict) -> dict:
+    """How the group spreads each of `engine`'s KV cache groups with blocks (by index; see
+    `cluster.parallel.group_kv.KVShard`): tensor parallelism splits the heads (unless each rank holds the whole
+    cache, as latent attention's), pipeline parallelism the layers (the ranks' counts: one all-gather, so every
+    rank calls this at the same point)."""
+    from cluster.parallel.group_kv import KVShard, splits_kv_heads
+
+    stores = {i: g.store for i, g in enumerate(engine.kv.groups)
+              if getattr(g, "store", None) is not None and g.pool is not None}
+    if plan.parallel == "pipeline":
+        import mlx.core as mx
+        import numpy as np
+
+        own = mx.array([stores[i].spec.num_layers for i in sorted(stores)] or [0], dtype=mx.int32)
+        counts = np.array(mx.distributed.all_gather(own[None], group=group)).reshape(plan.size, -1)
+        return {i: KVShard(rank, plan.size, layer_counts=tuple(int(c) for c in counts[:, j]))
+                for j, i in enumerate(sorted(stores))}
+    return {i: KVShard(rank, plan.size, head_ranks=plan.size if splits_kv_heads(
+        model_config, store.spec.num_kv_heads, plan.size) else 1) for i, store in stores.items()}
+
+
+def _fewest(group, num_blocks: int) -> int:
+    """The fewest `num_blocks` of any rank of `group` (every rank calls it at once)."""
+    import mlx.core as mx
+
+    return int(mx.distributed.all_gather(mx.array([num_blocks], dtype=mx.int32), group=group).min().item())
+
+
+def _gathered_kinds(group, kinds: Sequence[str]) -> tuple[str, ...]:
+    """The whole model's cache slot kinds from each pipeline rank's own (`kinds`), in layer order (rank size-1's
+    first; every rank calls it at once)."""
+    import mlx.core as mx
+    import numpy as np
+
+    data = json.dumps(list(kinds)).encode()
+    sizes = np.array(mx.distributed.all_gather(mx.array([len(data)], dtype=mx.int32), group=group))
+    padded = np.frombuffer(data.ljust(int(sizes.max())), dtype=np.uint8)
+    rows = np.array(mx.distributed.all_gather(mx.array(padded)[None], group=group))
+    out: list[str] = []
+    for r in reversed(range(group.size())):
+        out += json.loads(bytes(rows[r, :int(sizes[r])]).decode())
+    return tuple(out)
 
 
 def join_timeout_s(plan: GroupPlan) -> float:
@@ -188,7 +241,8 @@ def follow(plan: GroupPlan, rank: int, on_started: Optional[Callable[[GroupRank]
         if on_started is not None:
             on_started(started)
         try:
-            reason = run_follower(started.engine, sock, started.group, leader_boot=heartbeat.formed_with[0])
+            reason = run_follower(started.engine, sock, started.group, leader_boot=heartbeat.formed_with[0],
+                                  shards=started.shards)
         except RuntimeError as exc:  # a collective failed (the leader's connection dropped): the group broke
             log.critical("rank %d: the group broke (%s): ending this rank so that the group restarts", rank, exc)
             heartbeat.on_lost(-1, 0.0)

@@ -38,7 +38,8 @@ class RankAddress:
 @dataclass(frozen=True)
 class GroupPlan:
     """One worker group. `parallel`: "tensor" (every rank holds a slice of every layer's heads and MLP) or
-    "pipeline" (a range of layers; not served yet, refused by name); `backend`: "ring" (TCP, any OS) or
+    "pipeline" (a range of whole layers: rank 0 the last ones, rank size-1 the first, as mlx-lm's `pipeline`
+    splits them); `backend`: "ring" (TCP, any OS) or
     "jaccl" (RDMA over Thunderbolt 5, macOS 26.2+ only); `ranks`: one address per rank, rank 0 leads.
     `model`/`served_name`: what `cluster.model.served_model` resolves; `engine`: the `EngineConfig` every rank
     builds. `heartbeat_s` / `deadline_s`: beat interval and how long a silent peer is tolerated (seconds).

@@ -4,8 +4,10 @@
   which logits), and the leader's decode mirror key before it (`mirror_key`): a follower whose mirror key
   differs resets its mirror, so both rebuild it alike.
 - `CopyBlock`: a prefix hit's block copy (`KVManager.copy_block`).
-- `Gather`: blocks to ship to another worker; every rank takes part in one all-gather of its heads of them.
-- `WriteBlocks`: blocks that arrived from another worker, this rank's heads of them (the leader keeps its own).
+- `Gather`: blocks to ship to another worker (layers numbered in the whole model); every rank takes part in one
+  all-gather of its share of them (its heads, or its layers).
+- `WriteBlocks`: blocks that arrived from another worker, this rank's share of them (layers numbered in its own
+  pool; the leader keeps its own share).
 - `Hello`: the leader's KV pool size, checked against the follower's own before its first step.
 - `Stop`: the group ends; the follower exits.
 
@@ -44,7 +46,7 @@ class CopyBlock(msgspec.Struct, tag="copy_block", frozen=True):
 
 
 class Gather(msgspec.Struct, tag="gather", frozen=True):
-    """Blocks `block_ids` of layers [layer_start, layer_stop) of KV cache group `group`."""
+    """Blocks `block_ids` of the whole model's layers [layer_start, layer_stop) of KV cache group `group`."""
 
     group: int
     block_ids: list[int]
@@ -53,8 +55,8 @@ class Gather(msgspec.Struct, tag="gather", frozen=True):
 
 
 class WriteBlocks(msgspec.Struct, tag="write_blocks", frozen=True):
-    """This rank's share of blocks that arrived: one (dtype name, shape, bytes) per `KVStore.array_names`
-    entry, shaped as `KVStore.read_blocks` returns them."""
+    """This rank's share of blocks that arrived, of its own pool's layers [layer_start, layer_stop): one (dtype
+    name, shape, bytes) per `KVStore.array_names` entry, shaped as `KVStore.read_blocks` returns them."""
 
     group: int
     block_ids: list[int]
