@@ -76,3 +76,29 @@ def smol_shape_model_dir(root: Optional[Path] = None, seed: int = 0) -> Path:
     cache); returns the folder. With tied random embeddings its greedy answers tend to repeat one token: fine
     for speed, weak as a check of the output text."""
     return random_model_dir(SMOL_SHAPE_NAME, SMOL_SHAPE_CONFIG, seed, root)
+
+
+# SmolLM2-135M's own shape, 9 query heads over 3 KV heads of 64, as a qwen2 (whose mlx-lm class can split its layers
+# into a pipeline; its heads do not split in two for tensor parallelism)
+SMOL_QWEN2_NAME = "smollm2-135m-shape-qwen2"
+SMOL_QWEN2_CONFIG = {**SMOL_SHAPE_CONFIG, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
+                     "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64}
+
+
+def smol_qwen2_model_dir(root: Optional[Path] = None, seed: int = 0) -> Path:
+    """A random-weight qwen2 of SmolLM2-135M's size and heads (SMOL_QWEN2_CONFIG; float32, about 540 MB), built
+    once as :func:`smol_shape_model_dir` builds its llama, with its weight index; for pipeline parallelism,
+    which mlx-lm's llama lacks."""
+    folder = random_model_dir(SMOL_QWEN2_NAME, SMOL_QWEN2_CONFIG, seed, root)
+    if not (folder / "model.safetensors.index.json").exists():
+        write_weight_index(folder)
+    return folder
+
+
+def write_weight_index(folder: Path) -> None:
+    """The folder's `model.safetensors.index.json` (which weight is in which file), which mlx-lm's pipeline-parallel
+    `sharded_load` reads to open only a rank's files; a one-file random model has none."""
+    import mlx.core as mx
+
+    weight_map = {name: f.name for f in sorted(folder.glob("*.safetensors")) for name in mx.load(str(f))}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))

@@ -3,6 +3,7 @@
     mlx-pd bench tensor-parallel --random-model fast --ranks 2 --concurrency 1,8 --out tp-fast.json
     mlx-pd bench tensor-parallel --random-model smol-shape --concurrency 1,8 --num-requests 8,32 --max-tokens 32
     mlx-pd bench tensor-parallel --model-dir DIR --targets mlx_lm.server          # mlx-lm's side alone
+    mlx-pd bench tensor-parallel --parallel pipeline --random-model smol-qwen2    # both split into layers
     mlx-pd bench tensor-parallel --random-model fast --passes 2 --pin-ranks       # ABBA passes, pinned ranks
     mlx-pd bench tensor-parallel --mlx-pd-command "{python} -m cluster.launch.cli serve --model {model} \\
         --tensor-parallel {ranks} --port {port} --log-level warning"
@@ -64,8 +65,9 @@ from cluster.ports import free_ports
 OURS, THEIRS = "mlx-pd", "mlx_lm.server"
 TARGETS = (THEIRS, OURS)  # the order they run in; ratios are OURS / THEIRS
 MLX_PD_COMMAND = "{python} -m cluster.launch.cli serve --model {model} --tensor-parallel {ranks} --port {port}"
+MLX_PD_PIPELINE_COMMAND = MLX_PD_COMMAND.replace("--tensor-parallel", "--pipeline-parallel")
 TP_FLAG = "--tensor-parallel"
-RANDOM_MODELS = ("fast", "smol-shape")
+RANDOM_MODELS = ("fast", "smol-shape", "smol-qwen2")
 CHECK_PROMPT = "Tell me about the sea."
 
 
@@ -84,7 +86,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     model.add_argument("--random-model", choices=RANDOM_MODELS, default=None,
                        help="a random-weight model built once in the mlx-pd cache: fast (2-layer stand-in, the "
                             "default) or smol-shape (SmolLM2-135M's size, 8 heads over 4 KV heads)")
-    p.add_argument("--ranks", type=int, default=2, help="tensor-parallel ranks of each target (default 2)")
+    p.add_argument("--ranks", type=int, default=2, help="ranks of each target's group (default 2)")
+    p.add_argument("--parallel", choices=("tensor", "pipeline"), default="tensor",
+                   help="how both groups split the model: tensor (default) or pipeline (mlx-pd's "
+                        "--pipeline-parallel, mlx_lm.server's --pipeline; the model's mlx-lm class must pipeline, "
+                        "e.g. --random-model smol-qwen2)")
     p.add_argument("--concurrency", type=_int_list, default=[1, 8], help="levels, like 1,8 (default 1,8)")
     p.add_argument("--num-requests", type=_int_list, default=[16, 32],
                    help="measured requests per level and target: one count, or one per level (default 16,32)")
@@ -101,7 +107,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pin-ranks", action="store_true",
                    help="run each of mlx_lm.server's ranks under taskset on its own share of the CPUs (direct "
                         "launcher); mlx-pd's side runs as its command says, so pin its ranks there too")
-    p.add_argument("--mlx-pd-command", default=MLX_PD_COMMAND,
+    p.add_argument("--mlx-pd-command", default=None,
                    help="mlx-pd's tensor-parallel server; {python} {model} {ranks} {port} are filled in "
                         f"(default: {MLX_PD_COMMAND!r})")
     p.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
@@ -126,9 +132,16 @@ def model_dir_of(args) -> str:
         from benchmarks.reliability_long import fast_model_dir
 
         return str(fast_model_dir())
-    from benchmarks.random_models import smol_shape_model_dir
+    from benchmarks.random_models import smol_qwen2_model_dir, smol_shape_model_dir
 
-    return str(smol_shape_model_dir())
+    return str(smol_qwen2_model_dir() if args.random_model == "smol-qwen2" else smol_shape_model_dir())
+
+
+def mlx_pd_command_of(args) -> str:
+    """`--mlx-pd-command`, else mlx-pd's serve with `--tensor-parallel` or `--pipeline-parallel` per `--parallel`."""
+    if args.mlx_pd_command:
+        return args.mlx_pd_command
+    return MLX_PD_PIPELINE_COMMAND if getattr(args, "parallel", "tensor") == "pipeline" else MLX_PD_COMMAND
 
 
 def parse_targets(text: str) -> list[str]:
@@ -231,10 +244,13 @@ def idle_cpu(cpu_seconds: Callable[[], float], seconds: float) -> Optional[float
 def _server(name: str, args, model_dir: str, env: dict, log_dir: str):
     """The (not yet started) server of target `name`."""
     if name == THEIRS:
-        return MlxLmTensorParallel(model_dir, args.ranks, launcher=args.launcher, name=f"{THEIRS}-tp{args.ranks}",
-                                   pin=args.pin_ranks, env=env, log_dir=log_dir, cwd=str(REPO_ROOT))
+        pipeline = getattr(args, "parallel", "tensor") == "pipeline"
+        return MlxLmTensorParallel(model_dir, args.ranks, launcher=args.launcher,
+                                   name=f"{THEIRS}-{'pp' if pipeline else 'tp'}{args.ranks}", pin=args.pin_ranks,
+                                   env=env, log_dir=log_dir, cwd=str(REPO_ROOT), pipeline=pipeline)
     port = free_ports(1)[0]
-    return ServerProcess(f"{OURS}-tp{args.ranks}", mlx_pd_argv(args.mlx_pd_command, model_dir, args.ranks, port),
+    return ServerProcess(f"{OURS}-{'pp' if getattr(args, 'parallel', 'tensor') == 'pipeline' else 'tp'}{args.ranks}",
+                         mlx_pd_argv(mlx_pd_command_of(args), model_dir, args.ranks, port),
                          port, env=env, log_dir=log_dir, cwd=str(REPO_ROOT))
 
 
@@ -274,9 +290,10 @@ def measure(name: str, args, model_dir: str, reference: Optional[str], suppress:
             server.start()
             out["ready_s"] = _ready(name, server, args.ready_deadline)
         except (RuntimeError, OSError) as exc:
-            rejected = flag_rejected(server.log_tail(50)) if name == OURS else None
+            flag = "--pipeline-parallel" if getattr(args, "parallel", "tensor") == "pipeline" else TP_FLAG
+            rejected = flag_rejected(server.log_tail(50), flag) if name == OURS else None
             out["status"], out["reason"] = ("skipped", rejected) if rejected else ("failed", str(exc))
-            log(f"{name}: {'skipped, its server rejected ' + TP_FLAG if rejected else 'failed to start'}: "
+            log(f"{name}: {'skipped, its server rejected ' + flag if rejected else 'failed to start'}: "
                 f"{rejected or exc}")
             return out
         log(f"{name}: ready after {out['ready_s']:.1f} s on {server.url} (logs: {', '.join(out['log_paths'])})")
@@ -352,10 +369,10 @@ def run(args, log=None) -> dict:
     targets = parse_targets(args.targets)
     level_counts(args.concurrency, args.num_requests)
     model_dir = model_dir_of(args)
-    why = heads_divide(model_dir, args.ranks)
+    why = heads_divide(model_dir, args.ranks) if getattr(args, "parallel", "tensor") == "tensor" else None
     if why:
         raise ValueError(f"{model_dir}: {why}")
-    mlx_pd_argv(args.mlx_pd_command, model_dir, args.ranks, 0)  # a bad placeholder fails before anything starts
+    mlx_pd_argv(mlx_pd_command_of(args), model_dir, args.ranks, 0)  # a bad placeholder fails before anything starts
     suppress = () if args.no_eos_bias else eos_token_ids(model_dir)
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p),
            **dict(args.env)}
@@ -364,7 +381,8 @@ def run(args, log=None) -> dict:
         reference = reference_text(model_dir, CHECK_PROMPT, args.check_tokens)
         log(f"single-process mlx-lm's greedy answer: {reference!r}")
     result = {"machine": machine_info(), "model_dir": model_dir, "ranks": args.ranks, "launcher": args.launcher,
-              "mlx_lm_rank_cpus": rank_cpu_sets, "mlx_pd_command": args.mlx_pd_command,
+              "mlx_lm_rank_cpus": rank_cpu_sets, "mlx_pd_command": mlx_pd_command_of(args),
+              "parallel": getattr(args, "parallel", "tensor"),
               "max_tokens": args.max_tokens, "concurrency": list(args.concurrency),
               "num_requests": level_counts(args.concurrency, args.num_requests), "rounds": args.rounds,
               "passes": args.passes, "seed": args.seed, "suppressed_token_ids": list(suppress),

@@ -178,6 +178,7 @@ def stop_tree(server: ServerProcess, grace_s: float = 10.0) -> None:
 
 class MlxLmTensorParallel:
     """mlx_lm.server on `ranks` tensor-parallel ranks on loopback, HTTP on `port` (rank 0); see the module doc.
+    `pipeline`: its `--pipeline` (each rank a range of layers) instead.
 
     The interface of benchmarks/servers.py's servers: `url`, `argv`, `log_path`, `start`, `wait_ready`,
     `memory`, `cpu_seconds`, `stop`, and a context manager that starts and stops."""
@@ -185,7 +186,7 @@ class MlxLmTensorParallel:
     def __init__(self, model_dir: str, ranks: int = 2, port: Optional[int] = None, *, launcher: str = "direct",
                  ring_ports: Optional[Sequence[int]] = None, name: str = "mlx_lm.server-tp", pin: bool = False,
                  cpus: Optional[Sequence[int]] = None, env: Optional[dict] = None, log_dir: Optional[str] = None,
-                 cwd: Optional[str] = None):
+                 cwd: Optional[str] = None, pipeline: bool = False):
         if launcher not in LAUNCHERS:
             raise ValueError(f"unknown launcher {launcher!r}; choose from {', '.join(LAUNCHERS)}")
         if ranks < 2:
@@ -196,7 +197,7 @@ class MlxLmTensorParallel:
         self.cpus = rank_cpus(ranks, cpus) if pin else None
         self.port = port if port is not None else free_ports(1)[0]
         self.dir = Path(tempfile.mkdtemp(prefix="mlx-pd-bench-tp-"))
-        server = mlx_lm_command(self.port, model_dir)
+        server = mlx_lm_command(self.port, model_dir) + (["--pipeline"] if pipeline else [])
         kw = {"env": env, "log_dir": log_dir, "cwd": cwd}
         if launcher == "direct":
             ports = list(ring_ports) if ring_ports is not None else free_ports(ranks)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.random_models import write_weight_index
 from cluster.ports import free_ports
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,15 +52,6 @@ def rank_parameter_bytes(folder: Path, rank: int, size: int, parallel: str = "te
     else:
         model.shard(StandInGroup(rank, size))
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-
-
-def write_weight_index(folder: Path) -> None:
-    """The folder's `model.safetensors.index.json` (which weight is in which file), which mlx-lm's pipeline-parallel
-    `sharded_load` reads to open only a rank's files; a one-file test model has none."""
-    import mlx.core as mx
-
-    weight_map = {name: f.name for f in sorted(folder.glob("*.safetensors")) for name in mx.load(str(f))}
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
 def _env() -> dict:

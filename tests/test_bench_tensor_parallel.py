@@ -72,7 +72,10 @@ def test_the_options_and_their_defaults():
     a = p.parse_args([])
     assert (a.ranks, a.concurrency, a.num_requests, a.launcher, a.targets, a.passes) == (
         2, [1, 8], [16, 32], "direct", "mlx_lm.server,mlx-pd", 1)
-    assert a.mlx_pd_command == tp_compare.MLX_PD_COMMAND and a.env == [] and not a.pin_ranks
+    assert tp_compare.mlx_pd_command_of(a) == tp_compare.MLX_PD_COMMAND and a.env == [] and not a.pin_ranks
+    a = p.parse_args(["--parallel", "pipeline", "--random-model", "smol-qwen2"])
+    assert "--pipeline-parallel {ranks}" in tp_compare.mlx_pd_command_of(a)
+    assert tp_compare.mlx_pd_command_of(p.parse_args(["--parallel", "pipeline", "--mlx-pd-command", "x {port}"])) == "x {port}"
     a = p.parse_args(["--random-model", "smol-shape", "--concurrency", "1,4,8", "--num-requests", "8",
                       "--env", "OMP_NUM_THREADS=1", "--env", "A_B=x=y", "--launcher", "mlx.launch"])
     assert (a.random_model, a.concurrency, a.num_requests, a.env) == (
