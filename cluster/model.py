@@ -164,6 +164,37 @@ def load_model(path: Path, dtype: str = "float32"):
     return model, tokenizer
 
 
+def split_of(model, config: dict, parallel: str):
+    """The call that splits `model` (an mlx-lm model, loaded lazily) for one rank of a group: `model.shard`
+    (parallel="tensor") or its body's `pipeline` ("pipeline"), each taking the `mx.distributed.Group`. Raises
+    ValueError naming the `model_type` whose mlx-lm class cannot be split that way, and what to use instead."""
+    from cluster.model_structure import body_of, text_model
+
+    kind = config.get("model_type")
+    if parallel == "pipeline":
+        _, body = body_of(text_model(model))
+        if not hasattr(body, "pipeline"):
+            raise ValueError(f"model_type {kind!r} cannot run pipeline parallel: mlx-lm's class for it has no "
+                             "pipeline(); use tensor parallelism (--tensor-parallel N, or parallel = 'tensor' in the "
+                             "topology) or one rank")
+        return body.pipeline
+    if not hasattr(model, "shard"):
+        raise ValueError(f"model_type {kind!r} cannot run tensor parallel: mlx-lm's class for it has no shard(); "
+                         "use pipeline parallelism (--pipeline-parallel N, or parallel = 'pipeline' in the "
+                         "topology) or one rank")
+    return model.shard
+
+
+def check_splittable(path: Path, parallel: str) -> None:
+    """Refuse, before any rank starts, a model folder whose mlx-lm class cannot be split as `parallel` says
+    (`split_of`; the weights are opened lazily, not read). Raises ValueError naming it."""
+    from mlx_lm.utils import load_model as load_lazy
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    model, _ = load_lazy(Path(path), lazy=True, strict=False)
+    split_of(model, config, parallel)
+
+
 def load_sharded_model(path: Path, group, dtype: str = "float32", parallel: str = "tensor"):
     """Load (model, tokenizer) as `load_model` does, but only this rank's share of the weights: the model is built
     lazily (mlx-lm's `load_model(lazy=True)`) and sliced, under `parallel="tensor"` by `model.shard(group)` (heads
@@ -185,17 +216,7 @@ def load_sharded_model(path: Path, group, dtype: str = "float32", parallel: str 
     check_config(config)
     t0 = time.monotonic()
     model, _ = load_lazy(Path(path), lazy=True, strict=False)
-    if parallel == "pipeline":
-        _, body = body_of(text_model(model))
-        if not hasattr(body, "pipeline"):
-            raise ValueError(f"model_type {config.get('model_type')!r} cannot run pipeline parallel: mlx-lm's "
-                             f"class for it has no pipeline(); use parallel='tensor' or one rank")
-        body.pipeline(group)
-    elif not hasattr(model, "shard"):
-        raise ValueError(f"model_type {config.get('model_type')!r} cannot run tensor parallel: mlx-lm's class for "
-                         f"it has no shard(); use parallel='pipeline' or one rank")
-    else:
-        model.shard(group)
+    split_of(model, config, parallel)(group)
     target = getattr(mx, dtype)
 
     def cast(module) -> None:
@@ -209,7 +230,11 @@ def load_sharded_model(path: Path, group, dtype: str = "float32", parallel: str 
     cast(model)  # what no layer holds: embeddings, the final norm, the head
     mx.eval(model.state)
     mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))  # every rank has loaded
-    logger.info("loaded rank %d/%d's share of %s in %.1f s", group.rank(), group.size(), Path(path).name,
+    layers = ""
+    if parallel == "pipeline":  # which of the model's layers this rank runs (rank size-1 the first)
+        body = body_of(text_model(model))[1]
+        layers = f" (layers {body.start_idx}..{body.end_idx - 1})"
+    logger.info("loaded rank %d/%d's share of %s%s in %.1f s", group.rank(), group.size(), Path(path).name, layers,
                 time.monotonic() - t0)
     return model, load_tokenizer_of(Path(path), eos_token_ids=config.get("eos_token_id"))
 

@@ -34,7 +34,7 @@ Cluster form (`mlx-pd up FILE`; see topologies/local-1p1d.toml and lab-example.t
     [workers.engine]                     # overrides of [engine] for this worker (not the KV format)
     kv_cache_gb = 4
     [workers.group]                      # optional: the worker is a group of ranks (WorkerGroup)
-    parallel = "tensor"
+    parallel = "tensor"                  # or "pipeline" (each rank a range of whole layers)
     backend = "ring"                     # or "jaccl" (RDMA over Thunderbolt 5, macOS 26.2+)
     ranks = [{ host = "127.0.0.1", ring_port = 5610, step_port = 5611, heartbeat_port = 5612 },
              { host = "10.0.0.3", ring_port = 5610, step_port = 5611, heartbeat_port = 5612,

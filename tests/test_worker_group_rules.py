@@ -149,8 +149,18 @@ def test_a_family_whose_mlx_lm_class_cannot_split_its_layers_is_refused_by_name(
     from cluster.model import load_sharded_model
     from tests.group_helpers import StandInGroup, model_folder
 
-    with pytest.raises(ValueError, match="'llama' cannot run pipeline parallel.*parallel='tensor'"):
-        load_sharded_model(model_folder("llama", tmp_path), StandInGroup(0, 2), parallel="pipeline")
+    from cluster.launch.local_group import local_plan
+    from cluster.parallel.rank import check_group
+
+    folder = model_folder("llama", tmp_path)
+    with pytest.raises(ValueError, match="'llama' cannot run pipeline parallel.*--tensor-parallel N"):
+        load_sharded_model(folder, StandInGroup(0, 2), parallel="pipeline")
+    # what `serve --pipeline-parallel 2` checks before it starts any rank
+    with pytest.raises(ValueError, match="'llama' cannot run pipeline parallel"):
+        check_group(local_plan(2, str(folder), None, EngineConfig(), parallel="pipeline"))
+    with pytest.raises(ValueError, match="num_hidden_layers=2 .* 3 pipeline ranks"):
+        check_group(local_plan(3, str(model_folder("qwen3_moe", tmp_path)), None, EngineConfig(), parallel="pipeline"))
+    assert check_group(local_plan(2, str(folder), None, EngineConfig()))["model_type"] == "llama"
 
 
 def test_both_kinds_of_parallelism_at_once_are_refused_before_loading():

@@ -150,6 +150,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host = args.host or topology.router.host
     port = args.port or topology.router.port
     layout, reason = choose_layout(args.layout)
+    if args.tensor_parallel < 1 or args.pipeline_parallel < 1:
+        print("mlx-pd serve: --tensor-parallel and --pipeline-parallel count ranks: give 1 (one rank, the default) "
+              "or more", file=sys.stderr)
+        return 2
     if args.tensor_parallel > 1 and args.pipeline_parallel > 1:
         print("mlx-pd serve: --tensor-parallel and --pipeline-parallel cannot both exceed 1 (MLX's ring backend "
               "cannot split one group in two): choose one", file=sys.stderr)
@@ -359,8 +363,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "loopback), each holding 1/N of every layer's heads and of the KV (default 1; see "
                             "README, 'Worker groups')")
     serve.add_argument("--pipeline-parallel", type=int, default=1, metavar="N",
-                       help="run the model across N local ranks each holding a range of whole layers and their KV "
-                            "(default 1; not with --tensor-parallel)")
+                       help="run the model across N local ranks, each holding a range of whole layers and their "
+                            "KV: more memory, not more speed (default 1; not with --tensor-parallel). For families "
+                            "whose mlx-lm class can pipeline (qwen2, qwen3_moe, deepseek_v2/v3, glm4_moe, ...; not "
+                            "llama), at most one rank per layer; see README, 'Worker groups'")
     serve.add_argument("--memory-budget-gb", type=float, default=None, metavar="GB",
                        help="each rank's budget for weights plus KV, checked at load: a model over it is refused "
                             "(default: unchecked)")

@@ -67,9 +67,11 @@ class LocalFollowers:
 
 def start_local_group(plan: GroupPlan):
     """Start ranks 1.. of `plan` as children, then rank 0 here; returns (rank 0's `GroupRank`, the
-    `LocalFollowers`). Raises ValueError for what the group cannot serve (every rank refuses alike)."""
-    from cluster.parallel.rank import start_rank
+    `LocalFollowers`). Raises ValueError for what the group cannot serve: what the model's config and class
+    tell is refused here, before any child starts (`check_group`); the rest, every rank refuses alike."""
+    from cluster.parallel.rank import check_group, start_rank
 
+    check_group(plan)
     followers = LocalFollowers(plan)
     started = start_rank(plan, 0)
 

@@ -76,7 +76,7 @@ def check_pipeline_parallel(config: dict, size: int) -> None:
     layers = text.get("num_hidden_layers") or text.get("n_layer")
     if layers is not None and layers < size:
         raise ValueError(f"num_hidden_layers={layers} does not split across {size} pipeline ranks: use at most "
-                         f"{layers} ranks, or parallel='tensor'")
+                         f"{layers} ranks, or tensor parallelism")
 
 
 def check_parallel(config: dict, parallel: str, size: int) -> None:

@@ -70,6 +70,19 @@ def group_id(plan: GroupPlan) -> str:
     return f"{r.host}:{r.ring_port}"
 
 
+def check_group(plan: GroupPlan) -> dict:
+    """Refuse, before joining, a group that cannot split its model: by the config (`check_parallel`: heads or
+    layers) and by the family's mlx-lm class (`cluster.model.check_splittable`). Returns the model's config.
+    Raises ValueError naming what to change."""
+    from cluster.model import check_splittable, served_model
+
+    path, _ = served_model(plan.model, plan.served_name, plan.engine.dtype)
+    model_config = json.loads((Path(path) / "config.json").read_text())
+    check_parallel(model_config, plan.parallel, plan.size)
+    check_splittable(path, plan.parallel)
+    return model_config
+
+
 def start_rank(plan: GroupPlan, rank: int, heartbeat: Optional[Heartbeat] = None) -> GroupRank:
     """Bring up `rank` of `plan` (see the module docstring); the leader's engine has the followers as its
     replicas and has told them its KV pool. `heartbeat`: one already started (else started here). Raises
@@ -87,8 +100,7 @@ def start_rank(plan: GroupPlan, rank: int, heartbeat: Optional[Heartbeat] = None
         heartbeat.start()
     config = plan.engine
     path, spec = served_model(plan.model, plan.served_name, config.dtype)
-    model_config = json.loads((Path(path) / "config.json").read_text())
-    check_parallel(model_config, plan.parallel, plan.size)
+    model_config = check_group(plan)
     group = _join(plan, rank, heartbeat)
     model, tokenizer = load_sharded_model(path, group, config.dtype, plan.parallel)
     where = f"rank {rank} of {plan.size}"
@@ -264,7 +276,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     plan = GroupPlan.from_json(Path(args.plan).read_text())
     if not 0 < args.rank < plan.size:
         p.error(f"rank {args.rank} is not a follower of a group of {plan.size} (1..{plan.size - 1})")
-    return follow(plan, args.rank)
+    try:
+        return follow(plan, args.rank)
+    except ValueError as exc:  # what the group cannot serve: every rank refuses it alike, the leader says so
+        log.error("rank %d: %s", args.rank, exc)
+        return 2
 
 
 if __name__ == "__main__":
