@@ -453,7 +453,7 @@ def tables(result: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                      fmt_ratio(r["output_throughput"]), fmt_ms(theirs and theirs["ttft_s_p50"]),
                      fmt_ms(ours and ours["ttft_s_p50"]), fmt_ratio(r["ttft_s_p50"])])
     passes = result.get("passes", 1)
-    title = (f"Tensor parallel, {result['ranks']} ranks on loopback, {Path(result['model_dir']).name}, "
+    title = (f"{result.get('parallel', 'tensor').capitalize()} parallel, {result['ranks']} ranks on loopback, {Path(result['model_dir']).name}, "
              f"{result['max_tokens']} output tokens a request, " + (f"medians over {passes} passes (ABBA), "
                                                                     if passes > 1 else "")
              + f"ratios {OURS} / {THEIRS} (tok/s: higher is better, TTFT: lower)")
