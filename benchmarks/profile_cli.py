@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -99,7 +100,7 @@ def run(args) -> dict:
         model_dir = resolve_model_path(args.model or topo_model, dtype=engine_config.dtype)
         raw = run_url_profile(args.url, cfg, model_dir, engine_config.dtype, engine_config.kv_cache_gb,
                               engine_config.block_size, engine_config.kv_bits, engine_config.kv_group_size,
-                              progress=not args.no_progress)
+                              api_key=os.environ.get("MLX_PD_API_KEY"), progress=not args.no_progress)
     else:
         raw = profile.run_engine_profile(cfg, engine_config, args.model or topo_model, progress=not args.no_progress,
                                          log=log)

@@ -11,7 +11,9 @@ router, prefill worker, KV transfer and decode worker together), or mlx_lm.serve
 - Decode: `batch` concurrent streams of ``--decode-steps`` + 1 tokens; tokens/s = the sum over streams of
   (output tokens - 1) / (e2e - TTFT), i.e. each stream's decode rate while they run together.
 - The model facts (parameters, KV bytes per token) come from the local model folder's config.json and
-  safetensors headers, the KV pool from ``--kv-cache-gb`` (the server's is not visible over HTTP).
+  safetensors headers. The KV pool is the server's own where it tells (an mlx-pd server's dashboard state,
+  `served_workers`: each worker's blocks and, for a worker group, each rank's weights, KV and peak bytes),
+  else assumed from ``--kv-cache-gb``.
 """
 
 from __future__ import annotations
@@ -122,14 +124,40 @@ def run_url_profile(url: str, cfg: ProfileConfig, model_dir: Path, dtype: str = 
     kv_token = roofline.kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, per_value, kv_bits,
                                            kv_group_size)
     params = safetensors_params(Path(model_dir))
-    return {"mode": "url", "url": url, "config": asdict(cfg),
+    pool = {"usable_blocks": int(kv_cache_gb * 2**30 // (kv_token * block_size)), "block_size": block_size,
+            "bytes": int(kv_cache_gb * 2**30), "assumed": True}
+    workers = served_workers(url, api_key) or []
+    reported = [w for w in workers if w.get("kv_blocks_total")]
+    if reported:  # the server's own pool: its first worker that reports one (a decode worker's, in a cluster)
+        first = next((w for w in reported if w.get("role") == "decode"), reported[0])
+        pool = {"usable_blocks": int(first["kv_blocks_total"]), "block_size": int(first["kv_block_size"]),
+                "bytes": None, "assumed": False, "worker": first.get("name")}
+    return {"mode": "url", "url": url, "config": asdict(cfg), "workers": workers,
             "model": {"name": spec.model_id, "path": str(model_dir), "dtype": dtype, "layers": spec.num_layers,
                       "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "kv_bits": kv_bits,
                       "kv_group_size": kv_group_size, "max_model_len": spec.max_model_len,
                       "kv_bytes_per_token": kv_token, **params, "param_bytes": params["params_total"] * per_value},
-            "kv_pool": {"usable_blocks": int(kv_cache_gb * 2**30 // (kv_token * block_size)),
-                        "block_size": block_size, "bytes": int(kv_cache_gb * 2**30), "assumed": True},
-            **raw}
+            "kv_pool": pool, **raw}
+
+
+def served_workers(url: str, api_key: Optional[str] = None, client=None) -> Optional[list[dict]]:
+    """The workers an mlx-pd server reports (its dashboard state, router/dashboard.py): per worker its name,
+    role, blocks, and for a worker group `parallel` and `ranks` (each rank's weights, KV and peak bytes); None
+    from any other server, or when the state cannot be read (no key, an error). `client`: an `httpx.Client` to
+    use (tests)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        with (client or httpx.Client(timeout=10.0)) as c:
+            r = c.get(url.rstrip("/") + "/dashboard/api/state", headers=headers)
+        workers = r.json().get("workers") if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    if not isinstance(workers, list):
+        return None
+    keep = ("name", "role", "kv_blocks_total", "kv_block_size", "parallel", "ranks")
+    return [{k: w.get(k) for k in keep} for w in workers if isinstance(w, dict)]
 
 
 def _bucket(samples: list[dict]) -> None:

@@ -57,12 +57,30 @@ def summary_lines(p: dict) -> list[str]:
           f"{m['head_dim']} x {bits}")
     pool = p["kv_pool"]
     cap = ", ".join(f"{c['sequences']} at {c['context']:,}" for c in p.get("capacity", []))
-    where = "assumed" if pool.get("assumed") else "this engine's"
+    where = "assumed" if pool.get("assumed") else f"{pool['worker']}'s" if pool.get("worker") else "this engine's"
     lines = [f"model: {m['name']} ({m['dtype']}), {m['params_total'] / 1e6:.1f} M parameters "
              f"({m['params_matmul'] / 1e6:.1f} M in matmuls), {m['param_bytes'] / 1e6:.0f} MB of weights",
              f"peak: {pk['flops'] / 1e12:.3g} TFLOP/s, {pk['bandwidth_bytes_per_s'] / 1e9:.3g} GB/s ({pk['source']})",
              kv, f"capacity ({where} KV pool, {pool['usable_blocks']:,} blocks of {pool['block_size']} = "
                  f"{pool['usable_blocks'] * pool['block_size']:,} tokens): sequences per context length: {cap}"]
+    return lines + rank_lines(p.get("workers") or [])
+
+
+def rank_lines(workers: list[dict]) -> list[str]:
+    """One line per rank of each worker group the server reported (`profile_http.served_workers`): where it
+    runs, whether its leader hears it, and its weights, KV pool and MLX peak (MiB)."""
+    lines = []
+    for w in workers:
+        ranks = w.get("ranks") or []
+        if not ranks:
+            continue
+        lines.append(f"{w['name']} ({w['role']}): a {w.get('parallel') or 'tensor'}-parallel group of {len(ranks)} "
+                     "ranks, each holding its share of the weights and of the KV")
+        for r in ranks:
+            mib = {k: r.get(k, 0) / 2**20 for k in ("parameter_bytes", "kv_bytes", "peak_bytes")}
+            lines.append(f"  rank {r['rank']} @ {r['host']}{'' if r.get('alive') else ' (not heard)'}: weights "
+                         f"{mib['parameter_bytes']:,.1f} MiB, KV {mib['kv_bytes']:,.1f} MiB, peak "
+                         f"{mib['peak_bytes']:,.1f} MiB")
     return lines
 
 

@@ -17,7 +17,7 @@ and the router's own history (router/dashboard_history.py). The page polls it ev
                    kv_bytes_sent / kv_bytes_received (counters since it started), transfers_inflight (KV transfers
                    under way), kv_groups (its KV cache groups: {"group", and the figures the group has of
                    blocks_total, blocks_free, entries, bytes_used, budget_bytes, restores, bytes_sent,
-                   bytes_received}, cluster/stats.py); parallel ("tensor" for a worker that is a group of ranks,
+                   bytes_received}, cluster/stats.py); parallel ("tensor" or "pipeline" for a worker that is a group of ranks,
                    "" otherwise) and ranks (a group's ranks, rank 0 first: {"rank", "host", "alive" (its heartbeat,
                    as the leader last heard it), "parameter_bytes", "kv_bytes", "peak_bytes", "step_bytes"}; [] for
                    one process); from the history: tokens_per_s and kv_bytes_per_s (counter deltas over the last

@@ -181,3 +181,43 @@ def test_url_mode_against_a_fake_server_with_known_prefill_curve():
     assert p["model"]["params_total"] == 134_515_008 and p["kv_pool"]["assumed"]
     d1, d4 = p["decode"]
     assert 0.5 / gap < d1["tokens_per_s"] < 1.1 / gap and 2.0 / gap < d4["tokens_per_s"] < 4.4 / gap
+
+
+def test_url_mode_reads_an_mlx_pd_servers_own_pool_and_each_ranks_memory():
+    import httpx
+
+    from benchmarks.profile_http import served_workers
+    from benchmarks.profile_report import rank_lines
+
+    mib = 2**20
+    ranks = [{"rank": 0, "host": "10.0.0.2", "alive": True, "parameter_bytes": 50 * mib, "kv_bytes": 512 * mib,
+              "peak_bytes": 600 * mib, "step_bytes": 10},
+             {"rank": 1, "host": "10.0.0.3", "alive": False, "parameter_bytes": 48 * mib, "kv_bytes": 512 * mib,
+              "peak_bytes": 590 * mib, "step_bytes": 10}]
+    state = {"workers": [
+        {"name": "prefill-0", "role": "prefill", "kv_blocks_total": 100, "kv_block_size": 32, "parallel": "",
+         "ranks": []},
+        {"name": "decode-0", "role": "decode", "kv_blocks_total": 500, "kv_block_size": 32, "parallel": "pipeline",
+         "ranks": ranks, "running": 3}]}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/dashboard/api/state":
+            return httpx.Response(404)
+        if request.headers.get("authorization") != "Bearer key-1":
+            return httpx.Response(401, json={"error": {"message": "log in"}})
+        return httpx.Response(200, json=state)
+
+    def client():
+        return httpx.Client(transport=httpx.MockTransport(handler))
+
+    workers = served_workers("http://router:8000/", "key-1", client())
+    assert [w["name"] for w in workers] == ["prefill-0", "decode-0"] and "running" not in workers[1]
+    lines = rank_lines(workers)  # the one-process prefill worker has no ranks to list
+    assert lines == [
+        "decode-0 (decode): a pipeline-parallel group of 2 ranks, each holding its share of the weights and of the KV",
+        "  rank 0 @ 10.0.0.2: weights 50.0 MiB, KV 512.0 MiB, peak 600.0 MiB",
+        "  rank 1 @ 10.0.0.3 (not heard): weights 48.0 MiB, KV 512.0 MiB, peak 590.0 MiB"]
+    # without the key, or from a server that is not mlx-pd (no dashboard), the pool stays assumed
+    assert served_workers("http://router:8000", None, client()) is None
+    assert served_workers("http://x", None, httpx.Client(transport=httpx.MockTransport(
+        lambda r: httpx.Response(404)))) is None
