@@ -3,9 +3,11 @@
 - `reference PARALLEL FOLDER PROMPTS OUT`, on every rank of a ring group (MLX_HOSTFILE, MLX_RANK): mlx-lm's own
   tensor- or pipeline-parallel generation (`sharded_load`, `generate_step`) of each prompt alone; rank 0 writes
   {"tokens", "logprobs"} per prompt.
-- `engine PARALLEL FOLDER PROMPTS REFERENCE OUT`: rank 0 of a local group of 2 (rank 1 a child process), whose engine
-  runs the prompts alone, together, again after their blocks are cached, and with drafts to verify; writes
-  each run's tokens and logprobs, both ranks' memory and what the leader sent.
+- `engine PARALLEL[:SIZE] FOLDER PROMPTS REFERENCE OUT`: rank 0 of a local group of SIZE (default 2; the other
+  ranks child processes), whose engine runs the prompts alone, together, again after their blocks are cached,
+  and with drafts to verify; writes each run's tokens and logprobs, every rank's memory and what the leader
+  sent. A group of more than 2 sizes its pool by bytes (`kv_cache_gb`), so ranks of unequal layers must agree
+  on a block count; one of 2 has a fixed `num_blocks`.
 """
 
 from __future__ import annotations
@@ -45,8 +47,11 @@ def engine(parallel: str, folder: str, prompts: list, reference_path: str, out: 
     from tests.family_helpers import ReferenceDrafter, request
 
     refs = json.loads(Path(reference_path).read_text())
-    config = EngineConfig(dtype="float32", num_blocks=96, block_size=8, enable_prefix_caching=True)
-    started, followers = start_local_group(local_plan(2, folder, "group-test", config, parallel=parallel))
+    parallel, _, size = parallel.partition(":")
+    size = int(size or 2)
+    pool = {"num_blocks": 96} if size == 2 else {"kv_cache_gb": 0.002}
+    config = EngineConfig(dtype="float32", block_size=8, enable_prefix_caching=True, **pool)
+    started, followers = start_local_group(local_plan(size, folder, "group-test", config, parallel=parallel))
     eng = started.engine
 
     def tokens_and_logprobs(results: dict) -> dict:
@@ -65,9 +70,10 @@ def engine(parallel: str, folder: str, prompts: list, reference_path: str, out: 
         request(f"spec{i}", p, speculative_method="prompt_lookup", num_draft_tokens=3)
         for i, p in enumerate(prompts)]))
     deadline = time.monotonic() + 10
-    while not started.heartbeat.peer_info.get(1) and time.monotonic() < deadline:
+    while not all(started.heartbeat.peer_info.get(r) for r in range(1, size)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    report = {"runs": runs, "memory": {"0": started.memory.report(), "1": started.heartbeat.peer_info.get(1)},
+    memory = {str(r): started.heartbeat.peer_info.get(r) for r in range(1, size)}
+    report = {"runs": runs, "memory": {"0": started.memory.report(), **memory},
               "forwards": started.leader.num_forwards, "bytes_sent": started.leader.bytes_sent,
               "num_blocks": eng.pool.num_blocks}
     Path(out).write_text(json.dumps(report))

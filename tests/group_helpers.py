@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 from benchmarks.random_models import write_weight_index
 from cluster.ports import free_ports
@@ -32,13 +33,16 @@ class StandInGroup:
         return self._size
 
 
-def model_folder(model_type: str, root: Path) -> Path:
-    """The family's test model (tests/family_helpers.py's config) as an mlx-lm folder under `root`."""
+def model_folder(model_type: str, root: Path, layers: Optional[int] = None) -> Path:
+    """The family's test model (tests/family_helpers.py's config; `layers` decoder layers instead of its own) as
+    an mlx-lm folder under `root`."""
     from benchmarks.random_models import random_model_dir
     from tests.family_helpers import COMMON, CONFIGS
 
     config = {"model_type": model_type, **COMMON, **CONFIGS[model_type]}
-    return random_model_dir(f"group-{model_type}", config, 0, root)
+    if layers is not None:
+        config["num_hidden_layers"] = layers
+    return random_model_dir(f"group-{model_type}{'' if layers is None else f'-{layers}l'}", config, 0, root)
 
 
 def rank_parameter_bytes(folder: Path, rank: int, size: int, parallel: str = "tensor") -> int:
@@ -75,9 +79,11 @@ def run_reference(folder: Path, prompts_path: Path, out: Path, size: int = 2, pa
     return json.loads(out.read_text())
 
 
-def run_group(folder: Path, prompts_path: Path, reference_path: Path, out: Path, parallel: str = "tensor") -> dict:
-    """mlx-pd's group of 2 local ranks over the prompts (tests/group_driver.py's `engine`); its report."""
-    proc = subprocess.run([sys.executable, "-m", "tests.group_driver", "engine", parallel, str(folder), str(prompts_path),
+def run_group(folder: Path, prompts_path: Path, reference_path: Path, out: Path, parallel: str = "tensor",
+              size: int = 2) -> dict:
+    """mlx-pd's group of `size` local ranks over the prompts (tests/group_driver.py's `engine`); its report."""
+    proc = subprocess.run([sys.executable, "-m", "tests.group_driver", "engine", f"{parallel}:{size}", str(folder),
+                           str(prompts_path),
                            str(reference_path), str(out)], env=_env(), cwd=REPO, timeout=RUN_TIMEOUT_S)
     assert proc.returncode == 0, "the worker group's run failed"
     return json.loads(out.read_text())

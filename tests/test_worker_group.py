@@ -65,3 +65,25 @@ def test_group_of_two_equals_mlx_lm_split_the_same_way(model_type, parallel, mod
         assert memory["parameter_bytes"] < rank_parameter_bytes(folder, 0, 1, parallel), f"rank {rank} holds it all"
         assert memory["kv_bytes"] == shares[rank], f"rank {rank}'s KV"
     assert report["forwards"] > 0 and report["bytes_sent"][0] > 0
+
+
+def test_three_pipeline_ranks_of_unequal_layers_equal_mlx_lm_split_the_same_way(models, tmp_path):
+    """5 layers over 3 ranks split as mlx-lm splits them (2, 2, 1; rank 2 the first layer): the ranks' pools,
+    sized by bytes, agree on the fewest blocks any of them holds, and each holds its layers' KV of them."""
+    folder = model_folder("qwen3_moe", models, layers=5)
+    prompts = _prompts()
+    prompts_path = tmp_path / "prompts.json"
+    prompts_path.write_text(json.dumps(prompts))
+    refs = run_reference(folder, prompts_path, tmp_path / "reference.json", size=3, parallel="pipeline")
+    report = run_group(folder, prompts_path, tmp_path / "reference.json", tmp_path / "group.json", "pipeline", 3)
+    for run in report["runs"].values():
+        for rid, got in run.items():
+            ref = refs[int(rid.lstrip("solobatchcachedspec"))]
+            assert got["tokens"] == ref["tokens"], rid
+            assert np.allclose(got["logprobs"], ref["logprobs"], atol=TOL, rtol=0), rid
+    config = {"model_type": "qwen3_moe", **COMMON, **CONFIGS["qwen3_moe"], "num_hidden_layers": 5}
+    per_layer = expected_kv_bytes_per_token(config) // 5 * 8 * report["num_blocks"]
+    for rank, layers in enumerate((2, 2, 1)):
+        memory = report["memory"][str(rank)]
+        assert memory["kv_bytes"] == per_layer * layers, f"rank {rank}'s KV"
+        assert memory["parameter_bytes"] == rank_parameter_bytes(folder, rank, 3, "pipeline"), f"rank {rank}"

@@ -1,8 +1,9 @@
 """Prefill and decode between workers of different shapes: a prefill worker that is a tensor-parallel group of
 two ranks ships to a decode worker of one, a prefill worker of one to a decode group of two, a group of two to a
-group of two with 8-bit KV, and a pipeline-parallel group of two (each rank a layer) to a tensor-parallel group
-of two and back. All answer greedy requests exactly as one engine alone does, and the decode group's second rank
-receives its share of the KV (half the heads, or its layer), not the whole."""
+group of two with 8-bit KV, a pipeline-parallel group of two (each rank a layer) to a tensor-parallel group of
+two, and a pipeline of three ranks of unequal layers (5 layers as 2, 2, 1) to a tensor-parallel group and back.
+All answer greedy requests exactly as one engine alone does, and the decode group's second rank receives its
+share of the KV (half the heads, or its layers), not the whole."""
 
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ def models(tmp_path_factory):
     return {"llama": (model_folder("llama", folders), {"model_type": "llama", **COMMON, **CONFIGS["llama"]}),
             "qwen3_moe": (model_folder("qwen3_moe", folders),
                           {"model_type": "qwen3_moe", **COMMON, **CONFIGS["qwen3_moe"]}),
+            "qwen3_moe-5l": (model_folder("qwen3_moe", folders, layers=5),
+                             {"model_type": "qwen3_moe", **COMMON, **CONFIGS["qwen3_moe"], "num_hidden_layers": 5}),
             "stand-in": (stand_in, json.loads((stand_in / "config.json").read_text()))}
 
 
@@ -55,19 +58,20 @@ def _alone(folder, kv_bits, kv_group_size):
     return [out[f"p{i}"].text for i in range(len(_prompts()))]
 
 
-@pytest.mark.parametrize("model,prefill_ranks,decode_ranks,kv_bits",
-                         [("llama", 2, 1, None), ("llama", 1, 2, None), ("stand-in", 2, 2, 8),
-                          ("qwen3_moe", "pipeline2", 2, None), ("qwen3_moe", 2, "pipeline2", None)],
-                         ids=["tp2-to-one", "one-to-tp2", "tp2-to-tp2-8bit-kv", "pp2-to-tp2", "tp2-to-pp2"])
-def test_prefill_and_decode_across_group_shapes(models, model, prefill_ranks, decode_ranks, kv_bits, tmp_path):
+# a shape: "one" process, "tpN" (tensor parallel over N ranks) or "ppN" (pipeline parallel over N ranks)
+@pytest.mark.parametrize("model,prefill_shape,decode_shape,kv_bits",
+                         [("llama", "tp2", "one", None), ("llama", "one", "tp2", None), ("stand-in", "tp2", "tp2", 8),
+                          ("qwen3_moe", "pp2", "tp2", None), ("qwen3_moe-5l", "pp3", "tp2", None),
+                          ("qwen3_moe-5l", "tp2", "pp3", None)],
+                         ids=["tp2-to-one", "one-to-tp2", "tp2-to-tp2-8bit-kv", "pp2-to-tp2", "pp3-of-5-layers-to-tp2",
+                              "tp2-to-pp3-of-5-layers"])
+def test_prefill_and_decode_across_group_shapes(models, model, prefill_shape, decode_shape, kv_bits, tmp_path):
     folder, config = models[model]
     group_size = 64
     workers = make_workers([("prefill-0", "prefill", []), ("decode-0", "decode", [])])
-    for w, shape in zip(workers, (prefill_ranks, decode_ranks)):
-        if shape == "pipeline2":
-            w["group"] = group_table(2, parallel="pipeline")
-        elif shape > 1:
-            w["group"] = group_table(shape)
+    for w, shape in zip(workers, (prefill_shape, decode_shape)):
+        if shape != "one":
+            w["group"] = group_table(int(shape[2:]), parallel="pipeline" if shape.startswith("pp") else "tensor")
     router_port = free_ports(1)[0]
     topo = tmp_path / "topology.toml"
     topo.write_text(topology_toml(workers, router_port, model_source=str(folder),
@@ -90,12 +94,13 @@ def test_prefill_and_decode_across_group_shapes(models, model, prefill_ranks, de
     per_token = expected_kv_bytes_per_token(config) * (1 if kv_bits is None else (1 / 4 + 2 / group_size))
     shipped = sum(-(-len(p) // BLOCK) * BLOCK for p in _prompts()) * per_token
     assert prefill["kv_bytes_sent"] == decode["kv_bytes_received"] == shipped
-    group = decode if decode_ranks != 1 else prefill
-    assert [r["rank"] for r in group["ranks"]] == [0, 1] and all(r["alive"] for r in group["ranks"])
-    shape = decode_ranks if decode_ranks != 1 else prefill_ranks
-    assert group["parallel"] == ("pipeline" if shape == "pipeline2" else "tensor")
-    if decode_ranks != 1:
-        # the blocks arrived whole at rank 0, which handed rank 1 its share (half the heads, or its one of the two
-        # layers) plus the steps
+    shape = decode_shape if decode_shape != "one" else prefill_shape
+    group = decode if decode_shape != "one" else prefill
+    assert [r["rank"] for r in group["ranks"]] == list(range(int(shape[2:]))) and all(r["alive"] for r in group["ranks"])
+    assert group["parallel"] == ("pipeline" if shape.startswith("pp") else "tensor")
+    if decode_shape != "one":
+        # the blocks arrived whole at rank 0, which handed rank 1 its share plus the steps: half the heads, or its
+        # layers (mlx-lm's split: 1 of 2, 2 of 5)
+        share = {"tp2": 1 / 2, "pp2": 1 / 2, "pp3": 2 / 5}[decode_shape]
         sent = group["ranks"][1]["step_bytes"]
-        assert shipped // 2 <= sent < shipped, (sent, shipped)
+        assert shipped * share <= sent < shipped, (sent, shipped)
