@@ -317,7 +317,8 @@ def _locate(model, tokenizer, spec, verified: VerifiedModel, dtype: str, prompt:
     _, body = body_of(text_model(model))
     try:
         ours = _layer_outputs(body, lambda: _paged_prefill(model, tokenizer, spec, verified, dtype, prompt))
-        theirs = _layer_outputs(body, lambda: model(mx.array([prompt]), cache=make_prompt_cache(model)))
+        # evaluated whole: a pipeline rank's send runs with it, as on every other rank
+        theirs = _layer_outputs(body, lambda: mx.eval(model(mx.array([prompt]), cache=make_prompt_cache(model))))
     except Exception as exc:  # a diagnosis only: the check has failed already
         return f" (the layer that parts could not be found: {type(exc).__name__}: {exc})"
     for i, (a, b) in enumerate(zip(ours, theirs)):

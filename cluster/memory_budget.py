@@ -41,7 +41,7 @@ def check_weights(model, budget_gb: float, where: str) -> int:
     nbytes = parameter_bytes(model)
     if nbytes > budget_gb * GB:
         raise ValueError(f"{where}: the model's weights ({nbytes / GB:.3f} GB) exceed memory_budget_gb="
-                         f"{budget_gb}: run it across more tensor-parallel ranks, or raise the budget")
+                         f"{budget_gb}: run it across more ranks, or raise the budget")
     return nbytes
 
 

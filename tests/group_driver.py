@@ -75,6 +75,7 @@ def engine(parallel: str, folder: str, prompts: list, reference_path: str, out: 
     memory = {str(r): started.heartbeat.peer_info.get(r) for r in range(1, size)}
     report = {"runs": runs, "memory": {"0": started.memory.report(), **memory},
               "forwards": started.leader.num_forwards, "bytes_sent": started.leader.bytes_sent,
+              "drafts": {"proposed": eng.speculator.num_draft_tokens, "accepted": eng.speculator.num_accepted_tokens},
               "num_blocks": eng.pool.num_blocks}
     Path(out).write_text(json.dumps(report))
 

@@ -65,6 +65,8 @@ def test_group_of_two_equals_mlx_lm_split_the_same_way(model_type, parallel, mod
         assert memory["parameter_bytes"] < rank_parameter_bytes(folder, 0, 1, parallel), f"rank {rank} holds it all"
         assert memory["kv_bytes"] == shares[rank], f"rank {rank}'s KV"
     assert report["forwards"] > 0 and report["bytes_sent"][0] > 0
+    # the drafts (mlx-lm's own tokens, proposed 3 at a time) were verified by the group, and accepted
+    assert report["drafts"]["accepted"] > 0 and report["drafts"]["proposed"] >= report["drafts"]["accepted"]
 
 
 def test_three_pipeline_ranks_of_unequal_layers_equal_mlx_lm_split_the_same_way(models, tmp_path):
@@ -76,6 +78,11 @@ def test_three_pipeline_ranks_of_unequal_layers_equal_mlx_lm_split_the_same_way(
     prompts_path.write_text(json.dumps(prompts))
     refs = run_reference(folder, prompts_path, tmp_path / "reference.json", size=3, parallel="pipeline")
     report = run_group(folder, prompts_path, tmp_path / "reference.json", tmp_path / "group.json", "pipeline", 3)
+    n = len(prompts) // 2
+    assert {rid for run in report["runs"].values() for rid in run} == {
+        *(f"solo{i}" for i in range(n)), *(f"batch{i}" for i in range(n, 2 * n)),
+        *(f"cached{i}" for i in range(2 * n)), *(f"spec{i}" for i in range(2 * n))}
+    assert report["drafts"]["accepted"] > 0
     for run in report["runs"].values():
         for rid, got in run.items():
             ref = refs[int(rid.lstrip("solobatchcachedspec"))]

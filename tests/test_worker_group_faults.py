@@ -282,3 +282,26 @@ def test_a_memory_budget_the_whole_model_exceeds_is_refused_on_one_rank_and_serv
             time.sleep(0.1)
         assert not running(follower), "the follower outlived its stopped group"
         assert not list(two.tmp.glob("mlx-pd-*")), list(two.tmp.iterdir())
+
+
+def test_a_pipeline_rank_over_its_budget_stops_every_rank_with_a_refusal_not_a_lost_group(tmp_path):
+    """5 layers in a pipeline of 2: rank 0 holds 3, rank 1 holds 2, so a budget between their weights refuses
+    rank 0 only. Rank 1, which passed, must refuse with it (exit 2, naming the rank that refused), not wait in a
+    collective that rank 0 never joins until its heartbeat deadline ends the group as lost (exit 75)."""
+    from cluster.memory_budget import GB
+    from tests.group_helpers import model_folder, rank_parameter_bytes
+
+    folder = model_folder("qwen3_moe", tmp_path, layers=5)
+    heavy, light = (rank_parameter_bytes(folder, r, 2, "pipeline") for r in (0, 1))
+    assert light < heavy
+    budget = f"{(heavy + light) / 2 / GB:.6f}"
+    t0 = time.monotonic()
+    with serving(folder, tmp_path / "pp", "--pipeline-parallel", "2", "--kv-cache-gb", "0.001",
+                 "--memory-budget-gb", budget) as group:
+        code = group.exit_code(START_S)
+        output = group.output()
+    assert code == 2, f"exit {code}:\n{output}"
+    assert "rank 0 of 2: the model's weights" in output and f"memory_budget_gb={budget}" in output, output
+    assert "rank 1: rank 0 of the group refused to serve" in output, output
+    assert "lost" not in output, output
+    assert time.monotonic() - t0 < 60

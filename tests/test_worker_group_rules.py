@@ -289,7 +289,7 @@ def test_weights_over_the_budget_are_refused_naming_memory_budget_gb():
     assert check_weights(model, 2 / 1024, "rank 1 of 2") == nbytes
     with pytest.raises(ValueError, match=r"rank 1 of 2: .*memory_budget_gb=0\.0009765625") as err:
         check_weights(model, 1 / 1024, "rank 1 of 2")
-    assert "tensor-parallel ranks" in str(err.value)
+    assert "across more ranks" in str(err.value)
 
 
 def test_a_rank_over_its_budget_once_built_is_refused_naming_memory_budget_gb():

@@ -138,4 +138,3 @@ def _gather(pool: mx.array, slots: mx.array) -> mx.array:
     """pool [S, H, D] gathered at slots [B, L] -> [B, H, L, D], made contiguous once here (measured ~10%
     faster decode on the CPU backend than handing attention the strided view)."""
     return mx.contiguous(pool[slots].transpose(0, 2, 1, 3))
-

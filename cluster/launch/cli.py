@@ -366,7 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run the model across N local ranks, each holding a range of whole layers and their "
                             "KV: more memory, not more speed (default 1; not with --tensor-parallel). For families "
                             "whose mlx-lm class can pipeline (qwen2, qwen3_moe, deepseek_v2/v3, glm4_moe, ...; not "
-                            "llama), at most one rank per layer; see README, 'Worker groups'")
+                            "llama), without sliding-window or recurrent layers, at most one rank per layer; see "
+                            "README, 'Worker groups'")
     serve.add_argument("--memory-budget-gb", type=float, default=None, metavar="GB",
                        help="each rank's budget for weights plus KV, checked at load: a model over it is refused "
                             "(default: unchecked)")

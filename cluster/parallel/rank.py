@@ -49,7 +49,6 @@ class GroupRank:
     leader: Optional[object] = None
     shards: dict = field(default_factory=dict)
 
-
     def stats(self) -> dict:
         """The group's fields of a leader's `cluster.stats.WorkerStats`: {"parallel", "ranks"}."""
         from cluster.stats import RankStats
@@ -104,22 +103,31 @@ def start_rank(plan: GroupPlan, rank: int, heartbeat: Optional[Heartbeat] = None
     group = _join(plan, rank, heartbeat)
     model, tokenizer = load_sharded_model(path, group, config.dtype, plan.parallel)
     where = f"rank {rank} of {plan.size}"
-    if plan.memory_budget_gb is not None:
-        check_weights(model, plan.memory_budget_gb, where)
-    verified = verify_model(model)
-    if verified.num_state_layers:
-        raise ValueError(f"{spec.model_id}: a model with recurrent layers is not served by a worker group yet "
-                         "(their per-request state is not replicated across ranks); serve it on one rank")
-    if plan.parallel == "pipeline" and config.num_blocks is None:  # ranks of unequal layers: the smallest pool
-        config = dataclasses.replace(config, num_blocks=_fewest(group, plan_kv(kv_spec(spec, verified), config,
-                                                                            verified).num_blocks))
+    verified = verify_model(model)  # runs the model once: on every rank, before any check that may fail on one
+    own_blocks, error = 0, None
+    try:  # checks whose answer may differ between ranks (a pipeline rank sees its own layers): refused together
+        if plan.memory_budget_gb is not None:
+            check_weights(model, plan.memory_budget_gb, where)
+        _check_layers(verified, plan, spec.model_id)
+        if plan.parallel == "pipeline" and config.num_blocks is None:  # ranks of unequal layers: the smallest pool
+            own_blocks = plan_kv(kv_spec(spec, verified), config, verified).num_blocks
+    except ValueError as exc:
+        error = exc
+    _refuse_together(group, error)
+    if own_blocks:
+        config = dataclasses.replace(config, num_blocks=_fewest(group, own_blocks))
     leader = None
     if rank == 0:
         from cluster.parallel.leader import GroupLeader
 
         leader = GroupLeader(plan, boot=heartbeat.boot)
     engine = checked_engine(model, tokenizer, spec, config, replicas=leader)
-    memory = check_rank_memory(model, engine, plan.memory_budget_gb or float("inf"), where)
+    memory, error = None, None
+    try:
+        memory = check_rank_memory(model, engine, plan.memory_budget_gb or float("inf"), where)
+    except ValueError as exc:
+        error = exc
+    _refuse_together(group, error)
     heartbeat.info = memory.report()
     log.info("%s: %.1f MiB of weights, %.1f MiB of KV, peak %.1f MiB", where, memory.parameter_bytes / 2**20,
              memory.kv_bytes / 2**20, memory.peak_bytes / 2**20)
@@ -155,6 +163,34 @@ def kv_shards(plan: GroupPlan, rank: int, group, engine, model_config: dict) -> 
                 for j, i in enumerate(sorted(stores))}
     return {i: KVShard(rank, plan.size, head_ranks=plan.size if splits_kv_heads(
         model_config, store.spec.num_kv_heads, plan.size) else 1) for i, store in stores.items()}
+
+
+def _check_layers(verified, plan: GroupPlan, model_id: str) -> None:
+    """Refuse, by name, layers a group does not serve: recurrent layers (their per-request state is not replicated
+    across ranks) and, in a pipeline, sliding-window layers (each rank would plan KV cache groups of its own layers
+    only, and the ranks' groups would differ). Raises ValueError."""
+    if verified.num_state_layers:
+        raise ValueError(f"{model_id}: a model with recurrent layers is not served by a worker group yet "
+                         "(their per-request state is not replicated across ranks); serve it on one rank")
+    if plan.parallel == "pipeline" and any(w is not None for w in verified.layer_windows):
+        raise ValueError(f"{model_id}: a model with sliding-window layers is not served by a pipeline group yet "
+                         "(each rank would plan KV cache groups of its own layers); use parallel = 'tensor' "
+                         "(--tensor-parallel N) or one rank")
+
+
+def _refuse_together(group, error: Optional[Exception]) -> None:
+    """Every rank of `group` calls this at the same point, after a check whose answer may differ between ranks:
+    when any rank's check failed (`error`), every rank raises (its own error, or one naming the rank that
+    refused), so that no rank waits in a collective that the refusing one never joins."""
+    import mlx.core as mx
+    import numpy as np
+
+    flags = np.array(mx.distributed.all_gather(mx.array([1 if error else 0], dtype=mx.int32), group=group))
+    if error is not None:
+        raise error
+    refused = [r for r, f in enumerate(flags.reshape(-1)) if f]
+    if refused:
+        raise ValueError(f"rank {refused[0]} of the group refused to serve (its log says why): every rank stops")
 
 
 def _fewest(group, num_blocks: int) -> int:
