@@ -92,6 +92,14 @@ class VerifiedModel:
         """How many slots carry recurrent state (0: attention only)."""
         return sum(1 for k in self.layer_kinds if k.state is not None)
 
+    def pipeline_refusal(self) -> Optional[str]:
+        """Why this model's layers cannot be split into pipeline ranks (each plans the KV cache groups of its own
+        layers only, and every rank's groups must be the same): sliding-window layers; None when they can."""
+        if any(w is not None for w in self.layer_windows):
+            return "a model with sliding-window layers is not served by a pipeline group yet (each rank would plan " \
+                   "KV cache groups of its own layers)"
+        return None
+
     def with_mask_rank(self, rank: int) -> "VerifiedModel":
         """The same model with batched masks of rank `rank` (4 or 5)."""
         return dataclasses.replace(self, mask_rank=rank)

@@ -310,3 +310,18 @@ def test_a_rank_over_its_budget_once_built_is_refused_naming_memory_budget_gb():
     with pytest.raises(ValueError, match=r"peak .*memory_budget_gb=0\.03125"):
         check_rank_memory(model, engine, 32 / 1024, "this rank")
     assert mx.get_peak_memory() > 32 * GB / 1024
+
+
+def test_a_pipeline_refuses_sliding_window_layers_by_name_and_tensor_parallelism_keeps_them():
+    from cluster.model_structure import LayerKind, VerifiedModel
+    from cluster.parallel.rank import _check_layers
+
+    def verified(*windows):
+        return VerifiedModel("ministral3", None, None, 4, False, tuple(LayerKind(kv=i, window=w)
+                                                                       for i, w in enumerate(windows)))
+
+    plan = GroupPlan("pipeline", "ring", RANKS)
+    with pytest.raises(ValueError, match="m-1: a model with sliding-window layers .*--tensor-parallel N"):
+        _check_layers(verified(512, None), plan, "m-1")
+    _check_layers(verified(None, None), plan, "m-1")  # full attention only: each rank plans the same groups
+    _check_layers(verified(512, None), dataclasses.replace(plan, parallel="tensor"), "m-1")

@@ -172,10 +172,9 @@ def _check_layers(verified, plan: GroupPlan, model_id: str) -> None:
     if verified.num_state_layers:
         raise ValueError(f"{model_id}: a model with recurrent layers is not served by a worker group yet "
                          "(their per-request state is not replicated across ranks); serve it on one rank")
-    if plan.parallel == "pipeline" and any(w is not None for w in verified.layer_windows):
-        raise ValueError(f"{model_id}: a model with sliding-window layers is not served by a pipeline group yet "
-                         "(each rank would plan KV cache groups of its own layers); use parallel = 'tensor' "
-                         "(--tensor-parallel N) or one rank")
+    reason = verified.pipeline_refusal() if plan.parallel == "pipeline" else None
+    if reason:
+        raise ValueError(f"{model_id}: {reason}; use parallel = 'tensor' (--tensor-parallel N) or one rank")
 
 
 def _refuse_together(group, error: Optional[Exception]) -> None:
