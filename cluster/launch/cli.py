@@ -150,17 +150,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host = args.host or topology.router.host
     port = args.port or topology.router.port
     layout, reason = choose_layout(args.layout)
-    if args.tensor_parallel < 1 or args.pipeline_parallel < 1:
-        print("mlx-pd serve: --tensor-parallel and --pipeline-parallel count ranks: give 1 (one rank, the default) "
-              "or more", file=sys.stderr)
+    from cluster.launch.local_group import group_shape
+
+    try:
+        kind, ranks = group_shape(args.tensor_parallel, args.pipeline_parallel)
+    except ValueError as exc:
+        print(f"mlx-pd serve: {exc}", file=sys.stderr)
         return 2
-    if args.tensor_parallel > 1 and args.pipeline_parallel > 1:
-        print("mlx-pd serve: --tensor-parallel and --pipeline-parallel cannot both exceed 1 (MLX's ring backend "
-              "cannot split one group in two): choose one", file=sys.stderr)
-        return 2
-    ranks = max(args.tensor_parallel, args.pipeline_parallel)
     if ranks > 1:
-        kind = "tensor" if args.tensor_parallel > 1 else "pipeline"
         layout, reason = "one-process", f"rank 0 of a {kind}-parallel group of {ranks} local ranks leads in this process"
     if layout == "split":
         from cluster.launch.split_serve import serve_split

@@ -21,6 +21,18 @@ from cluster.ports import free_ports
 log = logging.getLogger(__name__)
 
 
+def group_shape(tensor_parallel: int, pipeline_parallel: int) -> tuple[str, int]:
+    """(parallel kind, ranks) of `serve --tensor-parallel` / `--pipeline-parallel` (("tensor", 1): one rank).
+    Raises ValueError for a count below 1, or both above 1 (MLX's ring backend cannot split one group in two)."""
+    if tensor_parallel < 1 or pipeline_parallel < 1:
+        raise ValueError("--tensor-parallel and --pipeline-parallel count ranks: give 1 (one rank, the default) "
+                         "or more")
+    if tensor_parallel > 1 and pipeline_parallel > 1:
+        raise ValueError("tensor_parallel and pipeline_parallel cannot both exceed 1 (MLX's ring backend cannot "
+                         "split one group in two): choose one")
+    return ("pipeline", pipeline_parallel) if pipeline_parallel > 1 else ("tensor", tensor_parallel)
+
+
 def local_plan(size: int, model: Optional[str], served_name: Optional[str], engine: EngineConfig,
                memory_budget_gb: Optional[float] = None, deadline_s: float = 10.0,
                host: str = "127.0.0.1", parallel: str = "tensor") -> GroupPlan:

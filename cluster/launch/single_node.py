@@ -132,18 +132,17 @@ def start_single_node_engine(model: Optional[str] = None, config: Optional[Engin
     from cluster.load_check import checked_engine
     from cluster.model import load_model, served_model
 
-    if tensor_parallel > 1 and pipeline_parallel > 1:
-        raise ValueError("tensor_parallel and pipeline_parallel cannot both exceed 1: MLX's ring backend cannot "
-                         "split one group in two; choose one")
+    from cluster.launch.local_group import group_shape
+
+    parallel, ranks = group_shape(tensor_parallel, pipeline_parallel)
     config = config or EngineConfig()
     path, spec = served_model(model, model_name, config.dtype)
     started = None
-    if max(tensor_parallel, pipeline_parallel) > 1:  # rank 0 of a group of local ranks (local_group.py)
+    if ranks > 1:  # rank 0 of a group of local ranks (local_group.py)
         from cluster.launch.local_group import local_plan, start_local_group
 
-        parallel = "tensor" if tensor_parallel > 1 else "pipeline"
-        started, _ = start_local_group(local_plan(max(tensor_parallel, pipeline_parallel), model, model_name, config,
-                                                  memory_budget_gb, parallel=parallel))
+        started, _ = start_local_group(local_plan(ranks, model, model_name, config, memory_budget_gb,
+                                                  parallel=parallel))
         engine = started.engine
     else:
         from cluster.memory_budget import check_rank_memory, check_weights

@@ -69,13 +69,15 @@ def group_id(plan: GroupPlan) -> str:
     return f"{r.host}:{r.ring_port}"
 
 
-def check_group(plan: GroupPlan) -> dict:
+def check_group(plan: GroupPlan, path: Optional[Path] = None) -> dict:
     """Refuse, before joining, a group that cannot split its model: by the config (`check_parallel`: heads or
-    layers) and by the family's mlx-lm class (`cluster.model.check_splittable`). Returns the model's config.
-    Raises ValueError naming what to change."""
+    layers) and by the family's mlx-lm class (`cluster.model.check_splittable`). `path`: the model folder, when
+    the caller has resolved it (else `served_model` does). Returns the model's config. Raises ValueError naming
+    what to change."""
     from cluster.model import check_splittable, served_model
 
-    path, _ = served_model(plan.model, plan.served_name, plan.engine.dtype)
+    if path is None:
+        path, _ = served_model(plan.model, plan.served_name, plan.engine.dtype)
     model_config = json.loads((Path(path) / "config.json").read_text())
     check_parallel(model_config, plan.parallel, plan.size)
     check_splittable(path, plan.parallel)
@@ -99,7 +101,7 @@ def start_rank(plan: GroupPlan, rank: int, heartbeat: Optional[Heartbeat] = None
         heartbeat.start()
     config = plan.engine
     path, spec = served_model(plan.model, plan.served_name, config.dtype)
-    model_config = check_group(plan)
+    model_config = check_group(plan, path)
     group = _join(plan, rank, heartbeat)
     model, tokenizer = load_sharded_model(path, group, config.dtype, plan.parallel)
     where = f"rank {rank} of {plan.size}"
