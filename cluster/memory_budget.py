@@ -14,14 +14,19 @@ GB = 1024 ** 3
 @dataclass(frozen=True)
 class RankMemory:
     """Bytes one rank holds: `parameter_bytes` (its weights), `kv_bytes` (its KV pool's arrays), `peak_bytes`
-    (MLX's peak so far)."""
+    (MLX's peak so far); `entry_bytes`: one request's content beyond blocks (its share of a recurrent state, 0
+    without), and `reserved_bytes`: what the rank keeps for such content at most (running requests' and kept
+    copies'), besides the pool."""
 
     parameter_bytes: int
     kv_bytes: int
     peak_bytes: int
+    entry_bytes: int = 0
+    reserved_bytes: int = 0
 
     def report(self) -> dict:
-        return {"parameter_bytes": self.parameter_bytes, "kv_bytes": self.kv_bytes, "peak_bytes": self.peak_bytes}
+        return {"parameter_bytes": self.parameter_bytes, "kv_bytes": self.kv_bytes, "peak_bytes": self.peak_bytes,
+                "entry_bytes": self.entry_bytes, "reserved_bytes": self.reserved_bytes}
 
 
 def parameter_bytes(model) -> int:
@@ -46,14 +51,16 @@ def check_weights(model, budget_gb: float, where: str) -> int:
 
 
 def check_rank_memory(model, engine, budget_gb: float, where: str) -> RankMemory:
-    """This rank's `RankMemory` once its engine is built; raises ValueError when weights plus KV, or MLX's peak,
-    exceed `budget_gb` (lower kv_cache_gb, or add ranks)."""
+    """This rank's `RankMemory` once its engine is built; raises ValueError when weights plus KV (its pool and
+    what it reserves beside it), or MLX's peak, exceed `budget_gb` (lower kv_cache_gb, or add ranks)."""
     import mlx.core as mx
 
-    memory = RankMemory(parameter_bytes(model), kv_pool_bytes(engine), int(mx.get_peak_memory()))
-    held = memory.parameter_bytes + memory.kv_bytes
+    groups, seqs = engine.kv.groups, engine.config.max_num_seqs
+    memory = RankMemory(parameter_bytes(model), kv_pool_bytes(engine), int(mx.get_peak_memory()),
+                        sum(g.entry_bytes() for g in groups), sum(g.reserved_bytes(seqs) for g in groups))
+    held = memory.parameter_bytes + memory.kv_bytes + memory.reserved_bytes
     if max(held, memory.peak_bytes) > budget_gb * GB:
         raise ValueError(f"{where}: weights ({memory.parameter_bytes / GB:.3f} GB) plus KV "
-                         f"({memory.kv_bytes / GB:.3f} GB), peak {memory.peak_bytes / GB:.3f} GB, exceed "
+                         f"({(memory.kv_bytes + memory.reserved_bytes) / GB:.3f} GB), peak {memory.peak_bytes / GB:.3f} GB, exceed "
                          f"memory_budget_gb={budget_gb}: lower kv_cache_gb or run across more ranks")
     return memory

@@ -92,6 +92,16 @@ class VerifiedModel:
         """How many slots carry recurrent state (0: attention only)."""
         return sum(1 for k in self.layer_kinds if k.state is not None)
 
+    @property
+    def cache_kinds(self) -> tuple[str, ...]:
+        """The kinds of cache this model's slots hold, each once, sorted ("attention", "state", "window N"): what
+        decides its KV cache groups (pipeline ranks, each planning its own layers, must hold the same)."""
+        kinds = {"attention" if k.window is None else f"window {k.window}" for k in self.layer_kinds
+                 if k.kv is not None}
+        if self.num_state_layers:
+            kinds.add("state")
+        return tuple(sorted(kinds or {"attention"}))
+
     def pipeline_refusal(self) -> Optional[str]:
         """Why this model's layers cannot be split into pipeline ranks (each plans the KV cache groups of its own
         layers only, and every rank's groups must be the same): sliding-window layers; None when they can."""

@@ -77,12 +77,13 @@ class InFlight:
 
 class Replicas(Protocol):
     """The other ranks of a worker group (cluster/parallel/leader.py's `GroupLeader`): told each forward's items
-    (and the decode mirror they start from) before this rank runs it, so every rank runs the same forward over
+    (the decode mirror they start from, and what each KV cache group of `groups` changed since the last forward,
+    `KVCacheGroup.replica_ops`) before this rank runs it, so every rank runs the same forward over
     its shard and their collectives meet, and each block copy of a prefix hit (`KVManager.copy_block`). A forward
     that fails here after the followers took it leaves the ranks' collectives out of step: `abandon` ends the
     group."""
 
-    def forward(self, items: Seq[BatchItem], mirror) -> None: ...
+    def forward(self, items: Seq[BatchItem], mirror, groups: Seq[KVCacheGroup]) -> None: ...
 
     def copy_block(self, src: int, dst: int) -> None: ...
 
@@ -109,6 +110,9 @@ class ModelRunner:
             self.groups: tuple[KVCacheGroup, ...] = (FullAttentionGroup.over(kv),)
         else:
             self.kv, self.groups = kv, kv.groups
+        if replicas is not None:
+            for group in self.groups:
+                group.replicate()
         self.store = self.groups[0].store  # the first group's: its decode mirror, its block size
         store = self.store
         if store.kv_bits is not None and not store.dequantize_for_attention and not self.verified.reads_quantized_kv:
@@ -133,7 +137,7 @@ class ModelRunner:
         tokens[indices[i]] (an item with `inflight_request`, whose `token_ids` are empty)."""
         if self.replicas is not None:
             assert fed is None, "a worker group's followers cannot read tokens left on the leader's device"
-            self.replicas.forward(items, self.store.mirror)
+            self.replicas.forward(items, self.store.mirror, self.groups)
             try:
                 return self._forward(items, fed)
             except BaseException as exc:

@@ -178,9 +178,9 @@ class WorkerGroup:
     memory_budget_gb: Optional[float] = None
 
     def plan(self, model_source: Optional[str], served_name: Optional[str], engine: EngineConfig) -> GroupPlan:
-        """The `GroupPlan` every rank of this worker starts from."""
+        """The `GroupPlan` every rank of this worker starts from (a prefill or decode worker: it moves KV)."""
         return GroupPlan(self.parallel, self.backend, self.ranks, model_source, served_name, engine,
-                         self.heartbeat_s, self.deadline_s, self.memory_budget_gb)
+                         self.heartbeat_s, self.deadline_s, self.memory_budget_gb, moves_kv=True)
 
 
 @dataclass(frozen=True)

@@ -226,10 +226,10 @@ def expected_kv_bytes_per_token(config: dict, dtype_bytes: int = 4) -> int:
 def expected_state_bytes_per_sequence(config: dict, dtype_bytes: int = 4) -> int:
     """Recurrent state bytes of one sequence from config.json's fields alone: per recurrent layer a conv
     window of (kernel - 1) positions over the conv channels, plus the SSM state (float32 in both families).
-    qwen3_next (Gated DeltaNet layers, all but every full_attention_interval-th): conv channels 2 x key
+    qwen3_next and qwen3_5 (Gated DeltaNet layers, all but every full_attention_interval-th): conv channels 2 x key
     heads x key dim + value heads x value dim; state value heads x value dim x key dim. falcon_h1 (every
     layer): conv channels d_ssm + 2 x groups x d_state; state heads x head dim x d_state."""
-    if config["model_type"] == "qwen3_next":
+    if "linear_num_key_heads" in config:  # qwen3_next, qwen3_5's text model
         layers = config["num_hidden_layers"] - config["num_hidden_layers"] // config["full_attention_interval"]
         key = config["linear_num_key_heads"] * config["linear_key_head_dim"]
         value = config["linear_num_value_heads"] * config["linear_value_head_dim"]

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -64,18 +65,22 @@ def engine(parallel: str, folder: str, prompts: list, reference_path: str, out: 
         runs["solo"].update(tokens_and_logprobs(run(eng, [request(f"solo{i}", prompts[i])])))
     runs["batched"] = tokens_and_logprobs(run(eng, [request(f"batch{i}", prompts[i]) for i in range(n, 2 * n)]))
     runs["cached"] = tokens_and_logprobs(run(eng, [request(f"cached{i}", p) for i, p in enumerate(prompts)]))
-    eng.speculator = DecodeSpeculator({"prompt_lookup": ReferenceDrafter(
-        {tuple(p): r["tokens"] for p, r in zip(prompts, refs)})}, eng.config)
-    runs["speculative"] = tokens_and_logprobs(run(eng, [
-        request(f"spec{i}", p, speculative_method="prompt_lookup", num_draft_tokens=3)
-        for i, p in enumerate(prompts)]))
+    recurrent = bool(eng.runner.verified.num_state_layers)  # speculation cannot roll a recurrent state back
+    if not recurrent:
+        eng.speculator = DecodeSpeculator({"prompt_lookup": ReferenceDrafter(
+            {tuple(p): r["tokens"] for p, r in zip(prompts, refs)})}, eng.config)
+        runs["speculative"] = tokens_and_logprobs(run(eng, [
+            request(f"spec{i}", p, speculative_method="prompt_lookup", num_draft_tokens=3)
+            for i, p in enumerate(prompts)]))
     deadline = time.monotonic() + 10
     while not all(started.heartbeat.peer_info.get(r) for r in range(1, size)) and time.monotonic() < deadline:
         time.sleep(0.1)
     memory = {str(r): started.heartbeat.peer_info.get(r) for r in range(1, size)}
     report = {"runs": runs, "memory": {"0": started.memory.report(), **memory},
               "forwards": started.leader.num_forwards, "bytes_sent": started.leader.bytes_sent,
-              "drafts": {"proposed": eng.speculator.num_draft_tokens, "accepted": eng.speculator.num_accepted_tokens},
+              "drafts": None if recurrent else {"proposed": eng.speculator.num_draft_tokens,
+                                                "accepted": eng.speculator.num_accepted_tokens},
+              "kv_groups": [dataclasses.asdict(g) for g in eng.kv.group_stats()],
               "num_blocks": eng.pool.num_blocks}
     Path(out).write_text(json.dumps(report))
 

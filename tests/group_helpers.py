@@ -33,15 +33,24 @@ class StandInGroup:
         return self._size
 
 
-def model_folder(model_type: str, root: Path, layers: Optional[int] = None) -> Path:
-    """The family's test model (tests/family_helpers.py's config; `layers` decoder layers instead of its own) as
-    an mlx-lm folder under `root`."""
-    from benchmarks.random_models import random_model_dir
+def model_config(model_type: str, layers: Optional[int] = None) -> dict:
+    """The family's test model's config.json (tests/family_helpers.py's, else tests/family_configs.py's), with
+    `layers` decoder layers instead of its own."""
+    from tests.family_configs import CONFIGS as MORE
     from tests.family_helpers import COMMON, CONFIGS
 
-    config = {"model_type": model_type, **COMMON, **CONFIGS[model_type]}
+    config = {"model_type": model_type, **COMMON, **CONFIGS[model_type]} if model_type in CONFIGS else \
+        json.loads(json.dumps(MORE[model_type]))
     if layers is not None:
-        config["num_hidden_layers"] = layers
+        config.get("text_config", config)["num_hidden_layers"] = layers
+    return config
+
+
+def model_folder(model_type: str, root: Path, layers: Optional[int] = None) -> Path:
+    """The family's test model (`model_config`) as an mlx-lm folder under `root`."""
+    from benchmarks.random_models import random_model_dir
+
+    config = model_config(model_type, layers)
     return random_model_dir(f"group-{model_type}{'' if layers is None else f'-{layers}l'}", config, 0, root)
 
 

@@ -1,6 +1,6 @@
 """A worker group's rules, checked in this process without forming a collective: what the leader sends its
-followers (every step message survives the wire; a forward that could not be replayed on another rank is
-refused), the decode mirror key, the group's plan (a JSON round trip; each invalid field refused by name), which
+followers (every step message survives the wire, a recurrent state's entry named by its id and the leader's
+changes to it carried once; a forward that could not be replayed on another rank is refused), the decode mirror key, the group's plan (a JSON round trip; each invalid field refused by name), which
 models and kinds of parallelism a group refuses, how a pipeline's KV maps onto its ranks, the jaccl backend refused off macOS, the heartbeats (two ranks
 see each other and what each reports; one that stops, or never starts, is lost), and a rank's memory budget."""
 
@@ -19,6 +19,7 @@ import pytest
 
 from cluster.config import EngineConfig
 from cluster.kv.decode_mirror import DecodeMirror
+from cluster.kv.state_replica import CLEAR
 from cluster.memory_budget import GB, check_rank_memory, check_weights
 from cluster.parallel import step_wire
 from cluster.parallel.collective import check_parallel, check_tensor_parallel, join_group, ring_hostfile
@@ -33,21 +34,42 @@ RANKS = (RankAddress("127.0.0.1", 7001, 7002, 7003), RankAddress("127.0.0.1", 70
 
 # -- the step messages -------------------------------------------------------------------------------------------
 
+def _groups():
+    """A full-attention group and a recurrent-state group over a small pool (what the wire names of them)."""
+    from cluster.kv.attention_groups import FullAttentionGroup
+    from cluster.kv.block_pool import BlockPool
+    from cluster.kv.snapshots import StateSnapshots
+    from cluster.kv.state_group import RecurrentStateGroup
+
+    pool = BlockPool(16, enable_caching=True, needs_restore_points=True)
+    shapes = (((((3, 4), mx.float32),),))
+    return FullAttentionGroup(pool, SimpleNamespace(block_size=8), (0,)), RecurrentStateGroup(shapes, pool, StateSnapshots(1 << 20, pool, 8))
+
+
 def test_every_step_message_survives_the_wire_and_a_forward_gives_back_its_batch_items():
-    items = [BatchItem([3, 4, 9], 17, [5], Logits.LAST, "req-a", ([3, 4, 9], [2])),
-             BatchItem([6], 0, [11, 12, 13], Logits.ALL, None, ()),
-             BatchItem([7, 8], 40, [14, 15], Logits.NONE)]
-    forward = step_wire.to_wire(items, None)
+    leader, follower = _groups(), _groups()
+    for g in leader:
+        g.replicate()
+    state = leader[1].new_entry()
+    leader[1].free(state)  # a preemption: the follower drops what it holds of this entry
+    items = [BatchItem([3, 4, 9], 17, [5], Logits.LAST, "req-a", ([3, 4, 9], state)),
+             BatchItem([6], 0, [11, 12, 13], Logits.ALL, None, ([6], leader[1].new_entry())),
+             BatchItem([7, 8], 40, [14, 15], Logits.NONE, None, ([7, 8], state))]
+    forward = step_wire.to_wire(items, None, leader)
     assert forward.mirror_key == 0
+    assert forward.replays == [[], [[CLEAR, state.id]]]
+    assert step_wire.to_wire(items, None, leader).replays == []  # taken once
     got = step_wire.decode(step_wire.encode(forward))
     assert got == forward and isinstance(got, step_wire.Forward)
-    back = step_wire.from_wire(got)
+    back = step_wire.from_wire(got, follower)
     assert len(back) == len(items)
     for b, it in zip(back, items):
         assert (list(b.block_table), b.start, list(b.token_ids), b.logits, b.mirror_row) == (
             list(it.block_table), it.start, list(it.token_ids), it.logits, it.mirror_row)
-        assert [list(e) for e in b.entries] == [list(e) for e in it.entries]
+        assert list(b.entries[0]) == list(it.entries[0])
+        assert b.entries[1].id == it.entries[1].id and b.entries[1].state is None  # the follower's own entry
         assert b.inflight_request is None
+    assert back[0].entries[1] is back[2].entries[1]  # one request, one entry, on the follower as on the leader
     for msg in (step_wire.CopyBlock(3, 8), step_wire.Hello(num_blocks=96, pool_bytes=1 << 20),
                 step_wire.Stop("the leader stops")):
         again = step_wire.decode(step_wire.encode(msg))
@@ -56,13 +78,10 @@ def test_every_step_message_survives_the_wire_and_a_forward_gives_back_its_batch
         step_wire.decode(b"\x93not a step")
 
 
-def test_a_forward_refuses_a_token_in_flight_on_the_leader_and_entries_that_are_not_block_tables():
+def test_a_forward_refuses_a_token_in_flight_on_the_leader():
     in_flight = BatchItem([1], 5, [], Logits.LAST, "r", (), inflight_request="r")
     with pytest.raises(ValueError, match="in flight"):
         step_wire.to_wire([in_flight], None)
-    recurrent = BatchItem([1], 5, [9], Logits.LAST, "r", ([1], SimpleNamespace(state="a recurrent state")))
-    with pytest.raises(ValueError, match="block tables only"):
-        step_wire.to_wire([recurrent], None)
     # one bad item refuses the whole forward, wherever it stands
     with pytest.raises(ValueError):
         step_wire.to_wire([BatchItem([2], 0, [3]), in_flight], None)
@@ -279,8 +298,11 @@ class FakeModel:
         return {"layers": [{"w": a} for a in self.arrays.values()]}
 
 
-def _fake_engine(*arrays):
-    return SimpleNamespace(kv=SimpleNamespace(groups=[SimpleNamespace(arrays=lambda: list(arrays))]))
+def _fake_engine(*arrays, entry_bytes: int = 0, max_num_seqs: int = 4):
+    """An engine of one KV cache group holding `arrays`, and `entry_bytes` per running request beside them."""
+    group = SimpleNamespace(arrays=lambda: list(arrays), entry_bytes=lambda: entry_bytes,
+                            reserved_bytes=lambda seqs: seqs * entry_bytes)
+    return SimpleNamespace(kv=SimpleNamespace(groups=[group]), config=SimpleNamespace(max_num_seqs=max_num_seqs))
 
 
 def test_weights_over_the_budget_are_refused_naming_memory_budget_gb():
@@ -298,10 +320,17 @@ def test_a_rank_over_its_budget_once_built_is_refused_naming_memory_budget_gb():
     mx.eval(model.arrays["a"], *engine.kv.groups[0].arrays())
     memory = check_rank_memory(model, engine, 1e6, "this rank")
     assert (memory.parameter_bytes, memory.kv_bytes) == (1 << 20, 4 << 20)
-    assert memory.report() == {"parameter_bytes": 1 << 20, "kv_bytes": 4 << 20, "peak_bytes": memory.peak_bytes}
+    assert memory.report() == {"parameter_bytes": 1 << 20, "kv_bytes": 4 << 20, "peak_bytes": memory.peak_bytes,
+                               "entry_bytes": 0, "reserved_bytes": 0}
     # weights plus KV over the budget
     with pytest.raises(ValueError, match=r"this rank: weights .* plus KV .*memory_budget_gb=0\.00390625"):
         check_rank_memory(model, engine, 4 / 1024, "this rank")
+    # within it by the pool, over it by the recurrent states the rank keeps beside the pool (4 requests of 1 MiB)
+    states = _fake_engine(*engine.kv.groups[0].arrays(), entry_bytes=1 << 20)
+    mx.reset_peak_memory()  # (what other tests left aside)
+    assert check_rank_memory(model, states, 9.5 / 1024, "this rank").reserved_bytes == 4 << 20
+    with pytest.raises(ValueError, match=r"plus KV \(0\.008 GB\)"):
+        check_rank_memory(model, states, 8.5 / 1024, "this rank")
     # held within the budget, but MLX's peak (here a 64 MiB array made and dropped) over it
     mx.reset_peak_memory()
     big = mx.ones((16, 1 << 20), mx.float32)
@@ -325,3 +354,26 @@ def test_a_pipeline_refuses_sliding_window_layers_by_name_and_tensor_parallelism
         _check_layers(verified(512, None), plan, "m-1")
     _check_layers(verified(None, None), plan, "m-1")  # full attention only: each rank plans the same groups
     _check_layers(verified(512, None), dataclasses.replace(plan, parallel="tensor"), "m-1")
+
+
+def test_recurrent_layers_are_served_by_a_group_in_one_process_and_refused_where_the_group_moves_kv():
+    """A group of a model with recurrent layers serves in single-node mode; as a prefill or decode worker (a
+    topology's group, which ships or receives KV) it is refused by name, since the state would have to travel
+    between groups; pipeline ranks that would hold different kinds of layers are refused, naming each rank's."""
+    from cluster.model_structure import LayerKind, VerifiedModel
+    from cluster.parallel.rank import _check_layers
+    from cluster.topology import WorkerGroup
+
+    hybrid = VerifiedModel("qwen3_5", None, None, 4, False, (LayerKind(state=0), LayerKind(kv=0)),
+                           state_shapes=((((3, 4), mx.float32),),))
+    assert hybrid.cache_kinds == ("attention", "state")
+    for parallel in ("tensor", "pipeline"):
+        _check_layers(hybrid, GroupPlan(parallel, "ring", RANKS), "m-1", [["attention", "state"]] * 2)
+    worker = WorkerGroup("tensor", "ring", RANKS).plan("m", None, EngineConfig())
+    assert worker.moves_kv
+    with pytest.raises(ValueError, match="m-1: a worker group of a model with recurrent layers serves in "
+                                         "single-node mode only"):
+        _check_layers(hybrid, worker, "m-1")
+    _check_layers(dataclasses.replace(hybrid, layer_kinds=(LayerKind(kv=0),), state_shapes=()), worker, "m-1")
+    with pytest.raises(ValueError, match=r"different kinds of layers \(rank 0: attention; rank 1: state\)"):
+        _check_layers(hybrid, GroupPlan("pipeline", "ring", RANKS), "m-1", [["attention"], ["state"]])

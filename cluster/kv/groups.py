@@ -195,6 +195,42 @@ class KVCacheGroup:
     def receive_state(self, entry: Any, state: Any) -> None:
         """Set the state a transfer brought (`ships_state` groups)."""
 
+    # -- a worker group's followers (cluster/parallel/) ----------------------------------------------------------
+
+    def replicate(self) -> None:
+        """This group leads a worker group: from now on keep what its followers must replay (`replica_ops`)."""
+
+    def replica_ops(self) -> list:
+        """On a leader: what changed in the rows' entries and the prefix cache outside a forward since the last
+        call, oldest first, for the followers to `replay` before the next forward ([] for a group whose content
+        lives in blocks, which the forwards and block copies keep alike on every rank)."""
+        return []
+
+    def replay(self, ops: list) -> None:
+        """On a follower: apply the leader's `replica_ops`."""
+
+    def entry_bytes(self) -> int:
+        """Bytes of one request's content beyond blocks that this rank keeps copies of (a recurrent state); 0
+        for a group of blocks alone."""
+        return 0
+
+    def reserved_bytes(self, max_num_seqs: int) -> int:
+        """Bytes this group keeps at most beside its blocks: `max_num_seqs` running requests' content and the
+        copies it keeps (0 for a group of blocks alone)."""
+        return 0
+
+    def charge_entries(self, nbytes: int) -> None:
+        """On a leader: charge each kept copy of a request's content `nbytes` against its budget, the largest
+        rank's `entry_bytes` (ranks holding more than the leader must stay within theirs)."""
+
+    def wire_entry(self, entry: Any) -> list[int]:
+        """What names `entry` to a follower in a forward: its block table (ints)."""
+        return list(self.table(entry))
+
+    def replica_entry(self, wire: list[int]) -> Any:
+        """On a follower: its own entry for what `wire_entry` sent."""
+        return wire
+
 
 def window_first_block(num_computed: int, window: int, block_size: int) -> int:
     """The first block a query at position `num_computed` can see through a sliding window of `window`
@@ -207,8 +243,10 @@ def window_first_block(num_computed: int, window: int, block_size: int) -> int:
 class StateEntry:
     """A request's entry in a state group: its state after its computed tokens (None: none computed yet),
     the state at the latest block boundary reached while decoding (block hash, state), saved when it finishes,
-    and the (block hash, position) of the snapshots it saved at prefill chunk ends, thinned when it finishes."""
+    and the (block hash, position) of the snapshots it saved at prefill chunk ends, thinned when it finishes.
+    `id` names it to a worker group's followers (cluster/kv/state_replica.py)."""
 
+    id: int = 0
     state: Any = None
     pending: Optional[tuple[int, Any]] = None
     chunk_snapshots: list[tuple[int, int]] = field(default_factory=list)

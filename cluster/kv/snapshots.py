@@ -30,6 +30,7 @@ from typing import Optional
 from cluster.kv.block_pool import BlockPool
 from cluster.kv.groups import StateEntry, StepRequest
 from cluster.kv.recurrent_state import State
+from cluster.kv.state_replica import DROP, KEEP_PENDING, PEND, SAVE, StateJournal
 
 
 def state_bytes(state: State) -> int:
@@ -54,6 +55,10 @@ class StateSnapshots:
         self.budget_bytes, self.pool = budget_bytes, pool
         self.block_size, self.interval = block_size, interval or block_size
         pool.on_restore_point_lost = self._lost
+        # a worker group's leader: every change is journaled for the followers, and each snapshot is charged
+        # the bytes of the largest rank's share (pipeline ranks hold different numbers of recurrent layers)
+        self.journal: Optional[StateJournal] = None
+        self.charge_bytes = 0
         self.nbytes = 0
         self._by_hash: OrderedDict[int, tuple[State, int]] = OrderedDict()
         self.num_saved = self.num_evicted = self.num_restored = 0
@@ -90,18 +95,21 @@ class StateSnapshots:
         block_hash = step.block_hashes[done // bs - 1]
         if done > step.num_prompt_tokens:
             entry.pending = (block_hash, entry.state)
+            self._record(PEND, entry.id, block_hash)
         elif block_hash in self:
             self.get(block_hash)  # the same tokens' state is kept already: mark it used
-        elif self.put(block_hash, entry.state) and done < (step.num_prompt_tokens - 1) // bs * bs:
-            entry.chunk_snapshots.append((block_hash, done))
+        elif self.put(block_hash, entry.state):
+            self._record(SAVE, entry.id, block_hash)
+            if done < (step.num_prompt_tokens - 1) // bs * bs:
+                entry.chunk_snapshots.append((block_hash, done))
 
     def finish(self, entry: StateEntry, failed: bool) -> None:
         """As a request finishes: keep its pending snapshot (prompt + answer: where the next turn of a
         conversation continues) unless it `failed`, and thin the chunk-end snapshots it made while its prompt
         was computed: those at 1, 2, 4, 8, ... intervals stay (so a conversation holds O(log length) of them,
         the same ones turn after turn, as its prefix repeats), the rest go."""
-        if entry.pending is not None and not failed:
-            self.put(*entry.pending)
+        if entry.pending is not None and not failed and self.put(*entry.pending):
+            self._record(KEEP_PENDING, entry.id)
         for block_hash, position in entry.chunk_snapshots:
             multiple, rest = divmod(position, self.interval)
             if rest or multiple & (multiple - 1):
@@ -114,7 +122,7 @@ class StateSnapshots:
         """Keep `state` as the state after the block `block_hash` (replacing an older one), evicting the least
         recently used snapshots until it fits. False (not kept) when it is larger than the whole budget or
         no block is cached under `block_hash`."""
-        size = state_bytes(state)
+        size = max(state_bytes(state), self.charge_bytes)
         self.drop(block_hash)
         if size > self.budget_bytes or not self.pool.mark_restorable(block_hash):
             return False
@@ -154,4 +162,9 @@ class StateSnapshots:
         entry = self._by_hash.pop(block_hash, None)
         if entry is not None:
             self.nbytes -= entry[1]
+            self._record(DROP, block_hash)
         return entry is not None
+
+    def _record(self, *op: int) -> None:
+        if self.journal is not None:
+            self.journal.record(*op)

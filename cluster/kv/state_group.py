@@ -7,19 +7,23 @@ states into the layers' views and writes the states after the step back (`views`
 needs the state after its last block, which only a snapshot holds (cluster/kv/snapshots.py): a hit is usable up to
 the last block that has one (`longest_hit`; a block with a snapshot is a *restore point* of the anchor pool, the
 first attention group's, so an evicted block takes its snapshot with it), unless the state arrives with a
-transfer. A transfer ships the state after the prompt with its last message (`ships_state`).
+transfer. A transfer ships the state after the prompt with its last message (`ships_state`). In a worker group,
+the leader's group journals its decisions and each follower's replays them on its shares
+(cluster/kv/state_replica.py).
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Optional, Sequence
 
 import mlx.core as mx
 
 from cluster.kv.block_pool import RESTORE_POINT_GROUP, BlockPool
 from cluster.kv.groups import GroupHit, KVCacheGroup, StateEntry, StepRequest
-from cluster.kv.recurrent_state import StateShapes, split_states, stack_states
+from cluster.kv.recurrent_state import StateShapes, split_states, stack_states, state_nbytes
 from cluster.kv.snapshots import StateSnapshots
+from cluster.kv.state_replica import CLEAR, RESTORE, StateJournal, StateReplica
 from cluster.stats import KVGroupStats
 
 
@@ -36,14 +40,19 @@ class RecurrentStateGroup(KVCacheGroup):
     def __init__(self, shapes: StateShapes, anchor: BlockPool, snapshots: Optional[StateSnapshots]):
         self.shapes, self.anchor, self.snapshots = shapes, anchor, snapshots
         self.layers = tuple(range(len(shapes)))
+        self._ids = itertools.count(1)
+        self.journal: Optional[StateJournal] = None  # a worker group's leader: what its followers replay
+        self.replica = StateReplica()  # a worker group's follower: its shares of the leader's states
 
     def new_entry(self) -> StateEntry:
-        return StateEntry()
+        return StateEntry(id=next(self._ids))
 
     def free(self, entry: StateEntry) -> StateEntry:
         """Drop the state and the pending snapshot (a preempted request recomputes both); the chunk-end
         snapshots it made stay listed for thinning when it finishes."""
         entry.state = entry.pending = None
+        if self.journal is not None:
+            self.journal.record(CLEAR, entry.id)
         return entry
 
     def finish(self, entry: StateEntry, failed: bool) -> None:
@@ -65,6 +74,8 @@ class RecurrentStateGroup(KVCacheGroup):
     def take(self, entry: StateEntry, hit: GroupHit) -> StateEntry:
         if hit.key is not None:  # restore: the snapshot becomes the most recently used
             entry.state = self.snapshots.get(hit.key)
+            if self.journal is not None:
+                self.journal.record(RESTORE, entry.id, hit.key)
         return entry
 
     def free_besides(self, hit: GroupHit) -> Optional[int]:
@@ -110,4 +121,37 @@ class RecurrentStateGroup(KVCacheGroup):
         return entry.state
 
     def receive_state(self, entry: StateEntry, state) -> None:
+        if self.journal is not None:  # refused where a group's worker starts (cluster/parallel/rank.py)
+            raise ValueError("a worker group cannot take a recurrent state from a transfer: its followers' shares "
+                             "would not arrive")
         entry.state = state
+
+    # -- a worker group (cluster/kv/state_replica.py) --------------------------------------------------------------
+
+    def replicate(self) -> None:
+        self.journal = StateJournal()
+        if self.snapshots is not None:
+            self.snapshots.journal = self.journal
+
+    def replica_ops(self) -> list:
+        return [] if self.journal is None else self.journal.take()
+
+    def replay(self, ops: list) -> None:
+        self.replica.replay(ops)
+
+    def entry_bytes(self) -> int:
+        return state_nbytes(self.shapes)
+
+    def reserved_bytes(self, max_num_seqs: int) -> int:
+        kept = 0 if self.snapshots is None else self.snapshots.budget_bytes
+        return max_num_seqs * self.entry_bytes() + kept
+
+    def charge_entries(self, nbytes: int) -> None:
+        if self.snapshots is not None:
+            self.snapshots.charge_bytes = nbytes
+
+    def wire_entry(self, entry: StateEntry) -> list[int]:
+        return [entry.id]
+
+    def replica_entry(self, wire: list[int]) -> StateEntry:
+        return self.replica.entry(wire[0])

@@ -56,7 +56,7 @@ def run_follower(engine, sock: zmq.Socket, group=None, poll_ms: int = 1000, lead
             mirror = runner.store.mirror
             if mirror is not None and step_wire.mirror_key(mirror) != msg.mirror_key:
                 mirror.reset()
-            outputs = runner.forward(step_wire.from_wire(msg))
+            outputs = runner.forward(step_wire.from_wire(msg, runner.groups))
             mx.eval(*[o for o in outputs if o is not None], *[a for g in runner.groups for a in g.arrays()])
         elif isinstance(msg, step_wire.CopyBlock):
             engine.kv.copy_block(msg.src, msg.dst)

@@ -98,13 +98,15 @@ class Heartbeat:
         self._thread.start()
 
     def ranks(self) -> list[dict]:
-        """Each watched rank as last heard: {"rank", "alive", "silent_s", **its info}."""
+        """Each watched rank as last heard: {"rank", "alive", "silent_s", **its info}; a rank once lost is not
+        alive."""
         now = time.monotonic()
         out = []
         for rank, seen in sorted(self.last_seen.items()):
-            silent = None if seen is None else round(now - seen, 3)
-            out.append({"rank": rank, "alive": silent is not None and silent <= self.deadline_s,
-                        "silent_s": silent, **self.peer_info.get(rank, {})})
+            silent = None if seen is None else now - seen
+            alive = silent is not None and silent <= self.deadline_s and rank != self.lost
+            out.append({"rank": rank, "alive": alive, "silent_s": None if silent is None else round(silent, 3),
+                        **self.peer_info.get(rank, {})})
         return out
 
     def formed(self, boots: dict[int, int]) -> None:

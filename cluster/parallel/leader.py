@@ -69,9 +69,9 @@ class GroupLeader:
         """Tell the followers the leader's KV pool (they check their own against it)."""
         self.send_all(step_wire.Hello(num_blocks, pool_bytes))
 
-    def forward(self, items: Sequence[BatchItem], mirror) -> None:
+    def forward(self, items: Sequence[BatchItem], mirror, groups: Sequence) -> None:
         self.num_forwards += 1
-        self.send_all(step_wire.to_wire(items, mirror))
+        self.send_all(step_wire.to_wire(items, mirror, groups))
 
     def copy_block(self, src: int, dst: int) -> None:
         self.send_all(step_wire.CopyBlock(src, dst))

@@ -106,11 +106,12 @@ def start_rank(plan: GroupPlan, rank: int, heartbeat: Optional[Heartbeat] = None
     model, tokenizer = load_sharded_model(path, group, config.dtype, plan.parallel)
     where = f"rank {rank} of {plan.size}"
     verified = verify_model(model)  # runs the model once: on every rank, before any check that may fail on one
+    kinds = _all_ranks(group, verified.cache_kinds) if plan.parallel == "pipeline" else None
     own_blocks, error = 0, None
     try:  # checks whose answer may differ between ranks (a pipeline rank sees its own layers): refused together
         if plan.memory_budget_gb is not None:
             check_weights(model, plan.memory_budget_gb, where)
-        _check_layers(verified, plan, spec.model_id)
+        _check_layers(verified, plan, spec.model_id, kinds)
         if plan.parallel == "pipeline" and config.num_blocks is None:  # ranks of unequal layers: the smallest pool
             own_blocks = plan_kv(kv_spec(spec, verified), config, verified).num_blocks
     except ValueError as exc:
@@ -134,9 +135,15 @@ def start_rank(plan: GroupPlan, rank: int, heartbeat: Optional[Heartbeat] = None
     log.info("%s: %.1f MiB of weights, %.1f MiB of KV, peak %.1f MiB", where, memory.parameter_bytes / 2**20,
              memory.kv_bytes / 2**20, memory.peak_bytes / 2**20)
     shards = kv_shards(plan, rank, group, engine, model_config)
-    if plan.parallel == "pipeline":
-        kinds = _gathered_kinds(group, engine.runner.verified.layer_kind_names)
-        engine.group_layer_kinds = kinds if rank == 0 else None
+    if plan.parallel == "pipeline":  # the whole model's slots, in layer order (rank size-1's first)
+        slots = [k for r in reversed(range(plan.size)) for k in _all_ranks(
+            group, engine.runner.verified.layer_kind_names)[r]]
+        engine.group_layer_kinds = tuple(slots) if rank == 0 else None
+        # each copy of a request's content (a recurrent state) is charged as the largest rank's share
+        for g in engine.kv.groups:
+            largest = max(_all_ranks(group, g.entry_bytes()))
+            if rank == 0:
+                g.charge_entries(largest)
     if leader is not None:
         from cluster.parallel.group_kv import GroupKV
 
@@ -167,16 +174,24 @@ def kv_shards(plan: GroupPlan, rank: int, group, engine, model_config: dict) -> 
         model_config, store.spec.num_kv_heads, plan.size) else 1) for i, store in stores.items()}
 
 
-def _check_layers(verified, plan: GroupPlan, model_id: str) -> None:
-    """Refuse, by name, layers a group does not serve: recurrent layers (their per-request state is not replicated
-    across ranks) and, in a pipeline, sliding-window layers (each rank would plan KV cache groups of its own layers
-    only, and the ranks' groups would differ). Raises ValueError."""
-    if verified.num_state_layers:
-        raise ValueError(f"{model_id}: a model with recurrent layers is not served by a worker group yet "
-                         "(their per-request state is not replicated across ranks); serve it on one rank")
+def _check_layers(verified, plan: GroupPlan, model_id: str, kinds: Optional[list] = None) -> None:
+    """Refuse, by name, layers a group does not serve: recurrent layers in a group that ships or receives KV (a
+    prefill or decode worker: the state would travel between groups whole, which is not built), and in a
+    pipeline sliding-window layers or ranks holding different kinds of layers (`kinds`: each rank's
+    `cache_kinds`; each rank plans the KV cache groups of its own layers, and the ranks' groups must be the same).
+    Raises ValueError."""
+    if verified.num_state_layers and plan.moves_kv:
+        raise ValueError(f"{model_id}: a worker group of a model with recurrent layers serves in single-node mode "
+                         "only (mlx-pd serve --tensor-parallel N / --pipeline-parallel N): as a prefill or decode "
+                         "worker its recurrent state would travel between groups, which is not built yet")
     reason = verified.pipeline_refusal() if plan.parallel == "pipeline" else None
     if reason:
         raise ValueError(f"{model_id}: {reason}; use parallel = 'tensor' (--tensor-parallel N) or one rank")
+    if kinds and any(list(k) != list(kinds[0]) for k in kinds):
+        held = "; ".join(f"rank {r}: {', '.join(k)}" for r, k in enumerate(kinds))
+        raise ValueError(f"{model_id}: the pipeline's ranks would hold different kinds of layers ({held}), so "
+                         "their KV cache groups would differ: choose a number of ranks that gives every rank "
+                         "layers of each kind, or parallel = 'tensor' (--tensor-parallel N)")
 
 
 def _refuse_together(group, error: Optional[Exception]) -> None:
@@ -201,20 +216,16 @@ def _fewest(group, num_blocks: int) -> int:
     return int(mx.distributed.all_gather(mx.array([num_blocks], dtype=mx.int32), group=group).min().item())
 
 
-def _gathered_kinds(group, kinds: Sequence[str]) -> tuple[str, ...]:
-    """The whole model's cache slot kinds from each pipeline rank's own (`kinds`), in layer order (rank size-1's
-    first; every rank calls it at once)."""
+def _all_ranks(group, value) -> list:
+    """Every rank's `value` (anything JSON can carry), by rank (every rank of `group` calls it at once)."""
     import mlx.core as mx
     import numpy as np
 
-    data = json.dumps(list(kinds)).encode()
-    sizes = np.array(mx.distributed.all_gather(mx.array([len(data)], dtype=mx.int32), group=group))
+    data = json.dumps(value).encode()
+    sizes = np.array(mx.distributed.all_gather(mx.array([len(data)], dtype=mx.int32), group=group)).reshape(-1)
     padded = np.frombuffer(data.ljust(int(sizes.max())), dtype=np.uint8)
     rows = np.array(mx.distributed.all_gather(mx.array(padded)[None], group=group))
-    out: list[str] = []
-    for r in reversed(range(group.size())):
-        out += json.loads(bytes(rows[r, :int(sizes[r])]).decode())
-    return tuple(out)
+    return [json.loads(bytes(rows[r, :int(sizes[r])]).decode()) for r in range(group.size())]
 
 
 def join_timeout_s(plan: GroupPlan) -> float:

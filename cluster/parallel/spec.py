@@ -43,7 +43,8 @@ class GroupPlan:
     "jaccl" (RDMA over Thunderbolt 5, macOS 26.2+ only); `ranks`: one address per rank, rank 0 leads.
     `model`/`served_name`: what `cluster.model.served_model` resolves; `engine`: the `EngineConfig` every rank
     builds. `heartbeat_s` / `deadline_s`: beat interval and how long a silent peer is tolerated (seconds).
-    `memory_budget_gb`: each rank's own budget for weights plus KV (None: unchecked).
+    `memory_budget_gb`: each rank's own budget for weights plus KV (None: unchecked). `moves_kv`: the group is
+    a prefill or decode worker, which ships or receives KV (False: single-node mode's engine).
     Raises ValueError naming the field for an unknown kind or backend, fewer than 2 ranks, or bad times."""
 
     parallel: str
@@ -55,6 +56,7 @@ class GroupPlan:
     heartbeat_s: float = 0.5
     deadline_s: float = 10.0
     memory_budget_gb: Optional[float] = None
+    moves_kv: bool = False
 
     def __post_init__(self) -> None:
         if self.parallel not in PARALLEL_KINDS:

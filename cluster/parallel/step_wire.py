@@ -1,8 +1,10 @@
 """What a group's leader hands its followers, per forward, over ZeroMQ (msgpack through msgspec).
 
-- `Forward`: one forward's batch items (`cluster.runner.BatchItem`: block tables, positions, input tokens,
-  which logits), and the leader's decode mirror key before it (`mirror_key`): a follower whose mirror key
-  differs resets its mirror, so both rebuild it alike.
+- `Forward`: one forward's batch items (`cluster.runner.BatchItem`: each KV cache group's entry as
+  `KVCacheGroup.wire_entry` names it, positions, input tokens, which logits), the leader's decode mirror key
+  before it (`mirror_key`): a follower whose mirror key differs resets its mirror, so both rebuild it alike;
+  and, per KV cache group, what changed outside the forwards since the last one (`replays`,
+  `KVCacheGroup.replica_ops`: a recurrent state restored, saved or freed), replayed before it runs.
 - `CopyBlock`: a prefix hit's block copy (`KVManager.copy_block`).
 - `Gather`: blocks to ship to another worker (layers numbered in the whole model); every rank takes part in one
   all-gather of its share of them (its heads, or its layers).
@@ -25,7 +27,8 @@ from cluster.runner import BatchItem, Logits
 
 
 class WireItem(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """One `BatchItem`. `entries`: each KV cache group's block table (block groups only)."""
+    """One `BatchItem`. `entries`: each KV cache group's entry (`KVCacheGroup.wire_entry`: a block table, or
+    what names the row's state to a follower)."""
 
     block_table: list[int]
     start: int
@@ -38,6 +41,7 @@ class WireItem(msgspec.Struct, array_like=True, frozen=True, gc=False):
 class Forward(msgspec.Struct, tag="forward", frozen=True, gc=False):
     items: list[WireItem]
     mirror_key: int
+    replays: list[list[list[int]]] = []
 
 
 class CopyBlock(msgspec.Struct, tag="copy_block", frozen=True):
@@ -99,22 +103,26 @@ def mirror_key(mirror) -> int:
     return zlib.crc32(repr((mirror.rows, mirror.lengths, mirror.width, mirror.cap)).encode())
 
 
-def to_wire(items: Sequence[BatchItem], mirror) -> Forward:
-    """`items` as a `Forward`. Raises ValueError for an item whose input is a token left on the device, or whose
-    entries are not block tables (a recurrent state: not served by a group)."""
+def to_wire(items: Sequence[BatchItem], mirror, groups: Sequence = ()) -> Forward:
+    """`items` as a `Forward`, with each of the KV cache groups `groups`' replica ops. Raises ValueError for an
+    item whose input is a token left on the device."""
     out = []
     for it in items:
         if it.inflight_request is not None:
             raise ValueError("a group's forward cannot take a token in flight on the leader's device")
-        if any(not isinstance(e, (list, tuple)) for e in it.entries):
-            raise ValueError("a group's forward carries block tables only")
-        entries = [list(e) for e in it.entries]
+        entries = [g.wire_entry(e) for g, e in zip(groups, it.entries)]
         out.append(WireItem(list(it.block_table), it.start, list(it.token_ids), it.logits.value, it.mirror_row,
                             entries))
-    return Forward(out, mirror_key(mirror))
+    replays = [g.replica_ops() for g in groups]
+    return Forward(out, mirror_key(mirror), replays if any(replays) else [])
 
 
-def from_wire(msg: Forward) -> list[BatchItem]:
-    """The `BatchItem`s of a `Forward`."""
-    return [BatchItem(w.block_table, w.start, w.token_ids, Logits(w.logits), w.mirror_row, tuple(w.entries))
+def from_wire(msg: Forward, groups: Sequence = ()) -> list[BatchItem]:
+    """The `BatchItem`s of a `Forward` over the follower's KV cache groups `groups` (the leader's replica ops
+    replayed on them first)."""
+    for g, ops in zip(groups, msg.replays):
+        if ops:
+            g.replay(ops)
+    return [BatchItem(w.block_table, w.start, w.token_ids, Logits(w.logits), w.mirror_row,
+                      tuple(g.replica_entry(e) for g, e in zip(groups, w.entries)))
             for w in msg.items]
