@@ -150,6 +150,19 @@ def test_heads_that_do_not_split_across_the_ranks_are_refused_by_name():
         check_tensor_parallel({"text_config": {"num_attention_heads": 4, "num_key_value_heads": 3}}, 2)
     check_tensor_parallel({"num_attention_heads": 4, "num_key_value_heads": 2}, 2)
     check_tensor_parallel({"num_attention_heads": 9, "num_key_value_heads": 3}, 3)
+    # a Gated DeltaNet's heads split too, and qwen3_5's untied output head by vocabulary (llama's is whole)
+    qwen3_5 = {"model_type": "qwen3_5", "tie_word_embeddings": False, "text_config": {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "vocab_size": 49152}}
+    check_tensor_parallel(qwen3_5, 2)
+    with pytest.raises(ValueError, match="linear_num_key_heads=1 "):
+        check_tensor_parallel({**qwen3_5, "text_config": {**qwen3_5["text_config"], "linear_num_key_heads": 1}}, 2)
+    with pytest.raises(ValueError, match="vocab_size=49153 .*by vocabulary"):
+        check_tensor_parallel({**qwen3_5, "text_config": {**qwen3_5["text_config"], "vocab_size": 49153}}, 2)
+    check_tensor_parallel({**qwen3_5, "tie_word_embeddings": True,
+                           "text_config": {**qwen3_5["text_config"], "vocab_size": 49153}}, 2)
+    check_tensor_parallel({"model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 2,
+                           "vocab_size": 49153}, 2)
 
 
 def test_a_pipeline_needs_a_layer_per_rank_and_not_heads_that_split():

@@ -144,3 +144,38 @@ def test_a_replica_refuses_ops_on_states_it_never_computed():
     replica.replay([[PEND, 4, 0xD], [SAVE, 4, 0xE], [KEEP_PENDING, 4], [DROP, 0xE], [RESTORE, 5, 0xD], [CLEAR, 4]])
     assert set(replica.snapshots) == {0xD} and set(replica.entries) == {5}
     assert replica.entries[5].state is state
+
+
+def test_a_follower_drops_what_the_pool_evicts_a_reset_forgets_and_an_abort_leaves_behind():
+    """A pool of 13 usable blocks under sessions of 40 tokens: cached blocks carrying snapshots are evicted by
+    the pool (their snapshots lost with them), a request is aborted while it decodes, and the prefix cache is
+    reset; after every step the follower holds exactly the leader's states and snapshots."""
+    leader, followers = _pair(num_blocks=14)
+    pool = leader.kv.pool
+    lost, on_lost = [], pool.on_restore_point_lost
+    pool.on_restore_point_lost = lambda h: (lost.append(h), on_lost(h))
+    rng = np.random.RandomState(9)
+    for i in range(3):
+        _run_checked(leader, followers, [request(f"evict{i}", rng.randint(100, VOCAB, size=40).tolist())])
+    assert lost, "the pool never evicted a block that had a snapshot"
+    leader.add_request(request("aborted", rng.randint(100, VOCAB, size=40).tolist()))
+    while leader.scheduler.running == [] or leader.scheduler.running[0].num_output_tokens < 2:
+        leader.step()
+    leader.abort("aborted")
+    _assert_alike(leader, followers)
+    assert _state_group(followers.follower).replica.entries == {}
+    leader.kv.reset_prefix_cache()
+    _assert_alike(leader, followers)
+    assert _state_group(followers.follower).replica.snapshots == {}
+
+
+def test_the_leader_charges_each_snapshot_as_the_largest_ranks_share():
+    """Pipeline ranks may hold different numbers of recurrent layers: the leader's snapshot budget counts each
+    snapshot at the largest rank's bytes, so the rank holding more stays within its own budget."""
+    leader, _ = _pair(num_blocks=96)
+    group = _state_group(leader)
+    own = group.entry_bytes()
+    group.charge_entries(3 * own)
+    _run_checked(leader, _, [request("charged", LONG[0])])
+    snaps = group.snapshots
+    assert len(snaps) > 0 and snaps.nbytes == len(snaps) * 3 * own

@@ -58,15 +58,26 @@ def join_group(plan: GroupPlan, rank: int):
     return group
 
 
+# families whose mlx-lm `shard` splits an untied output head by vocabulary (each rank computes a slice of the logits)
+VOCAB_SPLIT = ("qwen3_5", "qwen3_5_moe")
+
+
 def check_tensor_parallel(config: dict, size: int) -> None:
     """Refuse, by name, a model whose heads `size` ranks cannot split evenly (mlx-lm's `shard` divides the query
-    and KV heads by the group size without checking). Raises ValueError naming the field and what to do."""
+    and KV heads, and a Gated DeltaNet's key and value heads, by the group size without checking), or whose
+    untied output head it splits by a vocabulary they do not divide. Raises ValueError naming the field and what
+    to do."""
     text = config.get("text_config") or config
-    for name in ("num_attention_heads", "num_key_value_heads"):
+    for name in ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads"):
         heads: Optional[int] = text.get(name)
         if heads is not None and heads % size:
             raise ValueError(f"{name}={heads} does not split across {size} tensor-parallel ranks: choose a rank "
                              f"count that divides it")
+    tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    vocab = text.get("vocab_size")
+    if config.get("model_type") in VOCAB_SPLIT and not tied and vocab and vocab % size:
+        raise ValueError(f"vocab_size={vocab} does not split across {size} tensor-parallel ranks (mlx-lm's shard "
+                         f"splits this family's output head by vocabulary): choose a rank count that divides it")
 
 
 def check_pipeline_parallel(config: dict, size: int) -> None:

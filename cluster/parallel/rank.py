@@ -136,8 +136,8 @@ def start_rank(plan: GroupPlan, rank: int, heartbeat: Optional[Heartbeat] = None
              memory.kv_bytes / 2**20, memory.peak_bytes / 2**20)
     shards = kv_shards(plan, rank, group, engine, model_config)
     if plan.parallel == "pipeline":  # the whole model's slots, in layer order (rank size-1's first)
-        slots = [k for r in reversed(range(plan.size)) for k in _all_ranks(
-            group, engine.runner.verified.layer_kind_names)[r]]
+        per_rank = _all_ranks(group, engine.runner.verified.layer_kind_names)
+        slots = [k for r in reversed(range(plan.size)) for k in per_rank[r]]
         engine.group_layer_kinds = tuple(slots) if rank == 0 else None
         # each copy of a request's content (a recurrent state) is charged as the largest rank's share
         for g in engine.kv.groups:
@@ -288,6 +288,7 @@ def follow(plan: GroupPlan, rank: int, on_started: Optional[Callable[[GroupRank]
     engine. An exception stops this rank's heartbeat before it propagates, so the leader sees the rank lost."""
     import zmq
 
+    from cluster.kv.state_replica import ReplicaError
     from cluster.parallel.follower import run_follower
 
     heartbeat = rank_heartbeat(plan, rank)
@@ -303,6 +304,11 @@ def follow(plan: GroupPlan, rank: int, on_started: Optional[Callable[[GroupRank]
         try:
             reason = run_follower(started.engine, sock, started.group, leader_boot=heartbeat.formed_with[0],
                                   shards=started.shards)
+        except ReplicaError as exc:  # the leader's ops name what this rank never held: out of step
+            log.critical("rank %d is out of step with its leader (%s): ending this rank so that the group "
+                         "restarts", rank, exc)
+            heartbeat.on_lost(-1, 0.0)
+            raise
         except RuntimeError as exc:  # a collective failed (the leader's connection dropped): the group broke
             log.critical("rank %d: the group broke (%s): ending this rank so that the group restarts", rank, exc)
             heartbeat.on_lost(-1, 0.0)
