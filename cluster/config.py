@@ -68,6 +68,10 @@ class EngineConfig:
       multiple of `block_size`; prefill chunks end there); None = `prefill_chunk_size` rounded down to whole
       blocks. When the sequence finishes, those at 1, 2, 4, 8, ... intervals stay (a later prompt sharing a
       long prefix, such as a system prompt, restores from one) and the rest are dropped.
+    - `ssd_cache_gb`: GiB of disk for the SSD tier under the pool (cluster/kv/disk_tier.py): every cached block
+      is also written there, prefix hits reach it, and it survives a restart; 0 (default) keeps none.
+      Full-attention models only for now (others serve without it, logged). `ssd_cache_dir`: its folder (None:
+      `kv-tier` in mlx-pd's cache folder, `$MLX_PD_CACHE` or ~/.cache/mlx-pd); each server needs its own.
     - `max_waiting`: requests queued (beyond those the next step admits into free running slots) before new
       ones get 503 with Retry-After; a request whose `n` exceeds `max_num_seqs + max_waiting` gets 400.
     - `decode_mirror_gb`: GiB for contiguous copies of the decode batch's contexts kept between decode
@@ -109,6 +113,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     state_cache_gb: Optional[float] = None
     state_snapshot_interval: Optional[int] = None
+    ssd_cache_gb: float = 0.0
+    ssd_cache_dir: Optional[str] = None
     max_waiting: int = 256
     queue_timeout_s: float = 120.0
     decode_mirror_gb: Optional[float] = None
@@ -159,6 +165,8 @@ class EngineConfig:
             raise bad("state_snapshot_interval", f"must be a positive multiple of block_size={self.block_size}")
         if self.state_cache_gb is not None and not self.state_cache_gb >= 0:
             raise bad("state_cache_gb", "must be >= 0 GiB (0 keeps no recurrent-state snapshots)")
+        if not self.ssd_cache_gb >= 0:
+            raise bad("ssd_cache_gb", "must be >= 0 GiB (0 keeps no SSD tier)")
         if not self.queue_timeout_s > 0:
             raise bad("queue_timeout_s", "must be > 0 seconds")
         if self.max_waiting < 1:

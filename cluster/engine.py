@@ -23,6 +23,7 @@ from cluster.config import EngineConfig
 from cluster.detokenizer import OutputText
 from cluster.reasoning import start_reasoning
 from cluster.grammar import GrammarError, Grammars
+from cluster.kv.disk_tier import tier_for
 from cluster.kv.hashing import first_block_key
 from cluster.kv.plan import KVPlan, plan_kv
 from cluster.model import ModelSpec
@@ -69,6 +70,8 @@ class EngineCore:
         self.owner = ThreadOwner("this engine")
         self.kv = kv_plan.build(self.owner)  # the one owner of every request's KV, by KV cache group
         self.pool, self.store = self.kv.pool, self.kv.block_groups[0].store
+        # the SSD tier under the pool (`ssd_cache_gb`; cluster/kv/disk_tier.py), None without
+        self.tier = tier_for(self.kv, spec, self.config, replicated=replicas is not None)
         self.runner = ModelRunner(model, self.kv, verified, replicas)
         # a pipeline group's leader: the whole model's cache slot kinds (its own model runs only its layers'; the
         # KV transfer's format states the whole, kv_transfer/handshake.py)
@@ -85,6 +88,12 @@ class EngineCore:
         self._overlap = self.config.async_scheduling and not verified.num_state_layers and replicas is None
         self._inflight: Optional[InFlight] = None
         self.clock = time.perf_counter  # times the steps for the step budget (a test may set a fake clock)
+
+    def close(self) -> None:
+        """Release what outlives a step: the SSD tier writes what it has queued and lets its folder go."""
+        if self.tier is not None:
+            self.tier.close()
+            self.tier = None
 
     @property
     def speculator(self) -> Speculator:

@@ -235,7 +235,7 @@ def _probe(model, tokenizer, spec, config, verified, prompts, prefix, tol):
         config, num_blocks=2 * need + 4, max_num_seqs=4, prefill_chunk_size=_chunk(config), kv_bits=None,
         max_num_batched_tokens=None, enable_prefix_caching=True, state_cache_gb=None if not verified.num_state_layers
         else 0.05, state_snapshot_interval=None, speculative_method=None, draft_model=None, decode_mirror_gb=None,
-        kv_cache_gb=max(config.kv_cache_gb, 0.05), max_model_len=None)
+        kv_cache_gb=max(config.kv_cache_gb, 0.05), max_model_len=None, ssd_cache_gb=0.0)
     engine = EngineCore(model, tokenizer, spec, probe_config, verified=verified)
     first = [_request(f"probe-{i}", p) for i, p in enumerate(prompts)]
     peak: dict[str, int] = {}

@@ -43,6 +43,7 @@ class ModelSpec:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     value_dim: Optional[int] = None
+    weights_dir: Optional[str] = None  # the folder it was read from (the SSD tier fingerprints its weights)
 
     @property
     def v_dim(self) -> int:
@@ -129,6 +130,7 @@ def read_model_spec(path: Path, model_id: Optional[str] = None) -> ModelSpec:
         vocab_size=text.get("vocab_size") or 0,
         max_model_len=int(text.get("max_position_embeddings") or 4096),
         eos_token_ids=eos_ids,
+        weights_dir=str(path),
     )
 
 

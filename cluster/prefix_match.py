@@ -71,13 +71,14 @@ class PrefixMatcher:
             return self.kv.lookup((), seq.token_ids, 0)
         root = self.extra_key(seq.request.cache_salt)
         hashes = hashes[:(len(seq.token_ids) - 1) // self.block_size]
-        return self.kv.lookup(hashes, seq.token_ids, len(hashes), head_until=len(seq.token_ids) - 1, root=root)
+        return self.kv.lookup(hashes, seq.token_ids, len(hashes), head_until=len(seq.token_ids) - 1, root=root,
+                              tier=True)
     def commit(self, seq: Sequence, hit: PrefixHit, num_new_blocks: int) -> None:
         """Take `hit` for `seq` (`KVManager.commit`, with `num_new_blocks` more), set its counters and count the
         hit on first admission (not on a recompute after preemption)."""
-        self.kv.commit(seq.request_id, hit, num_new_blocks)
-        seq.block_hashes = list(hit.hashes)
-        seq.num_computed_tokens = hit.num_tokens
+        reused = self.kv.commit(seq.request_id, hit, num_new_blocks)  # fewer when a block on the SSD tier was bad
+        seq.block_hashes = list(hit.hashes[:reused // self.block_size])
+        seq.num_computed_tokens = reused
         if seq.num_output_tokens == 0:
             seq.num_cached_tokens = seq.num_computed_tokens
             self.queries += seq.num_prompt_tokens

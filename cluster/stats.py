@@ -100,6 +100,16 @@ class EngineStats:
     reservations_busy: float = 0.0  # decode: handshakes answered "busy"
     ttft_p50_s: Optional[float] = None  # prefill: median time to first token of recent requests (seconds)
     healthy: bool = True  # the worker loop runs (the sum: the engine client serves)
+    # the SSD tier under the pool (cluster/kv/disk_tier.py; zeros without one): held now, and since start
+    ssd_blocks: int = 0
+    ssd_bytes: float = 0.0
+    ssd_budget_bytes: float = 0.0
+    ssd_blocks_written: float = 0.0
+    ssd_blocks_dropped: float = 0.0  # the writer's queue was full
+    ssd_blocks_loaded: float = 0.0
+    ssd_bytes_loaded: float = 0.0
+    ssd_load_seconds: float = 0.0
+    ssd_bad_blocks: float = 0.0  # torn, corrupted or colliding files found (recomputed)
     kv_groups: tuple[KVGroupStats, ...] = ()
 
     @property

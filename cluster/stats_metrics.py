@@ -72,6 +72,16 @@ METRICS: tuple[MetricSpec, ...] = (
     _counter("kv_blocks_received", "kv_blocks_received", "KV blocks received from prefill workers"),
     _counter("transfer_timeouts", "kv_transfer_timeouts", "KV transfers ended by a deadline"),
     _counter("reservations_busy", "kv_reservations_busy", "Decode: KV handshakes answered busy"),
+    _gauge("ssd_blocks", "kv_ssd_blocks", "KV blocks the SSD tier holds"),
+    _gauge("ssd_bytes", "kv_ssd_bytes", "Bytes of the SSD tier's block files"),
+    _gauge("ssd_budget_bytes", "kv_ssd_budget_bytes", "The SSD tier's byte budget (0: no tier)"),
+    _counter("ssd_blocks_written", "kv_ssd_blocks_written", "KV blocks written to the SSD tier"),
+    _counter("ssd_blocks_dropped", "kv_ssd_blocks_dropped", "KV blocks the SSD tier's full write queue dropped"),
+    _counter("ssd_blocks_loaded", "kv_ssd_blocks_loaded", "KV blocks loaded from the SSD tier by prefix hits"),
+    _counter("ssd_bytes_loaded", "kv_ssd_bytes_loaded", "Bytes loaded from the SSD tier by prefix hits"),
+    _counter("ssd_load_seconds", "kv_ssd_load_seconds", "Seconds spent loading blocks from the SSD tier"),
+    _counter("ssd_bad_blocks", "kv_ssd_bad_blocks", "SSD tier block files found torn, corrupted or colliding "
+                                                    "(recomputed instead)"),
     _gauge("ttft_p50_s", "ttft_p50_seconds", "Prefill: median time to first token of recent requests, seconds "
                                              "(the router: the largest worker median)"),
 )

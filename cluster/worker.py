@@ -140,6 +140,8 @@ class Worker:
                 return
         else:
             self._close_sockets()  # start() failed before the loop: this thread made the sockets
+        if self.engine is not None:
+            self.engine.close()
         close_context(self.ctx)
         server = getattr(self, "_metrics_server", None)
         if server is not None:
@@ -310,6 +312,7 @@ class Worker:
             prefix_cache_hits=sched.prefix_hits, tokens_out=self.tokens_out, requests=len(self.routes),
             constrained_requests=e.grammars.num_constrained, grammar_mask_seconds=e.grammars.mask_seconds,
             kv_groups=e.kv.group_stats(self._transfer_metrics()),
+            **(e.tier.engine_stats() if e.tier is not None else {}),
             **(self.group_rank.stats() if self.group_rank is not None else {}), **self._role_stats())
         self._stats_at = time.monotonic()
 

@@ -51,8 +51,8 @@ class GroupHit:
 
 @dataclass(frozen=True)
 class PrefixHit:
-    """A prefix hit found without side effects (`KVManager.lookup`): `num_blocks` whole blocks, one `GroupHit`
-    per group, and optionally the head of one more block (`head`: (cached source block, tokens it covers)),
+    """A prefix hit found without side effects (`KVManager.lookup`): `num_blocks` whole blocks (the last
+    `len(disk)` of them on the SSD tier, the rest in the pool), one `GroupHit` per group, and optionally the head of one more block (`head`: (cached source block, tokens it covers)),
     copied into the request's own block when the hit is taken. `num_tokens` is what the request need not
     compute."""
 
@@ -61,6 +61,9 @@ class PrefixHit:
     block_size: int
     head: Optional[tuple[int, int]] = None
     hashes: tuple[int, ...] = ()  # the hashes of the hit's whole blocks
+    # the hit's last whole blocks that the SSD tier holds (cluster/kv/disk_tier.py), loaded into new blocks when
+    # the hit is taken: (block hash, its tokens, the hash it was chained from), counted in `num_blocks`
+    disk: tuple[tuple[int, tuple[int, ...], int], ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+import numpy as np
+
 from cluster.kv.attention_groups import FullAttentionGroup
 from cluster.kv.block_pool import BlockPool
 from cluster.kv.groups import GroupHit, KVCacheGroup, PrefixHit, StepRequest, reserve_blocks
@@ -78,6 +80,16 @@ class KVManager:
         self.min_partial = max(1, round(MIN_PARTIAL_TOKENS * block_size / 32))
         self._entries: dict[str, list[Any]] = {}
         self._held: dict[str, Holding] = {}
+        self.tier = None  # the SSD tier under the pool (`attach_tier`)
+
+    def attach_tier(self, tier) -> None:
+        """Keep every cached block in `tier` too (a `cluster.kv.disk_tier.DiskTier`: written behind as blocks are
+        cached) and let prefix hits reach it. Raises ValueError for a manager of more than one group (a tier
+        holds full-attention blocks only)."""
+        if len(self.groups) != 1:
+            raise ValueError("the SSD tier holds the blocks of full-attention models only (this model has "
+                             f"{', '.join(g.name for g in self.groups)} KV cache groups)")
+        self.tier = tier
 
     # -- sizes -------------------------------------------------------------------------------------------------
 
@@ -212,14 +224,16 @@ class KVManager:
     # -- the prefix cache --------------------------------------------------------------------------------------
 
     def lookup(self, hashes: Sequence[int], token_ids: Sequence[int], max_blocks: int,
-               state_shipped: bool = False, head_until: int = 0, root: Optional[int] = None) -> PrefixHit:
+               state_shipped: bool = False, head_until: int = 0, root: Optional[int] = None,
+               tier: bool = False) -> PrefixHit:
         """The longest prefix of at most `max_blocks` whole blocks of `token_ids` (chained `hashes`, from the
         first-block key `root`) that every group can reuse, and, past it, the head of one more cached block
         covering at least `min_partial` of the next tokens and none from position `head_until` on (when head
         hits are on:
         token-granular reuse, as SGLang's radix cache and mlx-lm's prompt cache do). Changes nothing.
         `state_shipped`: the state after the prompt arrives with a transfer (a group that restores state need
-        not)."""
+        not). `tier`: past the pool's hit, the blocks the SSD tier holds count too (`PrefixHit.disk`; then no
+        head hit)."""
         k = min(max_blocks, len(hashes))
         while True:  # each group cuts k back to what it can reuse, until all agree
             cut = k
@@ -229,6 +243,13 @@ class KVManager:
                 break
             k = cut
         hits = tuple(g.hit(hashes, token_ids, k, state_shipped) for g in self.groups)
+        if tier and self.tier is not None and k < min(max_blocks, len(hashes)):
+            d = self.tier.longest(hashes[k:min(max_blocks, len(hashes))])
+            if d:
+                bs = self.block_size
+                disk = tuple((hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]), hashes[i - 1] if i else root)
+                             for i in range(k, k + d))
+                return PrefixHit(k + d, hits, bs, None, tuple(hashes[:k + d]), disk)
         head = None
         parent = hashes[k - 1] if k else root
         start = k * self.block_size
@@ -240,12 +261,15 @@ class KVManager:
         return PrefixHit(k, hits, self.block_size, head, tuple(hashes[:k]))
 
     def free_besides(self, hit: PrefixHit) -> int:
-        """Blocks `allocate` could still hand out once `hit` is taken."""
-        return min(g.free_besides(h) for g, h in zip(self.groups, hit.groups) if g.pool is not None)
+        """Blocks `allocate` could still hand out once `hit` is taken (its blocks from the SSD tier take new
+        ones)."""
+        return min(g.free_besides(h) for g, h in zip(self.groups, hit.groups) if g.pool is not None) - len(hit.disk)
 
-    def commit(self, request_id: str, hit: PrefixHit, num_new_blocks: int) -> None:
-        """Take `hit` as the start of the request's empty entries, allocate `num_new_blocks` more and copy a head
-        hit's cached block into the request's block that holds its first position to compute. Raises ValueError
+    def commit(self, request_id: str, hit: PrefixHit, num_new_blocks: int) -> int:
+        """Take `hit` as the start of the request's empty entries, allocate `num_new_blocks` more (and one for each
+        of its blocks on the SSD tier, loaded into them) and copy a head hit's cached block into the request's
+        block that holds its first position to compute. Returns the tokens the request need not compute: the
+        hit's, or fewer when a block on the tier could not be loaded (the rest is computed). Raises ValueError
         when fewer than `num_new_blocks` blocks are free besides the hit (checked before anything changes)."""
         if num_new_blocks > self.free_besides(hit):
             raise ValueError(f"cannot allocate {num_new_blocks} blocks: only {self.free_besides(hit)} free")
@@ -254,13 +278,17 @@ class KVManager:
         for g, h in zip(self.groups, hit.groups):
             entries[g.index] = g.take(entries[g.index], h)
         if hit.head is None:
-            self.allocate(request_id, num_new_blocks)
-            return
+            self.allocate(request_id, num_new_blocks + len(hit.disk))
+            if hit.disk:
+                missing = len(hit.disk) - self._load_from_tier(request_id, hit)
+                return (hit.num_blocks - missing) * self.block_size
+            return hit.num_tokens
         source = hit.head[0]
         self.pool.touch([source])  # no allocation may evict it before the copy
         self.allocate(request_id, num_new_blocks)
         self.copy_block(source, self.block_table(request_id)[hit.num_blocks])
         self.pool.free([source])
+        return hit.num_tokens
 
     def cache_blocks(self, request_id: str, start: int, hashes: Sequence[int], token_ids: Sequence[int],
                      root: int) -> None:
@@ -273,9 +301,49 @@ class KVManager:
             parent = hashes[i - 1] if i else root
             for g in self.groups:
                 g.cache_block(entries[g.index], i, hashes[i], token_ids[i * bs:(i + 1) * bs], parent)
+        if self.tier is not None and start < len(hashes):
+            self._write_behind(request_id, range(start, len(hashes)), hashes, token_ids)
+
+    def _write_behind(self, request_id: str, blocks: range, hashes: Sequence[int], token_ids: Sequence[int]) -> None:
+        """Hand the tier host copies of the request's blocks `blocks` that it does not hold yet."""
+        table, bs = self.block_table(request_id), self.block_size
+        todo = [i for i in blocks if table[i] and not self.tier.has(hashes[i])]
+        if not todo:
+            return
+        store = self.block_groups[0].store
+        arrays = store.read_blocks([table[i] for i in todo], range(store.spec.num_layers))
+        for j, i in enumerate(todo):
+            self.tier.put(hashes[i], token_ids[i * bs:(i + 1) * bs],
+                          [np.ascontiguousarray(a[:, j * bs:(j + 1) * bs]) for a in arrays])
+
+    def _load_from_tier(self, request_id: str, hit: PrefixHit) -> int:
+        """Load the hit's blocks on the SSD tier into the request's new blocks that follow its pool hit, and
+        register them in the prefix cache; stops at the first block the tier cannot give (a bad file). Returns
+        how many it loaded."""
+        table, bs = self.block_table(request_id), self.block_size
+        first = hit.num_blocks - len(hit.disk)
+        loaded = []
+        for block_hash, tokens, _ in hit.disk:
+            arrays = self.tier.load(block_hash, tokens)
+            if arrays is None:
+                break
+            loaded.append(arrays)
+        if loaded:
+            store = self.block_groups[0].store
+            ids = table[first:first + len(loaded)]
+            store.write_blocks(ids, range(store.spec.num_layers),
+                               [np.concatenate(parts, axis=1) for parts in zip(*loaded)])
+            group, entry = self.block_groups[0], self._entries[request_id][self.block_groups[0].index]
+            for j, (block_hash, tokens, parent) in enumerate(hit.disk[:len(loaded)]):
+                group.cache_block(entry, first + j, block_hash, tokens, parent)
+            self.tier.touch([h for h, _, _ in hit.disk[:len(loaded)]])
+        return len(loaded)
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached hash in every group; returns how many the anchor pool forgot."""
+        """Forget every cached hash in every group (and delete the SSD tier's blocks); returns how many the anchor
+        pool forgot."""
+        if self.tier is not None:
+            self.tier.clear()
         counts = [g.reset_prefix_cache() for g in self.groups]
         return counts[self.block_groups[0].index]
 

@@ -25,7 +25,7 @@ ENGINE_FLAGS = {  # CLI flag -> EngineConfig field; unset flags leave the topolo
     "block_size": int, "kv_cache_gb": float, "kv_bits": int, "kv_group_size": int, "max_num_seqs": int,
     "prefill_chunk_size": int, "max_num_batched_tokens": int, "itl_target_ms": float, "prefill_slowdown": float,
     "long_prefill_token_threshold": int, "max_model_len": int, "dtype": str, "decode_mirror_gb": float, "state_cache_gb": float,
-    "state_snapshot_interval": int,
+    "state_snapshot_interval": int, "ssd_cache_gb": float, "ssd_cache_dir": str,
     "speculative_method": str, "num_draft_tokens": int, "draft_model": str, "draft_quantize_bits": int,
     "draft_cost_per_token": float,
 }
@@ -81,6 +81,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "--block-size (default: the prefill chunk size); when a request ends those at 1, 2, 4, "
                         "8, ... intervals stay. Smaller lets prompts that share shorter prefixes (a system "
                         "prompt) restore them, at the cost of shorter prefill chunks")
+    p.add_argument("--ssd-cache-gb", type=float, default=None,
+                   help="GiB of disk for a KV tier under the pool: cached blocks are written there too, prefix "
+                        "hits load them back, and they survive a restart (default 0: off; full-attention models "
+                        "only for now)")
+    p.add_argument("--ssd-cache-dir", default=None,
+                   help="the SSD tier's folder, one per server (default: kv-tier in mlx-pd's cache folder)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix-cache reuse")
     p.add_argument("--skip-load-check", action="store_true",
                    help="skip the load check (a short probe proving the paged path equals mlx-lm's own on the real "

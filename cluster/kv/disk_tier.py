@@ -1,0 +1,349 @@
+"""The SSD tier under the KV pool: cached blocks kept as files, so that a prefix hit reaches past what RAM holds
+and survives a restart (vllm-mlx's and oMLX's SSD caches, vLLM's tiered offload).
+
+Write-behind: as the prefix cache registers a full, computed block (`KVManager.cache_blocks`), the engine's owner
+thread copies it to host memory (`KVStore.read_blocks`, as the KV sender does) and hands it to `put`; a writer
+thread of the tier writes it to a temporary name, renames it into place and only then lists it, so a crash or a
+kill leaves whole files or none. When the pool later evicts the block nothing is left to do. `put` never waits:
+its queue is bounded in bytes, and a block it cannot take is dropped (and counted). A full disk (or any other
+write error) turns writing off with one log line; reading goes on.
+
+Reads: a prefix lookup asks `longest` how many of the blocks after its RAM hit the tier holds, and the commit
+`load`s them (verified: checksum, block hash and tokens, cluster/kv/block_file.py) into the request's new pool
+blocks on the owner thread. A bad file is a miss: it is deleted and the rest of the prompt is computed.
+
+Bounded: the files of this fingerprint's folder stay within `budget_bytes`, least recently used first; a hit
+touches its blocks suffix first, so a prompt's prefix is the last of it to go (a suffix is useless without its
+prefix). At start the folder's files are listed by modification time (the oldest first to go). The folder is
+`<root>/<fingerprint>` (cluster/kv/tier_fingerprint.py), created 0700 with files 0600, and locked: a second
+server on the same folder is refused. `clear` (a prefix-cache reset) deletes every block.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict, deque
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from cluster.kv.block_file import BlockFileError, decode, encode
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".kv"
+QUEUE_BYTES = 256 << 20  # blocks waiting for the writer at most (or the budget, if smaller)
+
+
+class TierInUse(ValueError):
+    """Another server holds the tier's folder."""
+
+
+class DiskTier:
+    """Blocks of one fingerprint's folder under `root`, within `budget_bytes`; each block's arrays are named
+    `names` (`KVStore.array_names`). Owner-thread calls: `longest`, `put`, `load`, `touch`, `clear`; the writer
+    thread lists what it wrote. Raises TierInUse when another process holds the folder, OSError when it cannot
+    be made."""
+
+    def __init__(self, root: Path, fingerprint: str, budget_bytes: int, names: Sequence[str],
+                 queue_bytes: Optional[int] = None):
+        root = Path(root).expanduser()
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.dir = root / fingerprint
+        self.dir.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(self.dir, 0o700)
+        self.budget_bytes, self.names = int(budget_bytes), tuple(names)
+        self._lock_file = open(self.dir / "lock", "a+")
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.seek(0)
+            holder = self._lock_file.read().strip() or "?"
+            self._lock_file.close()
+            raise TierInUse(f"ssd_cache_dir {root} is in use by another server (pid {holder}) for this model: "
+                            "give each server its own --ssd-cache-dir") from None
+        self._lock_file.truncate(0)
+        self._lock_file.write(str(os.getpid()))
+        self._lock_file.flush()
+        self._index: OrderedDict[int, int] = OrderedDict()  # block hash -> file bytes, least recently used first
+        self.nbytes = 0
+        self._mutex = threading.Lock()
+        self._wake = threading.Condition(self._mutex)
+        self._queue: deque = deque()
+        self._pending: dict[int, tuple[tuple[int, ...], list[np.ndarray]]] = {}
+        self._queued_bytes = 0
+        self.queue_bytes = min(queue_bytes or QUEUE_BYTES, max(1, self.budget_bytes))
+        self.writable = True
+        self.num_written = self.num_dropped = self.num_loaded = self.num_bad = self.num_evicted = 0
+        self.bytes_written = self.bytes_loaded = 0
+        self.load_seconds = 0.0
+        self._scan()
+        self._closed = False
+        self._writer = threading.Thread(target=self._write_loop, name="kv-disk-tier", daemon=True)
+        self._writer.start()
+
+    # -- the owner thread ----------------------------------------------------------------------------------------
+
+    def has(self, block_hash: int) -> bool:
+        """True when the tier holds (or is writing) block `block_hash`."""
+        with self._mutex:
+            return block_hash in self._index or block_hash in self._pending
+
+    def longest(self, hashes: Sequence[int]) -> int:
+        """How many of `hashes`, from the first, the tier holds (or is writing)."""
+        with self._mutex:
+            n = 0
+            for h in hashes:
+                if h not in self._index and h not in self._pending:
+                    break
+                n += 1
+            return n
+
+    def put(self, block_hash: int, token_ids: Sequence[int], arrays: list[np.ndarray]) -> bool:
+        """Queue block `block_hash` (caching `token_ids`, its host copies `arrays`) for writing; False when it is
+        held already, writing is off, or the queue is full (dropped and counted)."""
+        size = sum(a.nbytes for a in arrays)
+        with self._mutex:
+            if block_hash in self._index or block_hash in self._pending:
+                return False
+            if not self.writable or self._closed or size > self.budget_bytes:
+                return False
+            if self._queued_bytes + size > self.queue_bytes:
+                self.num_dropped += 1
+                return False
+            self._pending[block_hash] = (tuple(token_ids), arrays)
+            self._queue.append(block_hash)
+            self._queued_bytes += size
+            self._wake.notify()
+        return True
+
+    def load(self, block_hash: int, token_ids: Sequence[int]) -> Optional[list[np.ndarray]]:
+        """The arrays of block `block_hash` if it caches exactly `token_ids`; None on a miss or a bad file (which is
+        deleted, counted and logged). Reads the file on the calling thread."""
+        t0 = time.perf_counter()
+        with self._mutex:
+            pending = self._pending.get(block_hash)
+            known = block_hash in self._index
+        if pending is not None:
+            if pending[0] != tuple(token_ids):
+                return None
+            arrays = pending[1]
+        elif not known:
+            return None
+        else:
+            path = self._path(block_hash)
+            try:
+                arrays = decode(path.read_bytes(), block_hash, token_ids, self.names)
+            except (OSError, BlockFileError) as exc:
+                log.warning("SSD tier: block %016x is unusable (%s): computing it instead", block_hash, exc)
+                self.num_bad += 1
+                self._forget(block_hash, delete=True)
+                return None
+        self.num_loaded += 1
+        self.bytes_loaded += sum(a.nbytes for a in arrays)
+        self.load_seconds += time.perf_counter() - t0
+        return arrays
+
+    def touch(self, hashes: Sequence[int]) -> None:
+        """A prompt used these blocks (a prefix, in order): the most recently used now, its first block last of
+        all, so its suffix goes before its prefix."""
+        with self._mutex:
+            for h in reversed(hashes):
+                if h in self._index:
+                    self._index.move_to_end(h)
+
+    def clear(self) -> int:
+        """Forget and delete every block (waiting ones included); returns how many were held."""
+        with self._mutex:
+            hashes = list(self._index)
+            n = len(hashes) + len(self._pending)
+            self._queue.clear()
+            self._pending.clear()
+            self._queued_bytes = 0
+            self._index.clear()
+            self.nbytes = 0
+        for h in hashes:
+            self._path(h).unlink(missing_ok=True)
+        return n
+
+    def wait_written(self, timeout_s: float = 10.0) -> bool:
+        """Wait until the writer has written (or given up on) every queued block; False at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        with self._mutex:
+            while self._queue and time.monotonic() < deadline:
+                self._wake.wait(0.01)
+            return not self._queue
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Write what is queued (for at most `timeout_s`), stop the writer, release the folder."""
+        with self._mutex:
+            self._closed = True
+            self._wake.notify()
+        self._writer.join(timeout_s)
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_UN)
+        finally:
+            self._lock_file.close()
+
+    def stats(self) -> dict:
+        """Blocks and bytes held, the budget, and the counters since start (written, dropped, loaded, bad,
+        evicted; bytes written and loaded; seconds spent loading); `writable` False once a write failed."""
+        with self._mutex:
+            blocks, queued = len(self._index), len(self._pending)
+        return {"blocks": blocks, "bytes": self.nbytes, "budget_bytes": self.budget_bytes, "queued": queued,
+                "written": self.num_written, "dropped": self.num_dropped, "loaded": self.num_loaded,
+                "bad": self.num_bad, "evicted": self.num_evicted, "bytes_written": self.bytes_written,
+                "bytes_loaded": self.bytes_loaded, "load_seconds": self.load_seconds, "writable": self.writable}
+
+    def engine_stats(self) -> dict:
+        """`stats` as `cluster.stats.EngineStats`'s `ssd_*` fields."""
+        s = self.stats()
+        return {"ssd_blocks": s["blocks"], "ssd_bytes": s["bytes"], "ssd_budget_bytes": s["budget_bytes"],
+                "ssd_blocks_written": s["written"], "ssd_blocks_dropped": s["dropped"],
+                "ssd_blocks_loaded": s["loaded"], "ssd_bytes_loaded": s["bytes_loaded"],
+                "ssd_load_seconds": s["load_seconds"], "ssd_bad_blocks": s["bad"]}
+
+    # -- the writer thread ---------------------------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._mutex:
+                while not self._queue and not self._closed:
+                    self._wake.wait()
+                if not self._queue:
+                    return
+                block_hash = self._queue[0]
+                token_ids, arrays = self._pending[block_hash]
+            size = self._write(block_hash, token_ids, arrays)
+            with self._mutex:
+                if self._queue and self._queue[0] == block_hash:  # not cleared meanwhile
+                    self._queue.popleft()
+                    self._pending.pop(block_hash, None)
+                    self._queued_bytes -= sum(a.nbytes for a in arrays)
+                    if size:
+                        self._index[block_hash] = size
+                        self.nbytes += size
+                        doomed = self._over_budget(keep=block_hash)
+                    else:
+                        doomed = []
+                else:
+                    doomed = [block_hash] if size else []
+            for h in doomed:
+                self._path(h).unlink(missing_ok=True)
+
+    def _write(self, block_hash: int, token_ids, arrays) -> int:
+        """Write one block file (temporary name, then renamed); its bytes, or 0 when writing failed (writing is
+        then off for good: the disk is full or failing)."""
+        data = encode(block_hash, token_ids, self.names, arrays)
+        path = self._path(block_hash)
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            log.error("SSD tier: writing off (%s%s); the server serves on from RAM and what the tier holds",
+                      "the disk is full: " if full else "", exc)
+            with self._mutex:
+                self.writable = False
+                self._queue.clear()
+                self._pending.clear()
+                self._queued_bytes = 0
+            return 0
+        self.num_written += 1
+        self.bytes_written += len(data)
+        return len(data)
+
+    # -- the index -----------------------------------------------------------------------------------------------
+
+    def _over_budget(self, keep: int) -> list[int]:
+        """Drop the least recently used blocks (not `keep`) until the tier fits its budget; their hashes, whose
+        files the caller deletes outside the lock. Called holding the lock."""
+        doomed = []
+        while self.nbytes > self.budget_bytes and len(self._index) > 1:
+            h, size = next(iter(self._index.items()))
+            if h == keep:
+                break
+            del self._index[h]
+            self.nbytes -= size
+            self.num_evicted += 1
+            doomed.append(h)
+        return doomed
+
+    def _forget(self, block_hash: int, delete: bool) -> None:
+        with self._mutex:
+            size = self._index.pop(block_hash, None)
+            if size is not None:
+                self.nbytes -= size
+        if delete:
+            self._path(block_hash).unlink(missing_ok=True)
+
+    def _scan(self) -> None:
+        """List the folder's block files, oldest first; delete temporary files a crash left behind, and what is
+        over the budget."""
+        found = []
+        for entry in os.scandir(self.dir):
+            name = entry.name
+            if name.startswith(".") and name.endswith(".tmp"):
+                os.unlink(entry.path)
+            elif name.endswith(SUFFIX):
+                try:
+                    block_hash = int(name[:-len(SUFFIX)], 16)
+                    st = entry.stat()
+                except (ValueError, OSError):
+                    continue
+                found.append((st.st_mtime_ns, block_hash, st.st_size))
+        for _, block_hash, size in sorted(found):
+            self._index[block_hash] = size
+            self.nbytes += size
+        for h in self._over_budget(keep=-1):
+            self._path(h).unlink(missing_ok=True)
+
+    def _path(self, block_hash: int) -> Path:
+        return self.dir / f"{block_hash:016x}{SUFFIX}"
+
+
+def tier_for(manager, spec, config, replicated: bool = False) -> Optional[DiskTier]:
+    """The SSD tier a server's `manager` (`KVManager`) keeps under its pool, attached, per `config`
+    (`ssd_cache_gb`, `ssd_cache_dir`) for the model `spec` (`cluster.model.ModelSpec`, whose `weights_dir` is
+    fingerprinted); None when the config keeps none, or (logged) when the model or the process cannot have one
+    yet: KV cache groups besides full attention, a worker group's rank (`replicated`), no weights folder.
+    Raises TierInUse when another server holds the folder."""
+    from cluster.kv.hashing import kv_format_name
+    from cluster.kv.tier_fingerprint import tier_fingerprint, weights_digest
+
+    if not config.ssd_cache_gb:
+        return None
+    why = ("its KV cache groups are " + ", ".join(g.name for g in manager.groups)) if len(manager.groups) != 1 \
+        else "a worker group's ranks keep no tier yet" if replicated \
+        else "its weights' folder is unknown" if not spec.weights_dir else None
+    if why:
+        log.warning("SSD tier off for %s: %s (the tier holds full-attention blocks only for now)", spec.model_id, why)
+        return None
+    if config.ssd_cache_dir:
+        root = Path(config.ssd_cache_dir)
+    else:
+        root = Path(os.environ.get("MLX_PD_CACHE") or Path.home() / ".cache" / "mlx-pd") / "kv-tier"
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    store = manager.block_groups[0].store
+    fmt = kv_format_name(config.dtype, config.kv_bits, config.kv_group_size, config.block_size)
+    t0 = time.perf_counter()
+    fingerprint = tier_fingerprint(weights_digest(Path(spec.weights_dir), root), fmt)
+    tier = DiskTier(root, fingerprint, int(config.ssd_cache_gb * 2**30), store.array_names)
+    manager.attach_tier(tier)
+    log.info("SSD tier: %s, %d blocks (%.1f MiB) of %.1f GiB found; weights fingerprinted in %.1f s", tier.dir,
+             len(tier._index), tier.nbytes / 2**20, config.ssd_cache_gb, time.perf_counter() - t0)
+    return tier

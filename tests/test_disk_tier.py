@@ -1,0 +1,220 @@
+"""The SSD tier under the KV pool: a session whose blocks left RAM is restored from disk with exactly the cold run's
+tokens and logprobs (float, 8-bit and 4-bit KV; alone and batched), after a restart too, and after the server was
+killed with -9 while writing; a torn or flipped file is a miss that is recomputed; weights of other values in
+files of the same sizes never hit; the folder stays within its budget, is locked against a second server and
+private; a full disk turns writing off and the server serves on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.random_models import random_model_dir
+from cluster.config import EngineConfig
+from cluster.engine import EngineCore
+from cluster.kv.block_file import BlockFileError, decode, encode
+from cluster.kv.disk_tier import DiskTier, TierInUse
+from cluster.model import load_model, read_model_spec
+from tests.engine_helpers import run
+from tests.family_helpers import COMMON, CONFIGS, TOL, VOCAB, request
+
+REPO = Path(__file__).resolve().parents[1]
+LLAMA = {"model_type": "llama", **COMMON, **CONFIGS["llama"], "head_dim": 32}  # 32 wide: 4-bit groups of 32
+BLOCK = 8
+# four sessions of 41 tokens (5 whole blocks each) over a pool of 13 usable blocks: each evicts the one before
+SESSIONS = np.random.RandomState(1).randint(100, VOCAB, size=(4, 41)).tolist()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tier-models")
+    return {seed: random_model_dir("tier-llama", LLAMA, seed, root) for seed in (0, 1)}
+
+
+def _engine(folder: Path, tier_dir, budget_gb: float = 0.01, **config) -> EngineCore:
+    model, tokenizer = load_model(folder, "float32")
+    config = dict(dict(dtype="float32", block_size=BLOCK, num_blocks=14, ssd_cache_gb=budget_gb,
+                       ssd_cache_dir=None if tier_dir is None else str(tier_dir)), **config)
+    # one served name for every seed: the block hashes (model name, config, file sizes) are the same for both
+    return EngineCore(model, tokenizer, read_model_spec(folder, model_id="tier-llama"), EngineConfig(**config))
+
+
+def _answers(engine: EngineCore, prompts, tag: str) -> dict:
+    results = run(engine, [request(f"{tag}{i}", p) for i, p in enumerate(prompts)])
+    return {i: (results[f"{tag}{i}"].token_ids, [lp.logprob for lp in results[f"{tag}{i}"].logprobs],
+                results[f"{tag}{i}"].final.num_cached_tokens) for i in range(len(prompts))}
+
+
+def _assert_same(got: dict, cold: dict, tol: float = TOL) -> None:
+    """Greedy tokens equal, logprobs within `tol` (quantized KV read back from blocks differs from the fresh
+    values a cold prompt's own chunk attends to by more than float rounding: the project's 1e-3)."""
+    for i, (tokens, logprobs, _) in cold.items():
+        assert got[i][0] == tokens, i
+        assert np.allclose(got[i][1], logprobs, atol=tol, rtol=0), i
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8, 4])
+def test_sessions_evicted_from_ram_are_restored_from_disk_exactly_alone_batched_and_after_a_restart(
+        kv_bits, models, tmp_path):
+    """Four sessions, each evicting the one before from a small pool, come back from disk alone and then, after a
+    restart, all four batched: with float KV their tokens and logprobs are the cold run's; in every format the
+    disk's blocks are the pool's, byte for byte, so a restore from disk answers exactly as the same batch
+    restored from RAM (quantized KV reused from any cache differs from a cold prompt's own fresh K/V by the
+    quantization error, README "What a request's output may depend on")."""
+    kv = {} if kv_bits is None else {"kv_bits": kv_bits, "kv_group_size": 32}
+    cold = _answers(_engine(models[0], None, budget_gb=0, enable_prefix_caching=False, **kv), SESSIONS, "cold")
+    engine = _engine(models[0], tmp_path, **kv)
+    for i, p in enumerate(SESSIONS):  # one after another: each pushes the one before out of the pool
+        _answers(engine, [p], f"first{i}-")
+    assert engine.tier.wait_written()
+    assert engine.tier.stats()["written"] >= 4 * 5
+    alone = {i: _answers(engine, [p], f"alone{i}-")[0] for i, p in enumerate(SESSIONS[:2])}
+    assert all(a[2] == 40 for a in alone.values())  # every whole block of the prompt, from disk or RAM
+    assert engine.tier.stats()["loaded"] >= 5
+    if kv_bits is None:
+        _assert_same(alone, {i: cold[i] for i in alone})
+    engine.close()
+    # a restart with a pool that holds the four at once: RAM is empty, the disk is not
+    again = _engine(models[0], tmp_path, num_blocks=40, **kv)
+    from_disk = _answers(again, SESSIONS, "disk")
+    assert [b[2] for b in from_disk.values()] == [40] * 4
+    assert again.tier.stats()["loaded"] >= 4 * 5 and again.tier.stats()["bad"] == 0
+    if kv_bits is None:
+        _assert_same(from_disk, cold)
+    from_ram = _answers(again, SESSIONS, "ram")  # the same batch again: every block in the pool now
+    assert again.tier.stats()["loaded"] == 4 * 5
+    _assert_same(from_ram, from_disk, tol=0.0)
+    again.close()
+
+
+def test_a_torn_or_flipped_file_is_a_miss_that_is_recomputed(models, tmp_path):
+    engine = _engine(models[0], tmp_path)
+    cold = _answers(engine, SESSIONS[:2], "cold")
+    assert engine.tier.wait_written()
+    folder = engine.tier.dir
+    engine.close()
+    files = sorted(folder.glob("*.kv"))
+    assert len(files) >= 10
+    by_block = {}
+    for f in files:  # which session's which block each file holds
+        data = f.read_bytes()
+        for s, prompt in enumerate(SESSIONS[:2]):
+            for b in range(5):
+                try:
+                    decode(data, int(f.stem, 16), prompt[b * BLOCK:(b + 1) * BLOCK], ("k", "v"))
+                    by_block[(s, b)] = f
+                except BlockFileError:
+                    pass
+    flipped, torn = by_block[(0, 2)], by_block[(1, 3)]
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    flipped.write_bytes(bytes(data))
+    torn.write_bytes(torn.read_bytes()[:100])
+    again = _engine(models[0], tmp_path)
+    got = _answers(again, SESSIONS[:2], "again")
+    _assert_same(got, cold)
+    assert [got[0][2], got[1][2]] == [2 * BLOCK, 3 * BLOCK]  # up to the bad block, then computed
+    assert again.tier.stats()["bad"] == 2
+    assert again.tier.wait_written()  # the recomputed blocks are written again, whole
+    decode(flipped.read_bytes(), int(flipped.stem, 16), SESSIONS[0][2 * BLOCK:3 * BLOCK], ("k", "v"))
+    decode(torn.read_bytes(), int(torn.stem, 16), SESSIONS[1][3 * BLOCK:4 * BLOCK], ("k", "v"))
+    again.close()
+
+
+def test_weights_of_other_values_in_files_of_the_same_sizes_never_hit(models, tmp_path):
+    sizes = [sorted((f.name, f.stat().st_size) for f in models[s].glob("*.safetensors")) for s in (0, 1)]
+    assert sizes[0] == sizes[1]
+    assert read_model_spec(models[0]).revision == read_model_spec(models[1]).revision  # so the hashes agree
+    first = _engine(models[0], tmp_path)
+    _answers(first, SESSIONS[:1], "a")
+    assert first.tier.wait_written() and first.tier.stats()["blocks"] >= 5
+    folder = first.tier.dir
+    first.close()
+    other = _engine(models[1], tmp_path)
+    got = _answers(other, SESSIONS[:1], "b")
+    assert got[0][2] == 0 and other.tier.stats()["loaded"] == 0
+    assert other.tier.dir != folder
+    other.close()
+
+
+def test_the_folder_stays_within_its_budget_is_private_and_refuses_a_second_server(models, tmp_path):
+    block_file = len(encode(1, range(BLOCK), ("k", "v"), [np.zeros((2, BLOCK, 2, 32), np.float32)] * 2))
+    budget = 7 * block_file  # seven blocks: fewer than one session and a half
+    engine = _engine(models[0], tmp_path, budget_gb=budget / 2**30)
+    rng = np.random.RandomState(2)
+    for i in range(12):
+        _answers(engine, [rng.randint(100, VOCAB, size=41).tolist()], f"soak{i}-")
+        assert engine.tier.wait_written()
+        on_disk = sum(f.stat().st_size for f in engine.tier.dir.glob("*.kv"))
+        assert on_disk <= budget and engine.tier.nbytes == on_disk
+    stats = engine.tier.stats()
+    assert stats["evicted"] > 0 and stats["blocks"] <= 7
+    assert stat.S_IMODE(engine.tier.dir.stat().st_mode) == 0o700
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in engine.tier.dir.glob("*.kv"))
+    name = engine.tier.dir.name
+    with pytest.raises(TierInUse, match="in use by another server .*--ssd-cache-dir"):
+        DiskTier(tmp_path, name, budget, ("k", "v"))
+    engine.close()
+    DiskTier(tmp_path, name, budget, ("k", "v")).close()  # free again once closed
+
+
+def test_a_full_disk_turns_writing_off_and_the_server_serves_on(models, tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
+                                           capture_output=True).returncode:
+        pytest.skip("needs root to mount a small tmpfs (CI runs as root)")
+    try:
+        cold = _answers(_engine(models[0], None, budget_gb=0, enable_prefix_caching=False), SESSIONS, "cold")
+        engine = _engine(models[0], mount, budget_gb=1.0)  # a budget far larger than the disk
+        got = {}
+        for i, p in enumerate(SESSIONS):
+            got[i] = _answers(engine, [p], f"full{i}-")[0]
+            engine.tier.wait_written()
+        _assert_same(got, cold)
+        assert engine.tier.stats()["writable"] is False and engine.tier.stats()["written"] > 0
+        _assert_same({0: _answers(engine, [SESSIONS[0]], "after")[0]}, {0: cold[0]})
+        engine.close()
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+KILLED_WRITER = """
+import sys
+import numpy as np
+from tests.test_disk_tier import SESSIONS, _answers, _engine
+from pathlib import Path
+engine = _engine(Path(sys.argv[1]), Path(sys.argv[2]))
+_answers(engine, SESSIONS[:2], "before")
+assert engine.tier.wait_written()
+print("written", flush=True)
+rng = np.random.RandomState(3)
+while True:  # keep writing until killed
+    _answers(engine, [rng.randint(100, 40000, size=41).tolist()], "more")
+"""
+
+
+def test_sessions_written_before_a_kill_9_during_writes_still_hit(models, tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(models[0]), str(tmp_path)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "written"
+        time.sleep(1.0)  # in the middle of later sessions' writes
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    again = _engine(models[0], tmp_path)  # the dead server's lock died with it
+    got = _answers(again, SESSIONS[:2], "again")
+    assert [got[0][2], got[1][2]] == [40, 40] and again.tier.stats()["bad"] == 0
+    cold = _answers(_engine(models[0], None, budget_gb=0, enable_prefix_caching=False), SESSIONS[:2], "cold")
+    _assert_same(got, cold)
+    again.close()
