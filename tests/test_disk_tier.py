@@ -29,6 +29,7 @@ from tests.family_helpers import COMMON, CONFIGS, TOL, VOCAB, request
 REPO = Path(__file__).resolve().parents[1]
 LLAMA = {"model_type": "llama", **COMMON, **CONFIGS["llama"], "head_dim": 32}  # 32 wide: 4-bit groups of 32
 BLOCK = 8
+NAMES = ("0.k", "0.v")  # a block's arrays in a file: the full-attention group's K and V
 # four sessions of 41 tokens (5 whole blocks each) over a pool of 13 usable blocks: each evicts the one before
 SESSIONS = np.random.RandomState(1).randint(100, VOCAB, size=(4, 41)).tolist()
 
@@ -109,7 +110,7 @@ def test_a_torn_or_flipped_file_is_a_miss_that_is_recomputed(models, tmp_path):
         for s, prompt in enumerate(SESSIONS[:2]):
             for b in range(5):
                 try:
-                    decode(data, int(f.stem, 16), prompt[b * BLOCK:(b + 1) * BLOCK], ("k", "v"))
+                    decode(data, int(f.stem, 16), prompt[b * BLOCK:(b + 1) * BLOCK], NAMES)
                     by_block[(s, b)] = f
                 except BlockFileError:
                     pass
@@ -124,8 +125,8 @@ def test_a_torn_or_flipped_file_is_a_miss_that_is_recomputed(models, tmp_path):
     assert [got[0][2], got[1][2]] == [2 * BLOCK, 3 * BLOCK]  # up to the bad block, then computed
     assert again.tier.stats()["bad"] == 2
     assert again.tier.wait_written()  # the recomputed blocks are written again, whole
-    decode(flipped.read_bytes(), int(flipped.stem, 16), SESSIONS[0][2 * BLOCK:3 * BLOCK], ("k", "v"))
-    decode(torn.read_bytes(), int(torn.stem, 16), SESSIONS[1][3 * BLOCK:4 * BLOCK], ("k", "v"))
+    decode(flipped.read_bytes(), int(flipped.stem, 16), SESSIONS[0][2 * BLOCK:3 * BLOCK], NAMES)
+    decode(torn.read_bytes(), int(torn.stem, 16), SESSIONS[1][3 * BLOCK:4 * BLOCK], NAMES)
     again.close()
 
 
@@ -146,7 +147,7 @@ def test_weights_of_other_values_in_files_of_the_same_sizes_never_hit(models, tm
 
 
 def test_the_folder_stays_within_its_budget_is_private_and_refuses_a_second_server(models, tmp_path):
-    block_file = len(encode(1, range(BLOCK), ("k", "v"), [np.zeros((2, BLOCK, 2, 32), np.float32)] * 2))
+    block_file = len(encode(1, range(BLOCK), NAMES, [np.zeros((2, BLOCK, 2, 32), np.float32)] * 2))
     budget = 7 * block_file  # seven blocks: fewer than one session and a half
     engine = _engine(models[0], tmp_path, budget_gb=budget / 2**30)
     rng = np.random.RandomState(2)
@@ -161,9 +162,9 @@ def test_the_folder_stays_within_its_budget_is_private_and_refuses_a_second_serv
     assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in engine.tier.dir.glob("*.kv"))
     name = engine.tier.dir.name
     with pytest.raises(TierInUse, match="in use by another server .*--ssd-cache-dir"):
-        DiskTier(tmp_path, name, budget, ("k", "v"))
+        DiskTier(tmp_path, name, budget, NAMES)
     engine.close()
-    DiskTier(tmp_path, name, budget, ("k", "v")).close()  # free again once closed
+    DiskTier(tmp_path, name, budget, NAMES).close()  # free again once closed
 
 
 def test_a_full_disk_turns_writing_off_and_the_server_serves_on(models, tmp_path):
@@ -218,3 +219,80 @@ def test_sessions_written_before_a_kill_9_during_writes_still_hit(models, tmp_pa
     cold = _answers(_engine(models[0], None, budget_gb=0, enable_prefix_caching=False), SESSIONS[:2], "cold")
     _assert_same(got, cold)
     again.close()
+
+
+def test_a_sliding_window_model_restores_both_of_its_pools_from_disk_exactly(tmp_path_factory, tmp_path):
+    """gemma3's layers alternate an 8-position sliding window with global attention, in two pools of their own:
+    each block's file holds its KV in both, and after a restart the four sessions, batched, load both and
+    answer as the cold run."""
+    from tests.family_helpers import CONFIGS as FAMILIES
+
+    config = {"model_type": "gemma3_text", **COMMON, **FAMILIES["gemma3_text"], "query_pre_attn_scalar": 16}
+    folder = random_model_dir("tier-gemma3", config, 0,
+                              tmp_path_factory.mktemp("tier-gemma3"))
+    cold = _answers(_engine(folder, None, budget_gb=0, enable_prefix_caching=False), SESSIONS, "cold")
+    engine = _engine(folder, tmp_path)
+    assert [g.name for g in engine.kv.groups] == ["full", "sliding_window"]
+    for i, p in enumerate(SESSIONS):
+        _answers(engine, [p], f"first{i}-")
+    assert engine.tier.wait_written() and engine.tier.names == ("0.k", "0.v", "1.k", "1.v")
+    engine.close()
+    again = _engine(folder, tmp_path, num_blocks=40)
+    got = _answers(again, SESSIONS, "disk")
+    _assert_same(got, cold)
+    assert [g[2] for g in got.values()] == [40] * 4 and again.tier.stats()["loaded"] == 4 * 5
+    again.close()
+
+
+def test_a_hybrid_model_restores_its_blocks_and_the_state_after_them_from_disk(tmp_path_factory, tmp_path):
+    """qwen3_next (Gated DeltaNet beside attention): each snapshot of the recurrent state is written beside the
+    blocks, and after a restart a hit loads the blocks and the state after the last of them and answers as the
+    cold run; a flipped state file leaves no restorable hit (computed in full), and a torn block file under a good
+    state falls back to what the pool holds (nothing after a restart): exact either way."""
+    from tests.family_helpers import CONFIGS as FAMILIES
+
+    folder = random_model_dir("tier-qwen3-next", {"model_type": "qwen3_next", **COMMON, **FAMILIES["qwen3_next"]},
+                              0, tmp_path_factory.mktemp("tier-qwen3-next"))
+    cold = _answers(_engine(folder, None, budget_gb=0, enable_prefix_caching=False), SESSIONS, "cold")
+    engine = _engine(folder, tmp_path)
+    assert [g.name for g in engine.kv.groups] == ["full", "recurrent"]
+    for i, p in enumerate(SESSIONS):
+        _answers(engine, [p], f"first{i}-")
+    assert engine.tier.wait_written()
+    folder_on_disk = engine.tier.dir
+    engine.close()
+    states = sorted(folder_on_disk.glob("*.st"))
+    assert len(states) >= 4  # the state after each prompt's last whole block, at least
+    again = _engine(folder, tmp_path, num_blocks=40)
+    got = _answers(again, SESSIONS[:2], "disk")
+    _assert_same(got, {i: cold[i] for i in got})
+    assert [got[0][2], got[1][2]] == [40, 40] and again.tier.stats()["bad"] == 0
+    again.close()
+    hashes = _prompt_hashes(folder, SESSIONS[2:])
+    flip(folder_on_disk / f"{hashes[0][4]:016x}.st")  # session 2: its state after block 4
+    (folder_on_disk / f"{hashes[1][2]:016x}.kv").write_bytes(b"torn")  # session 3: a block before its state
+    third = _engine(folder, tmp_path, num_blocks=40)
+    got = _answers(third, SESSIONS[2:], "bad")
+    _assert_same({0: got[0], 1: got[1]}, {0: cold[2], 1: cold[3]})
+    assert [got[0][2], got[1][2]] == [0, 0] and third.tier.stats()["bad"] == 2
+    third.close()
+
+
+def flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _prompt_hashes(folder: Path, prompts) -> list[list[int]]:
+    """Each prompt's chained block hashes as an engine over `folder` computes them."""
+    from cluster.kv.hashing import extend_block_hashes
+
+    engine = _engine(folder, None, budget_gb=0)
+    root = engine._extra_key(None)
+    out = []
+    for p in prompts:
+        hashes: list[int] = []
+        extend_block_hashes(hashes, p, BLOCK, root, len(p) // BLOCK)
+        out.append(hashes)
+    return out

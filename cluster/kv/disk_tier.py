@@ -37,7 +37,7 @@ from cluster.kv.block_file import BlockFileError, decode, encode
 
 log = logging.getLogger(__name__)
 
-SUFFIX = ".kv"
+BLOCK, STATE = "kv", "st"  # the kinds of file, and their suffixes: a block's KV, a recurrent state after a block
 QUEUE_BYTES = 256 << 20  # blocks waiting for the writer at most (or the budget, if smaller)
 
 
@@ -47,18 +47,20 @@ class TierInUse(ValueError):
 
 class DiskTier:
     """Blocks of one fingerprint's folder under `root`, within `budget_bytes`; each block's arrays are named
-    `names` (`KVStore.array_names`). Owner-thread calls: `longest`, `put`, `load`, `touch`, `clear`; the writer
-    thread lists what it wrote. Raises TierInUse when another process holds the folder, OSError when it cannot
-    be made."""
+    `names` (`KVManager.tier_array_names`), and, for a model with recurrent layers, the state after a block
+    `state_names` (kind `STATE`, keyed by the block's hash: a snapshot). Owner-thread calls: `longest`, `put`,
+    `load`, `touch`, `clear`; the writer thread lists what it wrote. Raises TierInUse when another process holds
+    the folder, OSError when it cannot be made."""
 
     def __init__(self, root: Path, fingerprint: str, budget_bytes: int, names: Sequence[str],
-                 queue_bytes: Optional[int] = None):
+                 queue_bytes: Optional[int] = None, state_names: Sequence[str] = ()):
         root = Path(root).expanduser()
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.dir = root / fingerprint
         self.dir.mkdir(mode=0o700, exist_ok=True)
         os.chmod(self.dir, 0o700)
         self.budget_bytes, self.names = int(budget_bytes), tuple(names)
+        self._names = {BLOCK: self.names, STATE: tuple(state_names)}
         self._lock_file = open(self.dir / "lock", "a+")
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -71,12 +73,14 @@ class DiskTier:
         self._lock_file.truncate(0)
         self._lock_file.write(str(os.getpid()))
         self._lock_file.flush()
-        self._index: OrderedDict[int, int] = OrderedDict()  # block hash -> file bytes, least recently used first
+        # (block hash, kind) -> file bytes, least recently used first
+        self._index: OrderedDict[tuple[int, str], int] = OrderedDict()
         self.nbytes = 0
         self._mutex = threading.Lock()
         self._wake = threading.Condition(self._mutex)
         self._queue: deque = deque()
-        self._pending: dict[int, tuple[tuple[int, ...], list[np.ndarray]]] = {}
+        self._pending: dict[tuple[int, str], tuple[tuple[int, ...], list[np.ndarray]]] = {}
+        self._memo: Optional[tuple[tuple[int, str], list[np.ndarray]]] = None  # the last file read (`load`)
         self._queued_bytes = 0
         self.queue_bytes = min(queue_bytes or QUEUE_BYTES, max(1, self.budget_bytes))
         self.writable = True
@@ -90,86 +94,98 @@ class DiskTier:
 
     # -- the owner thread ----------------------------------------------------------------------------------------
 
-    def has(self, block_hash: int) -> bool:
-        """True when the tier holds (or is writing) block `block_hash`."""
+    def has(self, block_hash: int, kind: str = BLOCK) -> bool:
+        """True when the tier holds (or is writing) block `block_hash`'s file of `kind`."""
+        key = (block_hash, kind)
         with self._mutex:
-            return block_hash in self._index or block_hash in self._pending
+            return key in self._index or key in self._pending
 
     def longest(self, hashes: Sequence[int]) -> int:
-        """How many of `hashes`, from the first, the tier holds (or is writing)."""
+        """How many of the blocks `hashes`, from the first, the tier holds (or is writing)."""
         with self._mutex:
             n = 0
             for h in hashes:
-                if h not in self._index and h not in self._pending:
+                if (h, BLOCK) not in self._index and (h, BLOCK) not in self._pending:
                     break
                 n += 1
             return n
 
-    def put(self, block_hash: int, token_ids: Sequence[int], arrays: list[np.ndarray]) -> bool:
-        """Queue block `block_hash` (caching `token_ids`, its host copies `arrays`) for writing; False when it is
-        held already, writing is off, or the queue is full (dropped and counted)."""
+    def put(self, block_hash: int, token_ids: Sequence[int], arrays: list[np.ndarray], kind: str = BLOCK) -> bool:
+        """Queue block `block_hash`'s file of `kind` (a block caching `token_ids`, or the state after it; its
+        host copies `arrays`) for writing; False when it is held already, writing is off, or the queue is full
+        (dropped and counted)."""
         size = sum(a.nbytes for a in arrays)
+        key = (block_hash, kind)
         with self._mutex:
-            if block_hash in self._index or block_hash in self._pending:
+            if key in self._index or key in self._pending:
                 return False
             if not self.writable or self._closed or size > self.budget_bytes:
                 return False
             if self._queued_bytes + size > self.queue_bytes:
                 self.num_dropped += 1
                 return False
-            self._pending[block_hash] = (tuple(token_ids), arrays)
-            self._queue.append(block_hash)
+            self._pending[key] = (tuple(token_ids), arrays)
+            self._queue.append(key)
             self._queued_bytes += size
             self._wake.notify()
         return True
 
-    def load(self, block_hash: int, token_ids: Sequence[int]) -> Optional[list[np.ndarray]]:
-        """The arrays of block `block_hash` if it caches exactly `token_ids`; None on a miss or a bad file (which is
-        deleted, counted and logged). Reads the file on the calling thread."""
+    def load(self, block_hash: int, token_ids: Sequence[int], kind: str = BLOCK) -> Optional[list[np.ndarray]]:
+        """The arrays of block `block_hash`'s file of `kind` if it caches exactly `token_ids` (a state: none);
+        None on a miss or a bad file (which is deleted, counted and logged). Reads the file on the calling
+        thread; the last file read is kept, so a lookup repeated while its request waits reads it once."""
         t0 = time.perf_counter()
+        key = (block_hash, kind)
         with self._mutex:
-            pending = self._pending.get(block_hash)
-            known = block_hash in self._index
+            pending = self._pending.get(key)
+            known = key in self._index
+            memo = self._memo
         if pending is not None:
             if pending[0] != tuple(token_ids):
                 return None
             arrays = pending[1]
         elif not known:
             return None
+        elif memo is not None and memo[0] == key:
+            return memo[1]
         else:
-            path = self._path(block_hash)
             try:
-                arrays = decode(path.read_bytes(), block_hash, token_ids, self.names)
+                arrays = decode(self._path(key).read_bytes(), block_hash, token_ids, self._names[kind])
             except (OSError, BlockFileError) as exc:
-                log.warning("SSD tier: block %016x is unusable (%s): computing it instead", block_hash, exc)
+                log.warning("SSD tier: %s file of block %016x is unusable (%s): computing it instead",
+                            "the state" if kind == STATE else "the KV", block_hash, exc)
                 self.num_bad += 1
-                self._forget(block_hash, delete=True)
+                self._forget(key, delete=True)
                 return None
+            self._memo = (key, arrays)
         self.num_loaded += 1
         self.bytes_loaded += sum(a.nbytes for a in arrays)
         self.load_seconds += time.perf_counter() - t0
         return arrays
 
     def touch(self, hashes: Sequence[int]) -> None:
-        """A prompt used these blocks (a prefix, in order): the most recently used now, its first block last of
-        all, so its suffix goes before its prefix."""
+        """A prompt used these blocks (a prefix, in order; and the state after its last one): the most recently
+        used now, its first block last of all, so its suffix goes before its prefix."""
         with self._mutex:
+            if hashes and (hashes[-1], STATE) in self._index:
+                self._index.move_to_end((hashes[-1], STATE))
             for h in reversed(hashes):
-                if h in self._index:
-                    self._index.move_to_end(h)
+                if (h, BLOCK) in self._index:
+                    self._index.move_to_end((h, BLOCK))
 
     def clear(self) -> int:
         """Forget and delete every block (waiting ones included); returns how many were held."""
         with self._mutex:
-            hashes = list(self._index)
-            n = len(hashes) + len(self._pending)
+            keys = list(self._index)
+            n = len(keys) + len(self._pending)
             self._queue.clear()
             self._pending.clear()
             self._queued_bytes = 0
             self._index.clear()
+            self._memo = None
             self.nbytes = 0
-        for h in hashes:
-            self._path(h).unlink(missing_ok=True)
+        for key in keys:
+            self._path(key).unlink(missing_ok=True)
         return n
 
     def wait_written(self, timeout_s: float = 10.0) -> bool:
@@ -195,7 +211,7 @@ class DiskTier:
         """Blocks and bytes held, the budget, and the counters since start (written, dropped, loaded, bad,
         evicted; bytes written and loaded; seconds spent loading); `writable` False once a write failed."""
         with self._mutex:
-            blocks, queued = len(self._index), len(self._pending)
+            blocks, queued = sum(1 for _, kind in self._index if kind == BLOCK), len(self._pending)
         return {"blocks": blocks, "bytes": self.nbytes, "budget_bytes": self.budget_bytes, "queued": queued,
                 "written": self.num_written, "dropped": self.num_dropped, "loaded": self.num_loaded,
                 "bad": self.num_bad, "evicted": self.num_evicted, "bytes_written": self.bytes_written,
@@ -218,30 +234,30 @@ class DiskTier:
                     self._wake.wait()
                 if not self._queue:
                     return
-                block_hash = self._queue[0]
-                token_ids, arrays = self._pending[block_hash]
-            size = self._write(block_hash, token_ids, arrays)
+                key = self._queue[0]
+                token_ids, arrays = self._pending[key]
+            size = self._write(key, token_ids, arrays)
             with self._mutex:
-                if self._queue and self._queue[0] == block_hash:  # not cleared meanwhile
+                if self._queue and self._queue[0] == key:  # not cleared meanwhile
                     self._queue.popleft()
-                    self._pending.pop(block_hash, None)
+                    self._pending.pop(key, None)
                     self._queued_bytes -= sum(a.nbytes for a in arrays)
                     if size:
-                        self._index[block_hash] = size
+                        self._index[key] = size
                         self.nbytes += size
-                        doomed = self._over_budget(keep=block_hash)
+                        doomed = self._over_budget(keep=key)
                     else:
                         doomed = []
                 else:
-                    doomed = [block_hash] if size else []
-            for h in doomed:
-                self._path(h).unlink(missing_ok=True)
+                    doomed = [key] if size else []
+            for k in doomed:
+                self._path(k).unlink(missing_ok=True)
 
-    def _write(self, block_hash: int, token_ids, arrays) -> int:
-        """Write one block file (temporary name, then renamed); its bytes, or 0 when writing failed (writing is
-        then off for good: the disk is full or failing)."""
-        data = encode(block_hash, token_ids, self.names, arrays)
-        path = self._path(block_hash)
+    def _write(self, key: tuple[int, str], token_ids, arrays) -> int:
+        """Write one file (temporary name, then renamed); its bytes, or 0 when writing failed (writing is then off
+        for good: the disk is full or failing)."""
+        data = encode(key[0], token_ids, self._names[key[1]], arrays)
+        path = self._path(key)
         tmp = path.with_name(f".{path.name}.tmp")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -269,27 +285,27 @@ class DiskTier:
 
     # -- the index -----------------------------------------------------------------------------------------------
 
-    def _over_budget(self, keep: int) -> list[int]:
-        """Drop the least recently used blocks (not `keep`) until the tier fits its budget; their hashes, whose
+    def _over_budget(self, keep) -> list[tuple[int, str]]:
+        """Drop the least recently used files (not `keep`) until the tier fits its budget; their keys, whose
         files the caller deletes outside the lock. Called holding the lock."""
         doomed = []
         while self.nbytes > self.budget_bytes and len(self._index) > 1:
-            h, size = next(iter(self._index.items()))
-            if h == keep:
+            key, size = next(iter(self._index.items()))
+            if key == keep:
                 break
-            del self._index[h]
+            del self._index[key]
             self.nbytes -= size
             self.num_evicted += 1
-            doomed.append(h)
+            doomed.append(key)
         return doomed
 
-    def _forget(self, block_hash: int, delete: bool) -> None:
+    def _forget(self, key: tuple[int, str], delete: bool) -> None:
         with self._mutex:
-            size = self._index.pop(block_hash, None)
+            size = self._index.pop(key, None)
             if size is not None:
                 self.nbytes -= size
         if delete:
-            self._path(block_hash).unlink(missing_ok=True)
+            self._path(key).unlink(missing_ok=True)
 
     def _scan(self) -> None:
         """List the folder's block files, oldest first; delete temporary files a crash left behind, and what is
@@ -299,50 +315,50 @@ class DiskTier:
             name = entry.name
             if name.startswith(".") and name.endswith(".tmp"):
                 os.unlink(entry.path)
-            elif name.endswith(SUFFIX):
+            elif name.endswith((f".{BLOCK}", f".{STATE}")):
+                stem, kind = name.rsplit(".", 1)
                 try:
-                    block_hash = int(name[:-len(SUFFIX)], 16)
+                    block_hash = int(stem, 16)
                     st = entry.stat()
                 except (ValueError, OSError):
                     continue
-                found.append((st.st_mtime_ns, block_hash, st.st_size))
-        for _, block_hash, size in sorted(found):
-            self._index[block_hash] = size
+                found.append((st.st_mtime_ns, (block_hash, kind), st.st_size))
+        for _, key, size in sorted(found):
+            self._index[key] = size
             self.nbytes += size
-        for h in self._over_budget(keep=-1):
-            self._path(h).unlink(missing_ok=True)
+        for key in self._over_budget(keep=None):
+            self._path(key).unlink(missing_ok=True)
 
-    def _path(self, block_hash: int) -> Path:
-        return self.dir / f"{block_hash:016x}{SUFFIX}"
+    def _path(self, key: tuple[int, str]) -> Path:
+        return self.dir / f"{key[0]:016x}.{key[1]}"
 
 
 def tier_for(manager, spec, config, replicated: bool = False) -> Optional[DiskTier]:
     """The SSD tier a server's `manager` (`KVManager`) keeps under its pool, attached, per `config`
     (`ssd_cache_gb`, `ssd_cache_dir`) for the model `spec` (`cluster.model.ModelSpec`, whose `weights_dir` is
     fingerprinted); None when the config keeps none, or (logged) when the model or the process cannot have one
-    yet: KV cache groups besides full attention, a worker group's rank (`replicated`), no weights folder.
+    yet: a worker group's rank (`replicated`), no weights folder.
     Raises TierInUse when another server holds the folder."""
     from cluster.kv.hashing import kv_format_name
     from cluster.kv.tier_fingerprint import tier_fingerprint, weights_digest
 
     if not config.ssd_cache_gb:
         return None
-    why = ("its KV cache groups are " + ", ".join(g.name for g in manager.groups)) if len(manager.groups) != 1 \
-        else "a worker group's ranks keep no tier yet" if replicated \
+    why = "a worker group's ranks keep no tier yet" if replicated \
         else "its weights' folder is unknown" if not spec.weights_dir else None
     if why:
-        log.warning("SSD tier off for %s: %s (the tier holds full-attention blocks only for now)", spec.model_id, why)
+        log.warning("SSD tier off for %s: %s", spec.model_id, why)
         return None
     if config.ssd_cache_dir:
         root = Path(config.ssd_cache_dir)
     else:
         root = Path(os.environ.get("MLX_PD_CACHE") or Path.home() / ".cache" / "mlx-pd") / "kv-tier"
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    store = manager.block_groups[0].store
     fmt = kv_format_name(config.dtype, config.kv_bits, config.kv_group_size, config.block_size)
     t0 = time.perf_counter()
     fingerprint = tier_fingerprint(weights_digest(Path(spec.weights_dir), root), fmt)
-    tier = DiskTier(root, fingerprint, int(config.ssd_cache_gb * 2**30), store.array_names)
+    tier = DiskTier(root, fingerprint, int(config.ssd_cache_gb * 2**30), manager.tier_array_names(),
+                    state_names=manager.tier_state_names())
     manager.attach_tier(tier)
     log.info("SSD tier: %s, %d blocks (%.1f MiB) of %.1f GiB found; weights fingerprinted in %.1f s", tier.dir,
              len(tier._index), tier.nbytes / 2**20, config.ssd_cache_gb, time.perf_counter() - t0)

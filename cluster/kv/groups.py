@@ -47,6 +47,7 @@ class GroupHit:
     blocks: tuple[int, ...] = ()
     state: Any = None
     key: Optional[int] = None
+    tier: bool = False  # `state` was read from the SSD tier (not a snapshot in RAM)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class PrefixHit:
     # the hit's last whole blocks that the SSD tier holds (cluster/kv/disk_tier.py), loaded into new blocks when
     # the hit is taken: (block hash, its tokens, the hash it was chained from), counted in `num_blocks`
     disk: tuple[tuple[int, tuple[int, ...], int], ...] = ()
+    pool_groups: tuple[GroupHit, ...] = ()  # with `disk`: the groups' shares of the pool's hit alone
 
     @property
     def num_tokens(self) -> int:
@@ -146,6 +148,15 @@ class KVCacheGroup:
     def reset_prefix_cache(self) -> int:
         """Forget every cached entry; returns how many."""
         return 0
+
+    def attach_tier(self, tier) -> None:
+        """Keep what this group caches beyond blocks in the SSD tier too (`cluster.kv.disk_tier.DiskTier`)."""
+
+    def tier_hit(self, hashes: Sequence[int], start: int, end: int) -> tuple[int, Optional[GroupHit]]:
+        """A hit that the pool holds up to block `start` and the SSD tier's block files up to `end`: the largest
+        end' <= `end` this group can use (start: none past the pool's) and its share of that hit when it differs
+        from the pool's (None: the same). The default: blocks are all it needs."""
+        return end, None
 
     def stats(self, transfer=None) -> KVGroupStats:
         """This group's figures for the worker's report (`cluster.stats.KVGroupStats`, labelled by `name`);

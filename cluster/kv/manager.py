@@ -83,13 +83,22 @@ class KVManager:
         self.tier = None  # the SSD tier under the pool (`attach_tier`)
 
     def attach_tier(self, tier) -> None:
-        """Keep every cached block in `tier` too (a `cluster.kv.disk_tier.DiskTier`: written behind as blocks are
-        cached) and let prefix hits reach it. Raises ValueError for a manager of more than one group (a tier
-        holds full-attention blocks only)."""
-        if len(self.groups) != 1:
-            raise ValueError("the SSD tier holds the blocks of full-attention models only (this model has "
-                             f"{', '.join(g.name for g in self.groups)} KV cache groups)")
+        """Keep every cached block in `tier` too (a `cluster.kv.disk_tier.DiskTier` whose arrays are
+        `tier_array_names`: written behind as blocks are cached; a group's snapshots too, `tier_state_names`) and
+        let prefix hits reach it."""
         self.tier = tier
+        for g in self.groups:
+            g.attach_tier(tier)
+
+    def tier_array_names(self) -> tuple[str, ...]:
+        """The arrays of one block in the SSD tier: each block group's (`KVStore.array_names`), prefixed with its
+        index ("0.k", "0.v", "1.k", ...): a block's file holds it in every group, a sliding window's included."""
+        return tuple(f"{g.index}.{name}" for g in self.block_groups for name in g.store.array_names)
+
+    def tier_state_names(self) -> tuple[str, ...]:
+        """The arrays of one state after a block in the SSD tier: each recurrent layer's ("2.L.I"), or none."""
+        return tuple(f"{g.index}.{layer}.{i}" for g in self.groups if g.ships_state
+                     for layer, arrays in enumerate(g.state_shapes()) for i in range(len(arrays)))
 
     # -- sizes -------------------------------------------------------------------------------------------------
 
@@ -244,12 +253,17 @@ class KVManager:
             k = cut
         hits = tuple(g.hit(hashes, token_ids, k, state_shipped) for g in self.groups)
         if tier and self.tier is not None and k < min(max_blocks, len(hashes)):
-            d = self.tier.longest(hashes[k:min(max_blocks, len(hashes))])
-            if d:
+            end = k + self.tier.longest(hashes[k:min(max_blocks, len(hashes))])
+            shares = list(hits)
+            for g in self.groups:  # a group that needs more than blocks (a state after the last) may cut it back
+                if end > k:
+                    end, share = g.tier_hit(hashes, k, end)
+                    shares[g.index] = share or shares[g.index]
+            if end > k:
                 bs = self.block_size
                 disk = tuple((hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]), hashes[i - 1] if i else root)
-                             for i in range(k, k + d))
-                return PrefixHit(k + d, hits, bs, None, tuple(hashes[:k + d]), disk)
+                             for i in range(k, end))
+                return PrefixHit(end, tuple(shares), bs, None, tuple(hashes[:end]), disk, hits)
         head = None
         parent = hashes[k - 1] if k else root
         start = k * self.block_size
@@ -273,15 +287,20 @@ class KVManager:
         when fewer than `num_new_blocks` blocks are free besides the hit (checked before anything changes)."""
         if num_new_blocks > self.free_besides(hit):
             raise ValueError(f"cannot allocate {num_new_blocks} blocks: only {self.free_besides(hit)} free")
+        loaded, shares = (self._read_tier(hit) if hit.disk else []), hit.groups
+        if len(loaded) < len(hit.disk) and any(h.tier for h in hit.groups):
+            # a state read from the tier follows the hit's last block, which could not be loaded: the pool's hit
+            shares, loaded = hit.pool_groups, []
         entries = self._entry(request_id)
         assert not self.num_blocks(request_id), "a prefix is taken into empty entries only"
-        for g, h in zip(self.groups, hit.groups):
+        for g, h in zip(self.groups, shares):
             entries[g.index] = g.take(entries[g.index], h)
         if hit.head is None:
             self.allocate(request_id, num_new_blocks + len(hit.disk))
             if hit.disk:
-                missing = len(hit.disk) - self._load_from_tier(request_id, hit)
-                return (hit.num_blocks - missing) * self.block_size
+                if loaded:
+                    self._write_loaded(request_id, hit, loaded)
+                return (hit.num_blocks - len(hit.disk) + len(loaded)) * self.block_size
             return hit.num_tokens
         source = hit.head[0]
         self.pool.touch([source])  # no allocation may evict it before the copy
@@ -305,39 +324,47 @@ class KVManager:
             self._write_behind(request_id, range(start, len(hashes)), hashes, token_ids)
 
     def _write_behind(self, request_id: str, blocks: range, hashes: Sequence[int], token_ids: Sequence[int]) -> None:
-        """Hand the tier host copies of the request's blocks `blocks` that it does not hold yet."""
-        table, bs = self.block_table(request_id), self.block_size
-        todo = [i for i in blocks if table[i] and not self.tier.has(hashes[i])]
+        """Hand the tier host copies of the request's blocks `blocks` that it does not hold yet (a block is
+        written with its KV in every block group; one a group no longer holds is not written)."""
+        entries, bs = self._entries[request_id], self.block_size
+        tables = [g.table(entries[g.index]) for g in self.block_groups]
+        todo = [i for i in blocks if all(t[i] for t in tables) and not self.tier.has(hashes[i])]
         if not todo:
             return
-        store = self.block_groups[0].store
-        arrays = store.read_blocks([table[i] for i in todo], range(store.spec.num_layers))
+        per_group = []
+        for g, table in zip(self.block_groups, tables):
+            store = g.store
+            per_group += store.read_blocks([table[i] for i in todo], range(store.spec.num_layers))
         for j, i in enumerate(todo):
             self.tier.put(hashes[i], token_ids[i * bs:(i + 1) * bs],
-                          [np.ascontiguousarray(a[:, j * bs:(j + 1) * bs]) for a in arrays])
+                          [np.ascontiguousarray(a[:, j * bs:(j + 1) * bs]) for a in per_group])
 
-    def _load_from_tier(self, request_id: str, hit: PrefixHit) -> int:
-        """Load the hit's blocks on the SSD tier into the request's new blocks that follow its pool hit, and
-        register them in the prefix cache; stops at the first block the tier cannot give (a bad file). Returns
-        how many it loaded."""
-        table, bs = self.block_table(request_id), self.block_size
-        first = hit.num_blocks - len(hit.disk)
+    def _read_tier(self, hit: PrefixHit) -> list[list[np.ndarray]]:
+        """The arrays of the hit's blocks on the SSD tier, read in order up to the first it cannot give (a bad
+        file)."""
         loaded = []
         for block_hash, tokens, _ in hit.disk:
             arrays = self.tier.load(block_hash, tokens)
             if arrays is None:
                 break
             loaded.append(arrays)
-        if loaded:
-            store = self.block_groups[0].store
-            ids = table[first:first + len(loaded)]
-            store.write_blocks(ids, range(store.spec.num_layers),
-                               [np.concatenate(parts, axis=1) for parts in zip(*loaded)])
-            group, entry = self.block_groups[0], self._entries[request_id][self.block_groups[0].index]
+        return loaded
+
+    def _write_loaded(self, request_id: str, hit: PrefixHit, loaded: list[list[np.ndarray]]) -> None:
+        """Write blocks read from the SSD tier into the request's new blocks that follow its pool hit, in every
+        block group, and register them in the prefix cache."""
+        entries = self._entries[request_id]
+        first = hit.num_blocks - len(hit.disk)
+        stacked = [np.concatenate(parts, axis=1) for parts in zip(*loaded)]
+        at = 0
+        for g in self.block_groups:
+            store, table = g.store, g.table(entries[g.index])
+            n = len(store.array_names)
+            store.write_blocks(table[first:first + len(loaded)], range(store.spec.num_layers), stacked[at:at + n])
+            at += n
             for j, (block_hash, tokens, parent) in enumerate(hit.disk[:len(loaded)]):
-                group.cache_block(entry, first + j, block_hash, tokens, parent)
-            self.tier.touch([h for h, _, _ in hit.disk[:len(loaded)]])
-        return len(loaded)
+                g.cache_block(entries[g.index], first + j, block_hash, tokens, parent)
+        self.tier.touch([h for h, _, _ in hit.disk[:len(loaded)]])
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached hash in every group (and delete the SSD tier's blocks); returns how many the anchor

@@ -25,7 +25,7 @@ it came from and a restore shares them with the sequence it goes to: no copy eit
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Optional
+from typing import Callable, Optional
 
 from cluster.kv.block_pool import BlockPool
 from cluster.kv.groups import StateEntry, StepRequest
@@ -59,6 +59,8 @@ class StateSnapshots:
         # the bytes of the largest rank's share (pipeline ranks hold different numbers of recurrent layers)
         self.journal: Optional[StateJournal] = None
         self.charge_bytes = 0
+        # called with (block hash, state) for every snapshot kept (the SSD tier writes it)
+        self.on_kept: Optional[Callable[[int, State], None]] = None
         self.nbytes = 0
         self._by_hash: OrderedDict[int, tuple[State, int]] = OrderedDict()
         self.num_saved = self.num_evicted = self.num_restored = 0
@@ -133,6 +135,8 @@ class StateSnapshots:
         self._by_hash[block_hash] = (state, size)
         self.nbytes += size
         self.num_saved += 1
+        if self.on_kept is not None:
+            self.on_kept(block_hash, state)
         return True
 
     def peek(self, block_hash: int) -> Optional[State]:

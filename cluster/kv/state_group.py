@@ -18,11 +18,13 @@ import itertools
 from typing import Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from cluster.kv.block_pool import RESTORE_POINT_GROUP, BlockPool
 from cluster.kv.groups import GroupHit, KVCacheGroup, StateEntry, StepRequest
 from cluster.kv.recurrent_state import StateShapes, split_states, stack_states, state_nbytes
 from cluster.kv.snapshots import StateSnapshots
+from cluster.kv.disk_tier import STATE
 from cluster.kv.state_replica import CLEAR, RESTORE, StateJournal, StateReplica
 from cluster.stats import KVGroupStats
 
@@ -43,6 +45,7 @@ class RecurrentStateGroup(KVCacheGroup):
         self._ids = itertools.count(1)
         self.journal: Optional[StateJournal] = None  # a worker group's leader: what its followers replay
         self.replica = StateReplica()  # a worker group's follower: its shares of the leader's states
+        self.tier = None  # the SSD tier (`attach_tier`)
 
     def new_entry(self) -> StateEntry:
         return StateEntry(id=next(self._ids))
@@ -72,8 +75,8 @@ class RecurrentStateGroup(KVCacheGroup):
         return GroupHit(state=self.snapshots.peek(hashes[k - 1]), key=hashes[k - 1])
 
     def take(self, entry: StateEntry, hit: GroupHit) -> StateEntry:
-        if hit.key is not None:  # restore: the snapshot becomes the most recently used
-            entry.state = self.snapshots.get(hit.key)
+        if hit.key is not None:  # restore: the snapshot becomes the most recently used (or the tier's state)
+            entry.state = hit.state if hit.tier else self.snapshots.get(hit.key)
             if self.journal is not None:
                 self.journal.record(RESTORE, entry.id, hit.key)
         return entry
@@ -125,6 +128,33 @@ class RecurrentStateGroup(KVCacheGroup):
             raise ValueError("a worker group cannot take a recurrent state from a transfer: its followers' shares "
                              "would not arrive")
         entry.state = state
+
+    # -- the SSD tier (cluster/kv/disk_tier.py) ------------------------------------------------------------------
+
+    def attach_tier(self, tier) -> None:
+        """Every snapshot kept is written to `tier` too (its arrays as the tier's `STATE` file of its block), and
+        a hit whose blocks the tier holds restores the state after its last block from there."""
+        self.tier = tier
+        if self.snapshots is not None:
+            self.snapshots.on_kept = self._write_state
+
+    def _write_state(self, block_hash: int, state) -> None:
+        arrays = [np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a) for layer in state for a in layer]
+        self.tier.put(block_hash, (), arrays, STATE)
+
+    def tier_hit(self, hashes, start, end):
+        """The longest hit up to `end` whose last block's state the tier holds, that state read (a bad file is
+        passed over); `start` (none) when there is none."""
+        tier = self.tier
+        while tier is not None and end > start:
+            arrays = tier.load(hashes[end - 1], (), STATE) if tier.has(hashes[end - 1], STATE) else None
+            if arrays is not None:
+                flat = iter(arrays)
+                state = tuple(tuple(mx.array(next(flat)).view(mx.bfloat16) if dtype == mx.bfloat16
+                                    else mx.array(next(flat)) for _, dtype in layer) for layer in self.shapes)
+                return end, GroupHit(state=state, key=hashes[end - 1], tier=True)
+            end -= 1
+        return start, None
 
     # -- a worker group (cluster/kv/state_replica.py) --------------------------------------------------------------
 

@@ -83,8 +83,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "prompt) restore them, at the cost of shorter prefill chunks")
     p.add_argument("--ssd-cache-gb", type=float, default=None,
                    help="GiB of disk for a KV tier under the pool: cached blocks are written there too, prefix "
-                        "hits load them back, and they survive a restart (default 0: off; full-attention models "
-                        "only for now)")
+                        "hits load them back, and they survive a restart (default 0: off)")
     p.add_argument("--ssd-cache-dir", default=None,
                    help="the SSD tier's folder, one per server (default: kv-tier in mlx-pd's cache folder)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix-cache reuse")
