@@ -273,7 +273,7 @@ class Worker:
 
     def _publish_events(self) -> None:
         """Send the prefix cache's new KV events to subscribers (the routers' prefix indexes)."""
-        events = self.engine.pool.drain_events()
+        events = self.engine.kv.drain_events()
         if not events or self.events_pub is None:
             return
         batch = KVEvents(worker=self.spec.name, boot_id=self.boot_id,

@@ -296,3 +296,82 @@ def _prompt_hashes(folder: Path, prompts) -> list[list[int]]:
         extend_block_hashes(hashes, p, BLOCK, root, len(p) // BLOCK)
         out.append(hashes)
     return out
+
+
+def test_the_router_counts_what_a_worker_reaches_in_ram_and_on_disk_and_again_after_its_restart(models, tmp_path):
+    """A worker whose pool and tier see random traffic (sessions evicted from RAM to disk, the tier's own LRU
+    evicting, blocks the pool still holds after ones only the disk holds), followed by the router through its
+    snapshot reply and KV events: for every prompt the router's count equals the hit the worker's own lookup
+    reaches; after a restart the worker's snapshot announces its disk blocks again, and the count still holds."""
+    import random
+
+    from cluster.kv.hashing import block_hashes
+    from router.prefix_index import PrefixIndex
+    from tests.test_prefix_routing import _events_over_the_wire, _snapshot_over_the_wire
+
+    rng = random.Random(5)
+    heads = [[rng.randrange(100, VOCAB) for _ in range(6 * BLOCK)] for _ in range(4)]
+    prompts = [head[:n * BLOCK] + [rng.randrange(100, VOCAB) for _ in range(3)] for head in heads for n in (2, 4, 6)]
+    block_file = len(encode(1, range(BLOCK), NAMES, [np.zeros((2, BLOCK, 2, 32), np.float32)] * 2))
+    budget_gb = 14 * block_file / 2**30  # about as much as the pool: the tier evicts too
+
+    def check(engine, idx) -> int:
+        key = engine._extra_key(None)
+        assert idx.apply_events("w", "boot", _events_over_the_wire(engine.kv))
+        hits = 0
+        for tokens in prompts:
+            hashes = block_hashes(tokens, BLOCK, key)
+            want = engine.kv.lookup(hashes, tokens, len(hashes), tier=True).num_blocks
+            assert idx.match_prompt(tokens, BLOCK, key).get("w", 0) == want, tokens[:4]
+            hits += want
+        return hits
+
+    engine = _engine(models[0], tmp_path, budget_gb=budget_gb)
+    idx = PrefixIndex(["w"])
+    idx.apply_snapshot("w", "boot", engine.pool.last_event_seq, _snapshot_over_the_wire(engine.kv, 0))
+    reached = 0
+    for step in range(24):
+        _answers(engine, [rng.choice(prompts)], f"s{step}-")
+        assert engine.tier.wait_written()
+        reached += check(engine, idx)
+    assert reached > 0 and engine.tier.stats()["evicted"] > 0
+    engine.close()
+    again = _engine(models[0], tmp_path, budget_gb=budget_gb)
+    idx = PrefixIndex(["w"])
+    idx.apply_snapshot("w", "boot", again.pool.last_event_seq, _snapshot_over_the_wire(again.kv, 1))
+    assert check(again, idx) > 0  # nothing in RAM: every hit is the disk's
+    again.close()
+
+
+def test_a_block_the_pool_still_holds_after_blocks_only_the_disk_holds_is_copied_into_the_hit(models, tmp_path):
+    """A session's first blocks left the pool (the disk keeps them) while its third stayed in the pool and left
+    the disk (the tier's LRU): its next turn still reuses all four, loading the first two and copying the third
+    from the pool, and answers as the cold run; the router counts the same four."""
+    from cluster.kv.hashing import block_hashes
+    from router.prefix_index import PrefixIndex
+    from tests.test_prefix_routing import _snapshot_over_the_wire
+
+    prompt = SESSIONS[0][:4 * BLOCK + 3]
+    cold = _answers(_engine(models[0], None, budget_gb=0, enable_prefix_caching=False), [prompt], "cold")
+    engine = _engine(models[0], tmp_path)
+    _answers(engine, [prompt], "first")
+    assert engine.tier.wait_written()
+    key = engine._extra_key(None)
+    hashes = block_hashes(prompt, BLOCK, key)
+    pool = engine.pool
+    ram = [pool.lookup(h, prompt[i * BLOCK:(i + 1) * BLOCK]) for i, h in enumerate(hashes)]
+    for b in reversed(ram[:2]):  # the pool evicts blocks 0 and 1 first
+        pool._free.move_to_end(b, last=False)
+    engine.kv.allocate("other", 2)
+    engine.kv.finish("other")
+    engine.tier._forget((hashes[2], "kv"), delete=True)  # the tier let go of block 2
+    assert [pool.lookup(h, prompt[i * BLOCK:(i + 1) * BLOCK]) is not None for i, h in enumerate(hashes)] == \
+        [False, False, True, True]
+    assert [engine.tier.has(h) for h in hashes] == [True, True, False, True]
+    idx = PrefixIndex(["w"])
+    idx.apply_snapshot("w", "boot", pool.last_event_seq, _snapshot_over_the_wire(engine.kv, 0))
+    assert idx.match_prompt(prompt, BLOCK, key) == {"w": 4}
+    got = _answers(engine, [prompt], "again")
+    _assert_same(got, cold)
+    assert got[0][2] == 4 * BLOCK and engine.tier.stats()["loaded"] == 3  # blocks 0, 1 and 3 from disk
+    engine.close()

@@ -140,7 +140,7 @@ def _events_over_the_wire(kv):
     from cluster.protocol import KV_EVENTS, PROTOCOL_VERSION, KVEvent, KVEvents, pack, unpack
 
     events = [KVEvent(seq=e.seq, kind=e.kind, block_hashes=list(e.block_hashes), group=e.group)
-              for e in kv.pool.drain_events()]
+              for e in kv.drain_events()]
     return unpack(pack(KVEvents(worker="w", boot_id="boot", events=events)), KV_EVENTS, PROTOCOL_VERSION).events
 
 

@@ -89,6 +89,9 @@ class BlockPool:
     on_restore_point_lost: Optional[Callable[[int], None]] = None
     event_log: EventLog = field(default_factory=EventLog)  # pass the main pool's to a window pool
     group: int = 0
+    # (block hash, KV event group) -> True when another tier (the SSD tier, cluster/kv/disk_tier.py) still holds
+    # what the pool lets go of: its removal is then not announced, since a prefix hit still reaches it
+    retained: Optional[Callable[[int, int], bool]] = None
     blocks: list[Block] = field(init=False)
     _free: "OrderedDict[int, None]" = field(init=False)
     _cached: dict[int, int] = field(init=False)
@@ -189,6 +192,14 @@ class BlockPool:
         """End the restore point `block_hash`, if any (its snapshot was dropped)."""
         if block_hash in self._restorable:
             self._restorable.discard(block_hash)
+            self._removed(block_hash, RESTORE_POINT_GROUP)
+
+    def announce_gone(self, block_hash: int) -> None:
+        """Another tier let go of `block_hash` (its block, and with it a restore point): announce the removal
+        unless this pool still holds it (`retained` has said it was held until now)."""
+        if block_hash not in self._cached:
+            self._emit("removed", (block_hash,))
+        if self.needs_restore_points and block_hash not in self._restorable:
             self.event_log.emit("removed", (block_hash,), RESTORE_POINT_GROUP)
 
     def restorable_hashes(self) -> Optional[list[int]]:
@@ -275,9 +286,9 @@ class BlockPool:
             del self._cached[block.block_hash]
             if block.block_hash in self._restorable:  # a removed block is no restore point either
                 self._restorable.discard(block.block_hash)
-                self.event_log.emit("removed", (block.block_hash,), RESTORE_POINT_GROUP)
+                self._removed(block.block_hash, RESTORE_POINT_GROUP)
                 self._lose_restore_point(block.block_hash)
-            self._emit("removed", (block.block_hash,))
+            self._removed(block.block_hash, self.group)
             if block.parent is not None:
                 siblings = self._children[block.parent]
                 del siblings[block.block_id]
@@ -291,3 +302,7 @@ class BlockPool:
 
     def _emit(self, kind: str, hashes: tuple[int, ...]) -> None:
         self.event_log.emit(kind, hashes, self.group)
+
+    def _removed(self, block_hash: int, group: int) -> None:
+        if self.retained is None or not self.retained(block_hash, group):
+            self.event_log.emit("removed", (block_hash,), group)

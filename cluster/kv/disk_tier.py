@@ -81,6 +81,7 @@ class DiskTier:
         self._queue: deque = deque()
         self._pending: dict[tuple[int, str], tuple[tuple[int, ...], list[np.ndarray]]] = {}
         self._memo: Optional[tuple[tuple[int, str], list[np.ndarray]]] = None  # the last file read (`load`)
+        self._gone: list[tuple[int, str]] = []  # let go of since `take_gone` (evicted, bad, never written)
         self._queued_bytes = 0
         self.queue_bytes = min(queue_bytes or QUEUE_BYTES, max(1, self.budget_bytes))
         self.writable = True
@@ -173,6 +174,18 @@ class DiskTier:
                 if (h, BLOCK) in self._index:
                     self._index.move_to_end((h, BLOCK))
 
+    def hashes(self, kind: str = BLOCK) -> list[int]:
+        """The block hashes whose file of `kind` the tier holds (or is writing)."""
+        with self._mutex:
+            return [h for h, k in (*self._index, *self._pending) if k == kind]
+
+    def take_gone(self) -> list[tuple[int, str]]:
+        """The (block hash, kind) files the tier let go of since the last call: evicted, found bad, or never
+        written (a write failed); the owner thread announces them (`KVManager.drain_events`)."""
+        with self._mutex:
+            gone, self._gone = self._gone, []
+        return gone
+
     def clear(self) -> int:
         """Forget and delete every block (waiting ones included); returns how many were held."""
         with self._mutex:
@@ -183,6 +196,7 @@ class DiskTier:
             self._queued_bytes = 0
             self._index.clear()
             self._memo = None
+            self._gone = []
             self.nbytes = 0
         for key in keys:
             self._path(key).unlink(missing_ok=True)
@@ -275,6 +289,7 @@ class DiskTier:
                       "the disk is full: " if full else "", exc)
             with self._mutex:
                 self.writable = False
+                self._gone += list(self._pending)
                 self._queue.clear()
                 self._pending.clear()
                 self._queued_bytes = 0
@@ -297,6 +312,7 @@ class DiskTier:
             self.nbytes -= size
             self.num_evicted += 1
             doomed.append(key)
+        self._gone += doomed
         return doomed
 
     def _forget(self, key: tuple[int, str], delete: bool) -> None:
@@ -304,6 +320,9 @@ class DiskTier:
             size = self._index.pop(key, None)
             if size is not None:
                 self.nbytes -= size
+                self._gone.append(key)
+            if self._memo is not None and self._memo[0] == key:
+                self._memo = None
         if delete:
             self._path(key).unlink(missing_ok=True)
 

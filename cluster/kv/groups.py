@@ -62,9 +62,10 @@ class PrefixHit:
     block_size: int
     head: Optional[tuple[int, int]] = None
     hashes: tuple[int, ...] = ()  # the hashes of the hit's whole blocks
-    # the hit's last whole blocks that the SSD tier holds (cluster/kv/disk_tier.py), loaded into new blocks when
-    # the hit is taken: (block hash, its tokens, the hash it was chained from), counted in `num_blocks`
-    disk: tuple[tuple[int, tuple[int, ...], int], ...] = ()
+    # the hit's last whole blocks, past the pool's run, that the SSD tier holds (cluster/kv/disk_tier.py), loaded
+    # into new blocks when the hit is taken: (block hash, its tokens, the hash it was chained from, 0 or the
+    # pool's cached block to copy instead when the tier lacks it), counted in `num_blocks`
+    disk: tuple[tuple[int, tuple[int, ...], int, int], ...] = ()
     pool_groups: tuple[GroupHit, ...] = ()  # with `disk`: the groups' shares of the pool's hit alone
 
     @property

@@ -14,6 +14,9 @@ The groups of today's models, by number (the number the KV events of each carry,
     RESTORE_POINT_GROUP   (2) the restore points of a model with recurrent layers (cluster/kv/snapshots.py):
                           the hit's last block must have a state snapshot, reach 1
 
+What the SSD tier holds (cluster/kv/disk_tier.py) counts as held: its blocks in groups 0 and 1, its states
+as restore points (the pools do not announce the removal of what the tier still holds, `BlockPool.retained`).
+
 Nothing here imports the engine: it reads a `KVManager`'s groups.
 """
 
@@ -38,6 +41,21 @@ class IndexGroup:
 
 def prefix_index_groups(kv: "KVManager") -> list[IndexGroup]:
     """Every KV cache group of a worker's prefix cache, with the blocks each holds now (a prefix-index
-    snapshot), as each group lists itself (`KVCacheGroup.index_entry`)."""
+    snapshot), as each group lists itself (`KVCacheGroup.index_entry`), and what the worker's SSD tier holds
+    (its blocks in every block group, its states as restore points): a hit reaches those too."""
+    from cluster.kv.block_pool import RESTORE_POINT_GROUP
+    from cluster.kv.disk_tier import BLOCK, STATE
+
     found = [(g.index_entry(), g.reach_tokens) for g in kv.groups]
-    return [IndexGroup(entry[0], reach, entry[1]) for entry, reach in found if entry is not None]
+    tier = kv.tier
+    out = []
+    for entry, reach in found:
+        if entry is None:
+            continue
+        hashes = entry[1]
+        if tier is not None:
+            held = set(hashes)
+            hashes = hashes + [h for h in tier.hashes(STATE if entry[0] == RESTORE_POINT_GROUP else BLOCK)
+                               if h not in held]
+        out.append(IndexGroup(entry[0], reach, hashes))
+    return out

@@ -86,9 +86,23 @@ class KVManager:
         """Keep every cached block in `tier` too (a `cluster.kv.disk_tier.DiskTier` whose arrays are
         `tier_array_names`: written behind as blocks are cached; a group's snapshots too, `tier_state_names`) and
         let prefix hits reach it."""
+        from cluster.kv.block_pool import RESTORE_POINT_GROUP
+        from cluster.kv.disk_tier import BLOCK, STATE
+
         self.tier = tier
         for g in self.groups:
             g.attach_tier(tier)
+        for g in self.block_groups:  # what the tier still holds stays announced to the router's prefix index
+            g.pool.retained = lambda h, group: tier.has(h, STATE if group == RESTORE_POINT_GROUP else BLOCK)
+
+    def drain_events(self) -> list:
+        """The KV events recorded since the last call (`BlockPool.drain_events`, every group's), after announcing
+        what the SSD tier let go of that no pool holds either."""
+        if self.tier is not None:
+            for block_hash, _ in self.tier.take_gone():
+                for g in self.block_groups:
+                    g.pool.announce_gone(block_hash)
+        return self.pool.drain_events()
 
     def tier_array_names(self) -> tuple[str, ...]:
         """The arrays of one block in the SSD tier: each block group's (`KVStore.array_names`), prefixed with its
@@ -253,7 +267,7 @@ class KVManager:
             k = cut
         hits = tuple(g.hit(hashes, token_ids, k, state_shipped) for g in self.groups)
         if tier and self.tier is not None and k < min(max_blocks, len(hashes)):
-            end = k + self.tier.longest(hashes[k:min(max_blocks, len(hashes))])
+            end, sources = self._tier_run(hashes, token_ids, k, min(max_blocks, len(hashes)))
             shares = list(hits)
             for g in self.groups:  # a group that needs more than blocks (a state after the last) may cut it back
                 if end > k:
@@ -261,8 +275,8 @@ class KVManager:
                     shares[g.index] = share or shares[g.index]
             if end > k:
                 bs = self.block_size
-                disk = tuple((hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]), hashes[i - 1] if i else root)
-                             for i in range(k, end))
+                disk = tuple((hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]), hashes[i - 1] if i else root,
+                              sources[i - k]) for i in range(k, end))
                 return PrefixHit(end, tuple(shares), bs, None, tuple(hashes[:end]), disk, hits)
         head = None
         parent = hashes[k - 1] if k else root
@@ -274,10 +288,30 @@ class KVManager:
                 head = (found[0], min(found[1], self.block_size - 1))  # a whole equal block would have hit
         return PrefixHit(k, hits, self.block_size, head, tuple(hashes[:k]))
 
+    def _tier_run(self, hashes: Sequence[int], token_ids: Sequence[int], k: int, limit: int
+                  ) -> tuple[int, list[int]]:
+        """How far past block `k` (at most to `limit`) a hit reaches with the SSD tier, and where each of those
+        blocks comes from: 0 for the tier, else the pool's cached block to copy (a block the pool still holds
+        after one only the tier holds; with one block group, whose pool alone decides). What the router's
+        prefix index counts as held, the pool's blocks and the tier's (cluster/kv/index_view.py), is reached."""
+        sources, bs = [], self.block_size
+        single = len(self.block_groups) == 1
+        for i in range(k, limit):
+            if self.tier.has(hashes[i]):
+                sources.append(0)
+                continue
+            cached = self.pool.lookup(hashes[i], token_ids[i * bs:(i + 1) * bs]) if single and sources else None
+            if cached is None:
+                break
+            sources.append(cached)
+        return k + len(sources), sources
+
     def free_besides(self, hit: PrefixHit) -> int:
         """Blocks `allocate` could still hand out once `hit` is taken (its blocks from the SSD tier take new
-        ones)."""
-        return min(g.free_besides(h) for g, h in zip(self.groups, hit.groups) if g.pool is not None) - len(hit.disk)
+        ones, and a free cached block it copies is held while it is copied)."""
+        held = sum(1 for *_, b in hit.disk if b and self.pool.blocks[b].ref_cnt == 0)
+        return min(g.free_besides(h) for g, h in zip(self.groups, hit.groups) if g.pool is not None) \
+            - len(hit.disk) - held
 
     def commit(self, request_id: str, hit: PrefixHit, num_new_blocks: int) -> int:
         """Take `hit` as the start of the request's empty entries, allocate `num_new_blocks` more (and one for each
@@ -296,10 +330,13 @@ class KVManager:
         for g, h in zip(self.groups, shares):
             entries[g.index] = g.take(entries[g.index], h)
         if hit.head is None:
+            copied = [b for *_, b in hit.disk[:len(loaded)] if b]
+            self.pool.touch(copied)  # no allocation may evict a block before it is copied
             self.allocate(request_id, num_new_blocks + len(hit.disk))
+            if loaded:
+                self._write_loaded(request_id, hit, loaded)
+            self.pool.free(copied)
             if hit.disk:
-                if loaded:
-                    self._write_loaded(request_id, hit, loaded)
                 return (hit.num_blocks - len(hit.disk) + len(loaded)) * self.block_size
             return hit.num_tokens
         source = hit.head[0]
@@ -339,32 +376,37 @@ class KVManager:
             self.tier.put(hashes[i], token_ids[i * bs:(i + 1) * bs],
                           [np.ascontiguousarray(a[:, j * bs:(j + 1) * bs]) for a in per_group])
 
-    def _read_tier(self, hit: PrefixHit) -> list[list[np.ndarray]]:
+    def _read_tier(self, hit: PrefixHit) -> list:
         """The arrays of the hit's blocks on the SSD tier, read in order up to the first it cannot give (a bad
-        file)."""
+        file); a block the pool holds stands as its block id."""
         loaded = []
-        for block_hash, tokens, _ in hit.disk:
-            arrays = self.tier.load(block_hash, tokens)
+        for block_hash, tokens, _, source in hit.disk:
+            arrays = self.tier.load(block_hash, tokens) if not source else source  # a pool block: copied
             if arrays is None:
                 break
             loaded.append(arrays)
         return loaded
 
-    def _write_loaded(self, request_id: str, hit: PrefixHit, loaded: list[list[np.ndarray]]) -> None:
-        """Write blocks read from the SSD tier into the request's new blocks that follow its pool hit, in every
-        block group, and register them in the prefix cache."""
+    def _write_loaded(self, request_id: str, hit: PrefixHit, loaded: list) -> None:
+        """Write blocks read from the SSD tier (and copy those the pool holds) into the request's new blocks that
+        follow its pool hit, in every block group, and register them in the prefix cache."""
         entries = self._entries[request_id]
         first = hit.num_blocks - len(hit.disk)
-        stacked = [np.concatenate(parts, axis=1) for parts in zip(*loaded)]
+        read = [j for j, arrays in enumerate(loaded) if not isinstance(arrays, int)]
+        stacked = [np.concatenate(parts, axis=1) for parts in zip(*(loaded[j] for j in read))]
         at = 0
         for g in self.block_groups:
             store, table = g.store, g.table(entries[g.index])
             n = len(store.array_names)
-            store.write_blocks(table[first:first + len(loaded)], range(store.spec.num_layers), stacked[at:at + n])
+            if read:
+                store.write_blocks([table[first + j] for j in read], range(store.spec.num_layers),
+                                   stacked[at:at + n])
             at += n
-            for j, (block_hash, tokens, parent) in enumerate(hit.disk[:len(loaded)]):
+            for j, (block_hash, tokens, parent, source) in enumerate(hit.disk[:len(loaded)]):
+                if source:  # a block the pool holds (one block group): copied as a head hit is
+                    store.copy_block(source, table[first + j])
                 g.cache_block(entries[g.index], first + j, block_hash, tokens, parent)
-        self.tier.touch([h for h, _, _ in hit.disk[:len(loaded)]])
+        self.tier.touch([h for h, *_ in hit.disk[:len(loaded)]])
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached hash in every group (and delete the SSD tier's blocks); returns how many the anchor
