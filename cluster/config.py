@@ -71,7 +71,8 @@ class EngineConfig:
     - `ssd_cache_gb`: GiB of disk for the SSD tier under the pool (cluster/kv/disk_tier.py): every cached block
       is also written there (and every recurrent-state snapshot), prefix hits reach it, and it survives a
       restart; 0 (default) keeps none. Not in a worker group (logged). `ssd_cache_dir`: its folder (None:
-      `kv-tier` in mlx-pd's cache folder, `$MLX_PD_CACHE` or ~/.cache/mlx-pd); each server needs its own.
+      `kv-tier` in mlx-pd's cache folder, `$MLX_PD_CACHE` or ~/.cache/mlx-pd, and in it one per cluster worker,
+      by name); each server needs its own.
     - `max_waiting`: requests queued (beyond those the next step admits into free running slots) before new
       ones get 503 with Retry-After; a request whose `n` exceeds `max_num_seqs + max_waiting` gets 400.
     - `decode_mirror_gb`: GiB for contiguous copies of the decode batch's contexts kept between decode

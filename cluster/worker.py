@@ -38,6 +38,7 @@ from cluster.control import ControlChannel, ZmqControl
 from cluster.engine import EngineCore
 from cluster.engine_client import EngineError
 from cluster.owner_threads import OwnerThread, start_owner_thread
+from cluster.kv.disk_tier import default_tier_dir
 from cluster.kv.index_view import prefix_index_groups
 from cluster.protocol import (AbortRequest, CacheGroupEntries, Generate, KVEvent, KVEvents, Ping, Pong,
                               PrefixIndexSnapshot, Rejected, ResetDone, ResetPrefixCache, SnapshotRequest,
@@ -103,7 +104,10 @@ class Worker:
                 model, tokenizer = load_model(path, dtype)
                 self._loaded = (model, tokenizer, model_spec)
             model, tokenizer, model_spec = self._loaded
-            self.engine = checked_engine(model, tokenizer, model_spec, self.spec.engine)
+            config = self.spec.engine
+            if config.ssd_cache_gb and not config.ssd_cache_dir:  # each worker of a machine its own SSD tier
+                config = dataclasses.replace(config, ssd_cache_dir=str(default_tier_dir(self.spec.name)))
+            self.engine = checked_engine(model, tokenizer, model_spec, config)
         check = getattr(self.engine, "load_check", None)  # an engine built without one: not run
         self._load_check = check.report() if check is not None else None
         if self.channel is None:

@@ -375,3 +375,34 @@ def test_a_block_the_pool_still_holds_after_blocks_only_the_disk_holds_is_copied
     _assert_same(got, cold)
     assert got[0][2] == 4 * BLOCK and engine.tier.stats()["loaded"] == 3  # blocks 0, 1 and 3 from disk
     engine.close()
+
+
+def test_through_prefill_and_decode_workers_a_session_comes_back_from_disk_after_both_restart(
+        tmp_path, monkeypatch):
+    """A 1P1D cluster whose workers each keep an SSD tier (one folder per worker by default): a long prompt is
+    answered, the whole cluster restarts (RAM empty), and the same prompt is answered again from disk (cached
+    tokens, blocks loaded) with the first answer's tokens and logprobs."""
+    import httpx
+
+    from tests.cluster_helpers import running_cluster
+    from tests.cluster_requests import MODEL
+    from tests.engine_helpers import fast_model
+
+    monkeypatch.setenv("MLX_PD_CACHE", str(tmp_path))
+    prompt = np.random.RandomState(4).randint(100, VOCAB, size=300).tolist()
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1}
+    answers, loaded = [], []
+    for run in range(2):
+        with running_cluster(1, 1, loaded=fast_model(), engine="ssd_cache_gb = 0.05") as (base, client, workers):
+            r = httpx.post(base + "/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            answers.append((choice["text"], choice["logprobs"]["token_logprobs"],
+                            r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]))
+            loaded.append(sum(w.call(lambda w: w.engine.tier.stats()["loaded"]) for w in workers.values()))
+            for w in workers.values():
+                assert w.call(lambda w: w.engine.tier.wait_written())
+    assert sorted(p.name for p in (tmp_path / "kv-tier").iterdir()) == ["decode-0", "prefill-0"]
+    (text0, lp0, cached0), (text1, lp1, cached1) = answers
+    assert cached0 == 0 and cached1 >= 288 and loaded[0] == 0 and loaded[1] >= 288 // 32
+    assert text1 == text0 and np.allclose(lp1, lp0, atol=TOL, rtol=0)

@@ -352,6 +352,14 @@ class DiskTier:
         return self.dir / f"{key[0]:016x}.{key[1]}"
 
 
+def default_tier_dir(worker: Optional[str] = None) -> Path:
+    """Where a tier lives without `ssd_cache_dir`: `kv-tier` in mlx-pd's cache folder (`$MLX_PD_CACHE` or
+    ~/.cache/mlx-pd), and in it a folder per cluster worker (`worker`: its name), since each server needs its
+    own."""
+    root = Path(os.environ.get("MLX_PD_CACHE") or Path.home() / ".cache" / "mlx-pd") / "kv-tier"
+    return root if worker is None else root / worker
+
+
 def tier_for(manager, spec, config, replicated: bool = False) -> Optional[DiskTier]:
     """The SSD tier a server's `manager` (`KVManager`) keeps under its pool, attached, per `config`
     (`ssd_cache_gb`, `ssd_cache_dir`) for the model `spec` (`cluster.model.ModelSpec`, whose `weights_dir` is
@@ -368,10 +376,7 @@ def tier_for(manager, spec, config, replicated: bool = False) -> Optional[DiskTi
     if why:
         log.warning("SSD tier off for %s: %s", spec.model_id, why)
         return None
-    if config.ssd_cache_dir:
-        root = Path(config.ssd_cache_dir)
-    else:
-        root = Path(os.environ.get("MLX_PD_CACHE") or Path.home() / ".cache" / "mlx-pd") / "kv-tier"
+    root = Path(config.ssd_cache_dir) if config.ssd_cache_dir else default_tier_dir()
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     fmt = kv_format_name(config.dtype, config.kv_bits, config.kv_group_size, config.block_size)
     t0 = time.perf_counter()
