@@ -41,7 +41,7 @@ def decode(data: bytes, block_hash: int, token_ids: Sequence[int], names: Sequen
     arrays `names`. Raises BlockFileError otherwise."""
     if len(data) < len(MAGIC) + _LEN.size + _SUM.size or not data.startswith(MAGIC):
         raise BlockFileError("not a KV block file (short, or another format)")
-    body, (checksum,) = data[:-_SUM.size], _SUM.unpack(data[-_SUM.size:])
+    body, (checksum,) = memoryview(data)[:-_SUM.size], _SUM.unpack(data[-_SUM.size:])  # no copy of the body
     if xxhash.xxh3_64_intdigest(body) != checksum:
         raise BlockFileError("checksum mismatch (a torn or corrupted file)")
     (n,) = _LEN.unpack_from(body, len(MAGIC))
