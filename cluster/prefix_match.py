@@ -29,8 +29,11 @@ class PrefixMatcher:
     `extra_key(cache_salt)` gives the first block's hash key. `queries` / `hits` count prompt tokens looked up at
     first admission and those served from the cache."""
 
-    def __init__(self, kv: KVManager, block_size: int, extra_key: Callable[[Optional[str]], int]):
+    def __init__(self, kv: KVManager, block_size: int, extra_key: Callable[[Optional[str]], int],
+                 recompute_seconds: Optional[Callable[[int, int], float]] = None):
         self.kv, self.block_size, self.extra_key = kv, block_size, extra_key
+        # predicted seconds to compute prompt positions [start, end) (0.0 before any prompt step was timed)
+        self.recompute_seconds = recompute_seconds
         self.queries = 0
         self.hits = 0
 
@@ -71,8 +74,20 @@ class PrefixMatcher:
             return self.kv.lookup((), seq.token_ids, 0)
         root = self.extra_key(seq.request.cache_salt)
         hashes = hashes[:(len(seq.token_ids) - 1) // self.block_size]
-        return self.kv.lookup(hashes, seq.token_ids, len(hashes), head_until=len(seq.token_ids) - 1, root=root,
-                              tier=True)
+        hit = self.kv.lookup(hashes, seq.token_ids, len(hashes), head_until=len(seq.token_ids) - 1, root=root,
+                             tier=True)
+        if hit.disk and not self._worth_loading(hit):
+            return self.kv.lookup(hashes, seq.token_ids, len(hashes), head_until=len(seq.token_ids) - 1, root=root)
+        return hit
+
+    def _worth_loading(self, hit: PrefixHit) -> bool:
+        """Whether loading the hit's blocks from the SSD tier is predicted to take no longer than computing them
+        (the tier's measured load rate against the engine's fitted prefill cost; either unknown yet: load)."""
+        load = self.kv.tier.load_seconds_estimate(len(hit.disk))
+        end = hit.num_blocks * self.block_size
+        start = end - len(hit.disk) * self.block_size
+        compute = self.recompute_seconds(start, end) if self.recompute_seconds is not None else 0.0
+        return load is None or not compute or load <= compute
     def commit(self, seq: Sequence, hit: PrefixHit, num_new_blocks: int) -> None:
         """Take `hit` for `seq` (`KVManager.commit`, with `num_new_blocks` more), set its counters and count the
         hit on first admission (not on a recompute after preemption)."""

@@ -67,11 +67,11 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._preempted: list[Sequence] = []
         self.num_preemptions = 0
-        self.prefix = PrefixMatcher(kv, config.block_size, extra_key)
         self.budget = StepBudget(config.max_num_batched_tokens or config.prefill_chunk_size,
                                  config.prefill_chunk_size, config.block_size,
                                  None if config.itl_target_ms is None else config.itl_target_ms / 1000,
                                  config.long_prefill_token_threshold, config.prefill_slowdown)
+        self.prefix = PrefixMatcher(kv, config.block_size, extra_key, self.budget.solo_seconds)
 
     @property
     def prefix_queries(self) -> int:

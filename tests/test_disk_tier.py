@@ -406,3 +406,19 @@ def test_through_prefill_and_decode_workers_a_session_comes_back_from_disk_after
     (text0, lp0, cached0), (text1, lp1, cached1) = answers
     assert cached0 == 0 and cached1 >= 288 and loaded[0] == 0 and loaded[1] >= 288 // 32
     assert text1 == text0 and np.allclose(lp1, lp0, atol=TOL, rtol=0)
+
+
+def test_blocks_that_would_load_slower_than_they_compute_are_computed(models, tmp_path):
+    """Once the tier's load rate and the engine's prefill cost are measured, a hit whose blocks would take longer
+    to read than to compute (a disk made slow here) is computed instead: nothing loaded, the same answer."""
+    engine = _engine(models[0], tmp_path)
+    cold = _answers(engine, SESSIONS, "first")  # each evicts the one before; prefill steps are timed
+    assert engine.tier.wait_written()
+    assert _answers(engine, SESSIONS[:1], "fast")[0][2] == 40  # loaded: the rate is measured now
+    loaded = engine.tier.stats()["loaded"]
+    assert loaded >= 4 and engine.tier.load_seconds_estimate(5) is not None
+    engine.tier.load_seconds *= 1e6  # a disk a million times slower than measured
+    got = _answers(engine, SESSIONS[1:2], "slow")
+    assert got[0][2] == 0 and engine.tier.stats()["loaded"] == loaded
+    _assert_same({0: got[0]}, {0: cold[1]})
+    engine.close()

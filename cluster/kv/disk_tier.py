@@ -164,6 +164,16 @@ class DiskTier:
         self.load_seconds += time.perf_counter() - t0
         return arrays
 
+    def load_seconds_estimate(self, num_blocks: int) -> Optional[float]:
+        """Predicted seconds to load `num_blocks` block files, from the average file and the load rate measured
+        so far (None before a few loads were timed)."""
+        if self.num_loaded < 4 or self.load_seconds <= 0:
+            return None
+        with self._mutex:
+            sizes = [size for (_, kind), size in self._index.items() if kind == BLOCK]
+        average = sum(sizes) / len(sizes) if sizes else 0.0
+        return num_blocks * average * self.load_seconds / max(1, self.bytes_loaded)
+
     def touch(self, hashes: Sequence[int]) -> None:
         """A prompt used these blocks (a prefix, in order; and the state after its last one): the most recently
         used now, its first block last of all, so its suffix goes before its prefix."""
