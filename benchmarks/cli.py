@@ -17,6 +17,7 @@
     mlx-pd bench speculative --concurrency 1,4 --out s.json  # speculative decoding: plain vs prompt lookup vs draft
     mlx-pd bench hybrid-turns --out h.json                  # hybrid model, 16-turn chat: TTFT cached vs cold, RSS
     mlx-pd bench structured --out st.json                   # JSON-schema constrained vs free decode tok/s, mask cost
+    mlx-pd bench ssd-tier --out ssd.json                    # agent sessions past the RAM pool: SSD tier vs none, restart
     mlx-pd bench --compare --fast-model --concurrency 1,8   # the 2-layer stand-in; host CPU s per output token too
     mlx-pd bench interference --out i.json                  # stream ITL while a 1.5k-token prompt prefills
     mlx-pd bench mixed-prefill --out m.json                 # 8 prompts of 100-2000 tokens at once: prefill tok/s
@@ -137,6 +138,9 @@ SUBCOMMANDS = {
     "hybrid-turns": "a hybrid model (qwen3_next, or qwen3_5 with --family) in a 16-turn chat: TTFT with its "
                     "recurrent-state prefix cache vs cold, next to mlx_lm.server; snapshot bytes; RSS over many "
                     "conversations (benchmarks/hybrid_bench.py)",
+    "ssd-tier": "an agent's long sessions whose KV is several times the RAM pool, follow-ups round-robin: mlx-pd with "
+                "its SSD tier, without it, and mlx_lm.server; TTFT, cached tokens, a restart, restore GB/s against "
+                "the disk's sequential read (benchmarks/ssd_tier_bench.py)",
     "structured": "constrained decoding in process: decode tok/s with every request JSON-schema constrained vs "
                   "unconstrained at concurrency 8, and the grammar mask's cost per step (benchmarks/structured_bench.py)",
     "interference": "mlx-pd vs mlx_lm.server: decoding streams' ITL before and during a long prompt's prefill, and "
@@ -159,7 +163,7 @@ SUBCOMMANDS = {
                        "(benchmarks/tp_compare.py)",
 }
 MODULES = {"cluster": "cluster_bench", "routing": "routing_bench", "routing-sim": "routing_sim",
-           "speculative": "speculative_bench", "hybrid-turns": "hybrid_bench",
+           "speculative": "speculative_bench", "hybrid-turns": "hybrid_bench", "ssd-tier": "ssd_tier_bench",
            "structured": "structured_bench", "interference": "interference_bench",
            "mixed-prefill": "mixed_prefill_bench", "aiperf": "aiperf_compare", "link-transfer": "link_transfer",
            "lab-ttft": "lab_ttft", "load-check": "load_check_bench",
