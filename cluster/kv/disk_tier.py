@@ -28,6 +28,7 @@ import os
 import threading
 import time
 from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 
 BLOCK, STATE = "kv", "st"  # the kinds of file, and their suffixes: a block's KV, a recurrent state after a block
 QUEUE_BYTES = 256 << 20  # blocks waiting for the writer at most (or the budget, if smaller)
+READERS = 8  # threads reading one hit's block files at once
 
 
 class TierInUse(ValueError):
@@ -163,6 +165,50 @@ class DiskTier:
         self.bytes_loaded += sum(a.nbytes for a in arrays)
         self.load_seconds += time.perf_counter() - t0
         return arrays
+
+    def load_many(self, blocks: Sequence[tuple[int, Sequence[int]]]) -> list[Optional[list[np.ndarray]]]:
+        """`load` of each (block hash, tokens) of `blocks`, in order up to the first that fails (None from there on),
+        their files read by `READERS` threads at once
+        (one reader leaves an SSD idle between requests: measured 0.32 GB/s from one thread, 0.6 from eight, on
+        a disk that reads 1.2 GB/s sequentially)."""
+        t0 = time.perf_counter()
+        with self._mutex:
+            unread = [(h, t) for h, t in blocks if (h, BLOCK) in self._index and (h, BLOCK) not in self._pending]
+        if len(unread) < 2:
+            return [self.load(h, t) for h, t in blocks]
+        files: dict[int, Optional[bytes]] = {}
+
+        def read(block_hash: int) -> None:
+            try:
+                files[block_hash] = self._path((block_hash, BLOCK)).read_bytes()
+            except OSError:
+                files[block_hash] = None
+
+        with ThreadPoolExecutor(min(READERS, len(unread)), thread_name_prefix="kv-disk-read") as pool:
+            list(pool.map(read, [h for h, _ in unread]))
+        out: list[Optional[list[np.ndarray]]] = []
+        for block_hash, tokens in blocks:
+            if out and out[-1] is None:  # a hit ends at its first block that cannot be loaded
+                out.append(None)
+                continue
+            data = files.get(block_hash)
+            if data is None:
+                out.append(self.load(block_hash, tokens))
+                continue
+            try:
+                arrays = decode(data, block_hash, tokens, self.names)
+            except BlockFileError as exc:
+                log.warning("SSD tier: the KV file of block %016x is unusable (%s): computing it instead",
+                            block_hash, exc)
+                self.num_bad += 1
+                self._forget((block_hash, BLOCK), delete=True)
+                arrays = None
+            if arrays is not None:
+                self.num_loaded += 1
+                self.bytes_loaded += sum(a.nbytes for a in arrays)
+            out.append(arrays)
+        self.load_seconds += time.perf_counter() - t0
+        return out
 
     def load_seconds_estimate(self, num_blocks: int) -> Optional[float]:
         """Predicted seconds to load `num_blocks` block files, from the average file and the load rate measured

@@ -379,9 +379,10 @@ class KVManager:
     def _read_tier(self, hit: PrefixHit) -> list:
         """The arrays of the hit's blocks on the SSD tier, read in order up to the first it cannot give (a bad
         file); a block the pool holds stands as its block id."""
+        read = iter(self.tier.load_many([(h, tokens) for h, tokens, _, source in hit.disk if not source]))
         loaded = []
-        for block_hash, tokens, _, source in hit.disk:
-            arrays = self.tier.load(block_hash, tokens) if not source else source  # a pool block: copied
+        for *_, source in hit.disk:
+            arrays = next(read) if not source else source  # a pool block: copied
             if arrays is None:
                 break
             loaded.append(arrays)
