@@ -36,8 +36,13 @@ SESSIONS = np.random.RandomState(1).randint(100, VOCAB, size=(4, 41)).tolist()
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
+    from tests.family_helpers import CONFIGS as FAMILIES
+
     root = tmp_path_factory.mktemp("tier-models")
-    return {seed: random_model_dir("tier-llama", LLAMA, seed, root) for seed in (0, 1)}
+    out = {seed: random_model_dir("tier-llama", LLAMA, seed, root) for seed in (0, 1)}
+    out["hybrid"] = random_model_dir("tier-qwen3-next", {"model_type": "qwen3_next", **COMMON,
+                                                         **FAMILIES["qwen3_next"]}, 0, root)
+    return out
 
 
 def _engine(folder: Path, tier_dir, budget_gb: float = 0.01, **config) -> EngineCore:
@@ -67,9 +72,9 @@ def test_sessions_evicted_from_ram_are_restored_from_disk_exactly_alone_batched_
         kv_bits, models, tmp_path):
     """Four sessions, each evicting the one before from a small pool, come back from disk alone and then, after a
     restart, all four batched: with float KV their tokens and logprobs are the cold run's; in every format the
-    disk's blocks are the pool's, byte for byte, so a restore from disk answers exactly as the same batch
-    restored from RAM (quantized KV reused from any cache differs from a cold prompt's own fresh K/V by the
-    quantization error, README "What a request's output may depend on")."""
+    disk's blocks are the pool's, byte for byte, so a restore from disk answers exactly as the same batch hit in
+    the RAM of an engine without a tier (quantized KV reused from any cache differs from a cold prompt's own
+    fresh K/V by the quantization error, README "What a request's output may depend on")."""
     kv = {} if kv_bits is None else {"kv_bits": kv_bits, "kv_group_size": 32}
     cold = _answers(_engine(models[0], None, budget_gb=0, enable_prefix_caching=False, **kv), SESSIONS, "cold")
     engine = _engine(models[0], tmp_path, **kv)
@@ -90,10 +95,15 @@ def test_sessions_evicted_from_ram_are_restored_from_disk_exactly_alone_batched_
     assert again.tier.stats()["loaded"] >= 4 * 5 and again.tier.stats()["bad"] == 0
     if kv_bits is None:
         _assert_same(from_disk, cold)
-    from_ram = _answers(again, SESSIONS, "ram")  # the same batch again: every block in the pool now
-    assert again.tier.stats()["loaded"] == 4 * 5
-    _assert_same(from_ram, from_disk, tol=0.0)
     again.close()
+    # the same batch on an engine without a tier, its prefixes computed there as the first engine computed them
+    # (one session at a time) and hit in its own pool
+    plain = _engine(models[0], None, budget_gb=0, num_blocks=40, **kv)
+    for i, p in enumerate(SESSIONS):
+        _answers(plain, [p], f"computed{i}-")
+    from_ram = _answers(plain, SESSIONS, "ram")
+    assert [r[2] for r in from_ram.values()] == [40] * 4
+    _assert_same(from_disk, from_ram, tol=0.0)
 
 
 def test_a_torn_or_flipped_file_is_a_miss_that_is_recomputed(models, tmp_path):
@@ -214,6 +224,9 @@ def test_sessions_written_before_a_kill_9_during_writes_still_hit(models, tmp_pa
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
     again = _engine(models[0], tmp_path)  # the dead server's lock died with it
+    assert not list(again.tier.dir.glob(".*.tmp"))  # a write cut short left a temporary file at most: gone
+    for f in again.tier.dir.glob("*.kv"):  # every file listed is whole
+        _decode_any(f)
     got = _answers(again, SESSIONS[:2], "again")
     assert [got[0][2], got[1][2]] == [40, 40] and again.tier.stats()["bad"] == 0
     cold = _answers(_engine(models[0], None, budget_gb=0, enable_prefix_caching=False), SESSIONS[:2], "cold")
@@ -244,15 +257,12 @@ def test_a_sliding_window_model_restores_both_of_its_pools_from_disk_exactly(tmp
     again.close()
 
 
-def test_a_hybrid_model_restores_its_blocks_and_the_state_after_them_from_disk(tmp_path_factory, tmp_path):
+def test_a_hybrid_model_restores_its_blocks_and_the_state_after_them_from_disk(models, tmp_path):
     """qwen3_next (Gated DeltaNet beside attention): each snapshot of the recurrent state is written beside the
     blocks, and after a restart a hit loads the blocks and the state after the last of them and answers as the
     cold run; a flipped state file leaves no restorable hit (computed in full), and a torn block file under a good
     state falls back to what the pool holds (nothing after a restart): exact either way."""
-    from tests.family_helpers import CONFIGS as FAMILIES
-
-    folder = random_model_dir("tier-qwen3-next", {"model_type": "qwen3_next", **COMMON, **FAMILIES["qwen3_next"]},
-                              0, tmp_path_factory.mktemp("tier-qwen3-next"))
+    folder = models["hybrid"]
     cold = _answers(_engine(folder, None, budget_gb=0, enable_prefix_caching=False), SESSIONS, "cold")
     engine = _engine(folder, tmp_path)
     assert [g.name for g in engine.kv.groups] == ["full", "recurrent"]
@@ -298,11 +308,14 @@ def _prompt_hashes(folder: Path, prompts) -> list[list[int]]:
     return out
 
 
-def test_the_router_counts_what_a_worker_reaches_in_ram_and_on_disk_and_again_after_its_restart(models, tmp_path):
+@pytest.mark.parametrize("model", [0, "hybrid"])
+def test_the_router_counts_what_a_worker_reaches_in_ram_and_on_disk_and_again_after_its_restart(model, models,
+                                                                                                 tmp_path):
     """A worker whose pool and tier see random traffic (sessions evicted from RAM to disk, the tier's own LRU
     evicting, blocks the pool still holds after ones only the disk holds), followed by the router through its
     snapshot reply and KV events: for every prompt the router's count equals the hit the worker's own lookup
-    reaches; after a restart the worker's snapshot announces its disk blocks again, and the count still holds."""
+    reaches; after a restart the worker's snapshot announces its disk blocks again, and the count still holds.
+    For a llama and for a hybrid (qwen3_next: a hit needs a state after its last block, in RAM or on disk)."""
     import random
 
     from cluster.kv.hashing import block_hashes
@@ -326,7 +339,7 @@ def test_the_router_counts_what_a_worker_reaches_in_ram_and_on_disk_and_again_af
             hits += want
         return hits
 
-    engine = _engine(models[0], tmp_path, budget_gb=budget_gb)
+    engine = _engine(models[model], tmp_path, budget_gb=budget_gb)
     idx = PrefixIndex(["w"])
     idx.apply_snapshot("w", "boot", engine.pool.last_event_seq, _snapshot_over_the_wire(engine.kv, 0))
     reached = 0
@@ -336,7 +349,7 @@ def test_the_router_counts_what_a_worker_reaches_in_ram_and_on_disk_and_again_af
         reached += check(engine, idx)
     assert reached > 0 and engine.tier.stats()["evicted"] > 0
     engine.close()
-    again = _engine(models[0], tmp_path, budget_gb=budget_gb)
+    again = _engine(models[model], tmp_path, budget_gb=budget_gb)
     idx = PrefixIndex(["w"])
     idx.apply_snapshot("w", "boot", again.pool.last_event_seq, _snapshot_over_the_wire(again.kv, 1))
     assert check(again, idx) > 0  # nothing in RAM: every hit is the disk's
@@ -421,4 +434,40 @@ def test_blocks_that_would_load_slower_than_they_compute_are_computed(models, tm
     got = _answers(engine, SESSIONS[1:2], "slow")
     assert got[0][2] == 0 and engine.tier.stats()["loaded"] == loaded
     _assert_same({0: got[0]}, {0: cold[1]})
+    engine.close()
+
+
+def _decode_any(path: Path) -> list:
+    """The arrays of a block file, checked against the hash and tokens its own header names."""
+    import msgpack
+
+    data = path.read_bytes()
+    n = int.from_bytes(data[8:12], "little")
+    header = msgpack.unpackb(data[12:12 + n])
+    return decode(data, header["hash"], header["tokens"], [a[0] for a in header["arrays"]])
+
+
+def test_a_prefix_reused_from_ram_stays_on_disk_while_other_sessions_come_and_go_and_a_reset_clears_it(
+        models, tmp_path):
+    """A shared 4-block prefix hit in RAM again and again, between one-off prompts that fill a tier of 9 blocks:
+    each hit makes the prefix the tier's most recently used (its first block last to go), so it stays while the
+    one-offs are evicted, on disk in that order too; resetting the prefix cache deletes every file."""
+    rng = np.random.RandomState(6)
+    shared = rng.randint(100, VOCAB, size=4 * BLOCK).tolist()
+    block_file = len(encode(1, range(BLOCK), NAMES, [np.zeros((2, BLOCK, 2, 32), np.float32)] * 2))
+    engine = _engine(models[0], tmp_path, budget_gb=9 * block_file / 2**30, num_blocks=40)
+    key = engine._extra_key(None)
+    from cluster.kv.hashing import block_hashes
+
+    prefix = block_hashes(shared, BLOCK, key)
+    for i in range(8):
+        _answers(engine, [shared + rng.randint(100, VOCAB, size=3).tolist()], f"shared{i}-")
+        _answers(engine, [rng.randint(100, VOCAB, size=2 * BLOCK + 3).tolist()], f"other{i}-")
+        assert engine.tier.wait_written()
+    assert all(engine.tier.has(h) for h in prefix) and engine.tier.stats()["evicted"] > 0
+    order = sorted(engine.tier.dir.glob("*.kv"), key=lambda f: f.stat().st_mtime_ns)
+    on_disk = [int(f.stem, 16) for f in order]
+    assert on_disk.index(prefix[0]) > on_disk.index(prefix[3])  # the first block is the last to go
+    engine.kv.reset_prefix_cache()
+    assert not list(engine.tier.dir.glob("*.kv")) and engine.tier.stats()["blocks"] == 0
     engine.close()

@@ -194,13 +194,16 @@ class BlockPool:
             self._restorable.discard(block_hash)
             self._removed(block_hash, RESTORE_POINT_GROUP)
 
-    def announce_gone(self, block_hash: int) -> None:
-        """Another tier let go of `block_hash` (its block, and with it a restore point): announce the removal
-        unless this pool still holds it (`retained` has said it was held until now)."""
-        if block_hash not in self._cached:
-            self._emit("removed", (block_hash,))
-        if self.needs_restore_points and block_hash not in self._restorable:
-            self.event_log.emit("removed", (block_hash,), RESTORE_POINT_GROUP)
+    def announce_gone(self, block_hash: int, restore_point: bool) -> None:
+        """Another tier let go of `block_hash`'s block (`restore_point` False) or of the state after it (True):
+        announce its removal from this pool's group or from the restore points, unless this pool still holds it
+        or the other tier holds it again (`retained`, which has said it was held until now)."""
+        group = RESTORE_POINT_GROUP if restore_point else self.group
+        if restore_point and not self.needs_restore_points:
+            return
+        held = self._restorable if restore_point else self._cached
+        if block_hash not in held and (self.retained is None or not self.retained(block_hash, group)):
+            self.event_log.emit("removed", (block_hash,), group)
 
     def restorable_hashes(self) -> Optional[list[int]]:
         """Every restore point (for a consumer that lost events); None in a pool without restore points."""

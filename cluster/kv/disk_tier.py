@@ -63,7 +63,7 @@ class DiskTier:
         os.chmod(self.dir, 0o700)
         self.budget_bytes, self.names = int(budget_bytes), tuple(names)
         self._names = {BLOCK: self.names, STATE: tuple(state_names)}
-        self._lock_file = open(self.dir / "lock", "a+")
+        self._lock_file = os.fdopen(os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT, 0o600), "r+")
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -82,7 +82,8 @@ class DiskTier:
         self._wake = threading.Condition(self._mutex)
         self._queue: deque = deque()
         self._pending: dict[tuple[int, str], tuple[tuple[int, ...], list[np.ndarray]]] = {}
-        self._memo: Optional[tuple[tuple[int, str], list[np.ndarray]]] = None  # the last file read (`load`)
+        # the last file read (`load`): its key, the tokens it was read for, its arrays
+        self._memo: Optional[tuple[tuple[int, str], tuple[int, ...], list[np.ndarray]]] = None
         self._gone: list[tuple[int, str]] = []  # let go of since `take_gone` (evicted, bad, never written)
         self._queued_bytes = 0
         self.queue_bytes = min(queue_bytes or QUEUE_BYTES, max(1, self.budget_bytes))
@@ -91,6 +92,7 @@ class DiskTier:
         self.bytes_written = self.bytes_loaded = 0
         self.load_seconds = 0.0
         self._scan()
+        self._trim_others(root)
         self._closed = False
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-tier", daemon=True)
         self._writer.start()
@@ -149,21 +151,24 @@ class DiskTier:
             arrays = pending[1]
         elif not known:
             return None
-        elif memo is not None and memo[0] == key:
-            return memo[1]
+        elif memo is not None and memo[0] == key and memo[1] == tuple(token_ids):
+            return memo[2]
         else:
             try:
                 arrays = decode(self._path(key).read_bytes(), block_hash, token_ids, self._names[kind])
+            except FileNotFoundError:  # evicted by the writer meanwhile: a miss
+                return None
             except (OSError, BlockFileError) as exc:
                 log.warning("SSD tier: %s file of block %016x is unusable (%s): computing it instead",
                             "the state" if kind == STATE else "the KV", block_hash, exc)
                 self.num_bad += 1
                 self._forget(key, delete=True)
                 return None
-            self._memo = (key, arrays)
-        self.num_loaded += 1
-        self.bytes_loaded += sum(a.nbytes for a in arrays)
-        self.load_seconds += time.perf_counter() - t0
+            self._memo = (key, tuple(token_ids), arrays)
+            if kind == BLOCK:  # what the load rate is measured on: block files read from the disk
+                self.num_loaded += 1
+                self.bytes_loaded += sum(a.nbytes for a in arrays)
+                self.load_seconds += time.perf_counter() - t0
         return arrays
 
     def load_many(self, blocks: Sequence[tuple[int, Sequence[int]]]) -> list[Optional[list[np.ndarray]]]:
@@ -175,25 +180,33 @@ class DiskTier:
         with self._mutex:
             unread = {h: t for h, t in blocks if (h, BLOCK) in self._index and (h, BLOCK) not in self._pending}
         if len(unread) < 2:
-            return [self.load(h, t) for h, t in blocks]
+            out: list[Optional[list[np.ndarray]]] = []
+            for h, t in blocks:
+                out.append(None if out and out[-1] is None else self.load(h, t))
+            return out
 
         def read(block_hash: int):
             try:
                 return decode(self._path((block_hash, BLOCK)).read_bytes(), block_hash, unread[block_hash],
                               self.names)
+            except FileNotFoundError:  # evicted by the writer meanwhile: a miss
+                return None
             except (OSError, BlockFileError) as exc:
                 return exc
 
         with ThreadPoolExecutor(min(READERS, len(unread)), thread_name_prefix="kv-disk-read") as pool:
             files = dict(zip(unread, pool.map(read, unread)))
-        out: list[Optional[list[np.ndarray]]] = []
+        out = []
         for block_hash, tokens in blocks:
             if out and out[-1] is None:  # a hit ends at its first block that cannot be loaded
                 out.append(None)
                 continue
-            arrays = files.get(block_hash)
-            if arrays is None:  # waiting for the writer (or gone meanwhile)
+            if block_hash not in unread:  # waiting for the writer
                 out.append(self.load(block_hash, tokens))
+                continue
+            arrays = files[block_hash]
+            if arrays is None:  # evicted meanwhile
+                out.append(None)
                 continue
             if isinstance(arrays, Exception):
                 log.warning("SSD tier: the KV file of block %016x is unusable (%s): computing it instead",
@@ -221,12 +234,19 @@ class DiskTier:
     def touch(self, hashes: Sequence[int]) -> None:
         """A prompt used these blocks (a prefix, in order; and the state after its last one): the most recently
         used now, its first block last of all, so its suffix goes before its prefix."""
+        order = []
         with self._mutex:
             if hashes and (hashes[-1], STATE) in self._index:
-                self._index.move_to_end((hashes[-1], STATE))
-            for h in reversed(hashes):
-                if (h, BLOCK) in self._index:
-                    self._index.move_to_end((h, BLOCK))
+                order.append((hashes[-1], STATE))
+            order += [(h, BLOCK) for h in reversed(hashes) if (h, BLOCK) in self._index]
+            for key in order:
+                self._index.move_to_end(key)
+        now = time.time_ns()  # the same order on disk, for the next start's listing by modification time
+        for j, key in enumerate(order):
+            try:
+                os.utime(self._path(key), ns=(now + j, now + j))
+            except OSError:
+                pass
 
     def hashes(self, kind: str = BLOCK) -> list[int]:
         """The block hashes whose file of `kind` the tier holds (or is writing)."""
@@ -324,10 +344,10 @@ class DiskTier:
     def _write(self, key: tuple[int, str], token_ids, arrays) -> int:
         """Write one file (temporary name, then renamed); its bytes, or 0 when writing failed (writing is then off
         for good: the disk is full or failing)."""
-        data = encode(key[0], token_ids, self._names[key[1]], arrays)
         path = self._path(key)
         tmp = path.with_name(f".{path.name}.tmp")
         try:
+            data = encode(key[0], token_ids, self._names[key[1]], arrays)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
                 view = memoryview(data)
@@ -336,9 +356,9 @@ class DiskTier:
             finally:
                 os.close(fd)
             os.replace(tmp, path)
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - the writer thread must not die with its queue held
             tmp.unlink(missing_ok=True)
-            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            full = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
             log.error("SSD tier: writing off (%s%s); the server serves on from RAM and what the tier holds",
                       "the disk is full: " if full else "", exc)
             with self._mutex:
@@ -402,6 +422,35 @@ class DiskTier:
         for key in self._over_budget(keep=None):
             self._path(key).unlink(missing_ok=True)
 
+    def _trim_others(self, root: Path) -> None:
+        """Keep the whole folder within the budget: the folders of other fingerprints (another model, KV format or
+        MLX) that no server holds go, the least recently used first, while they and this one's files exceed it.
+        Only a fingerprint's own files are deleted (block and state files, its lock), never anything else."""
+        others = []
+        for entry in os.scandir(root):
+            if entry.path == str(self.dir) or not entry.is_dir() or not _is_fingerprint(entry.name):
+                continue
+            files = [f for f in os.scandir(entry.path) if f.name.endswith((f".{BLOCK}", f".{STATE}", ".tmp"))]
+            stats = [f.stat() for f in files]
+            others.append((max((st.st_mtime_ns for st in stats), default=0), entry.path, files,
+                           sum(st.st_size for st in stats)))
+        total = self.nbytes + sum(size for *_, size in others)
+        for _, path, files, size in sorted(others):
+            if total <= self.budget_bytes:
+                break
+            try:
+                with open(os.path.join(path, "lock"), "a+") as lock:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by a running server: leave it
+                    for f in files:
+                        os.unlink(f.path)
+                os.unlink(os.path.join(path, "lock"))
+                os.rmdir(path)
+            except (BlockingIOError, OSError):
+                continue
+            total -= size
+            log.info("SSD tier: removed another fingerprint's folder %s (%.1f MiB) to keep within the budget",
+                     path, size / 2**20)
+
     def _path(self, key: tuple[int, str]) -> Path:
         return self.dir / f"{key[0]:016x}.{key[1]}"
 
@@ -442,3 +491,8 @@ def tier_for(manager, spec, config, replicated: bool = False) -> Optional[DiskTi
     log.info("SSD tier: %s, %d blocks (%.1f MiB) of %.1f GiB found; weights fingerprinted in %.1f s", tier.dir,
              len(tier._index), tier.nbytes / 2**20, config.ssd_cache_gb, time.perf_counter() - t0)
     return tier
+
+
+def _is_fingerprint(name: str) -> bool:
+    """A tier folder's name: 32 hex digits (`tier_fingerprint`)."""
+    return len(name) == 32 and all(c in "0123456789abcdef" for c in name)

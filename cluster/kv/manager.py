@@ -98,10 +98,12 @@ class KVManager:
     def drain_events(self) -> list:
         """The KV events recorded since the last call (`BlockPool.drain_events`, every group's), after announcing
         what the SSD tier let go of that no pool holds either."""
+        from cluster.kv.disk_tier import BLOCK
+
         if self.tier is not None:
-            for block_hash, _ in self.tier.take_gone():
+            for block_hash, kind in self.tier.take_gone():
                 for g in self.block_groups:
-                    g.pool.announce_gone(block_hash)
+                    g.pool.announce_gone(block_hash, restore_point=kind != BLOCK)
         return self.pool.drain_events()
 
     def tier_array_names(self) -> tuple[str, ...]:
@@ -291,16 +293,17 @@ class KVManager:
     def _tier_run(self, hashes: Sequence[int], token_ids: Sequence[int], k: int, limit: int
                   ) -> tuple[int, list[int]]:
         """How far past block `k` (at most to `limit`) a hit reaches with the SSD tier, and where each of those
-        blocks comes from: 0 for the tier, else the pool's cached block to copy (a block the pool still holds
-        after one only the tier holds; with one block group, whose pool alone decides). What the router's
-        prefix index counts as held, the pool's blocks and the tier's (cluster/kv/index_view.py), is reached."""
+        blocks comes from: 0 for the tier, else the pool's cached block to copy (with one block group, whose
+        pool alone decides: a block the pool still holds after one only the tier holds, or past the pool's last
+        restore point of a hybrid model). What the router's prefix index counts as held, the pool's blocks and
+        the tier's (cluster/kv/index_view.py), is reached."""
         sources, bs = [], self.block_size
         single = len(self.block_groups) == 1
         for i in range(k, limit):
             if self.tier.has(hashes[i]):
                 sources.append(0)
                 continue
-            cached = self.pool.lookup(hashes[i], token_ids[i * bs:(i + 1) * bs]) if single and sources else None
+            cached = self.pool.lookup(hashes[i], token_ids[i * bs:(i + 1) * bs]) if single else None
             if cached is None:
                 break
             sources.append(cached)
@@ -336,15 +339,24 @@ class KVManager:
             if loaded:
                 self._write_loaded(request_id, hit, loaded)
             self.pool.free(copied)
-            if hit.disk:
-                return (hit.num_blocks - len(hit.disk) + len(loaded)) * self.block_size
-            return hit.num_tokens
+            reused = hit.num_blocks - len(hit.disk) + len(loaded)
+            self._tier_reused(request_id, hit.hashes[:reused])
+            return reused * self.block_size if hit.disk else hit.num_tokens
         source = hit.head[0]
         self.pool.touch([source])  # no allocation may evict it before the copy
         self.allocate(request_id, num_new_blocks)
         self.copy_block(source, self.block_table(request_id)[hit.num_blocks])
         self.pool.free([source])
+        self._tier_reused(request_id, hit.hashes[:hit.num_blocks])
         return hit.num_tokens
+
+    def _tier_reused(self, request_id: str, hashes: Sequence[int]) -> None:
+        """A hit reused the request's first blocks `hashes`: the SSD tier holds them too (those it let go of are
+        written again from the pool) and they are its most recently used, the first of them last to go."""
+        if self.tier is None or not hashes:
+            return
+        self._write_behind(request_id, range(len(hashes)), hashes)
+        self.tier.touch(hashes)
 
     def cache_blocks(self, request_id: str, start: int, hashes: Sequence[int], token_ids: Sequence[int],
                      root: int) -> None:
@@ -360,12 +372,17 @@ class KVManager:
         if self.tier is not None and start < len(hashes):
             self._write_behind(request_id, range(start, len(hashes)), hashes, token_ids)
 
-    def _write_behind(self, request_id: str, blocks: range, hashes: Sequence[int], token_ids: Sequence[int]) -> None:
+    def _write_behind(self, request_id: str, blocks: range, hashes: Sequence[int],
+                      token_ids: Optional[Sequence[int]] = None) -> None:
         """Hand the tier host copies of the request's blocks `blocks` that it does not hold yet (a block is
-        written with its KV in every block group; one a group no longer holds is not written)."""
+        written with its KV in every block group; one a group no longer holds is not written). `token_ids`: the
+        request's tokens (None: each block's own, as the pool cached it)."""
         entries, bs = self._entries[request_id], self.block_size
         tables = [g.table(entries[g.index]) for g in self.block_groups]
         todo = [i for i in blocks if all(t[i] for t in tables) and not self.tier.has(hashes[i])]
+        if token_ids is None:
+            anchor = tables[0]
+            todo = [i for i in todo if self.pool.blocks[anchor[i]].block_hash == hashes[i]]
         if not todo:
             return
         per_group = []
@@ -373,8 +390,9 @@ class KVManager:
             store = g.store
             per_group += store.read_blocks([table[i] for i in todo], range(store.spec.num_layers))
         for j, i in enumerate(todo):
-            self.tier.put(hashes[i], token_ids[i * bs:(i + 1) * bs],
-                          [np.ascontiguousarray(a[:, j * bs:(j + 1) * bs]) for a in per_group])
+            tokens = token_ids[i * bs:(i + 1) * bs] if token_ids is not None else \
+                self.pool.blocks[tables[0][i]].token_ids
+            self.tier.put(hashes[i], tokens, [np.ascontiguousarray(a[:, j * bs:(j + 1) * bs]) for a in per_group])
 
     def _read_tier(self, hit: PrefixHit) -> list:
         """The arrays of the hit's blocks on the SSD tier, read in order up to the first it cannot give (a bad
@@ -407,7 +425,6 @@ class KVManager:
                 if source:  # a block the pool holds (one block group): copied as a head hit is
                     store.copy_block(source, table[first + j])
                 g.cache_block(entries[g.index], first + j, block_hash, tokens, parent)
-        self.tier.touch([h for h, *_ in hit.disk[:len(loaded)]])
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached hash in every group (and delete the SSD tier's blocks); returns how many the anchor

@@ -1,11 +1,11 @@
 """What the SSD tier's blocks are valid for (cluster/kv/disk_tier.py): a fingerprint of the weights' bytes, the
-model's config, the KV format and the MLX version. Two servers share a tier's blocks only when every one of
+model's config, the KV format and the MLX and mlx-lm versions. Two servers share a tier's blocks only when every one of
 those is equal; anything else (retrained weights of the same shapes and file sizes, another dtype, block size or
 quantization, another shard of a worker group, another MLX) gets a folder of its own and never reads them.
 
 Hashing every weight byte is the price (xxh3-128, at the disk's speed); it is paid once per file: each file's
-digest is kept in `weight-digests.json` beside the tier, keyed by the file's path, size and modification time
-(a file rewritten in place gets a new mtime, so it is hashed again).
+digest is kept in `weight-digests.json` beside the tier, keyed by the file's path, size, modification and change
+times and inode (a file rewritten or replaced gets new ones, so it is hashed again).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def file_digest(path: Path) -> str:
 
 def weights_digest(model_dir: Path, cache_dir: Optional[Path] = None) -> str:
     """One digest of every weight file (`*.safetensors`, `*.gguf`) and the config.json of `model_dir`, from
-    their bytes; per-file digests are reused from `cache_dir/weight-digests.json` while a file's size and mtime
-    are unchanged (and written back there). Raises FileNotFoundError when the folder has no config.json."""
+    their bytes; per-file digests are reused from `cache_dir/weight-digests.json` while a file's size, times and
+    inode are unchanged (and written back there). Raises FileNotFoundError when the folder has no config.json."""
     model_dir = Path(model_dir).resolve()
     cache_path = None if cache_dir is None else Path(cache_dir) / DIGESTS
     known: dict = {}
@@ -48,12 +48,12 @@ def weights_digest(model_dir: Path, cache_dir: Optional[Path] = None) -> str:
     total.update((model_dir / "config.json").read_bytes())
     for f in sorted(p for pattern in ("*.safetensors", "*.gguf") for p in model_dir.glob(pattern)):
         st = f.stat()
-        key, stamp = str(f), [st.st_size, st.st_mtime_ns]
+        key, stamp = str(f), [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
         entry = known.get(key)
-        if not (isinstance(entry, list) and entry[:2] == stamp):
+        if not (isinstance(entry, list) and entry[:4] == stamp):
             entry, changed = stamp + [file_digest(f)], True
             known[key] = entry
-        total.update(f"{f.name}:{entry[2]}".encode())
+        total.update(f"{f.name}:{entry[4]}".encode())
     if changed and cache_path is not None:
         tmp = cache_path.with_suffix(f".tmp{os.getpid()}")
         try:
@@ -68,8 +68,10 @@ def weights_digest(model_dir: Path, cache_dir: Optional[Path] = None) -> str:
 def tier_fingerprint(weights: str, kv_format: str, shard: str = "whole") -> str:
     """The folder name of a tier's blocks: the weights' digest (`weights_digest`), the KV format
     (`cluster.kv.hashing.kv_format_name`: dtype, quantization, block size), the shard this process holds
-    ("whole", or a worker group's rank and split) and the MLX version, with the block file's format."""
+    ("whole", or a worker group's rank and split) and the MLX and mlx-lm versions (the model code), with the
+    block file's format."""
     import mlx.core as mx
+    import mlx_lm
 
-    text = json.dumps([weights, kv_format, shard, mx.__version__, MAGIC.decode()])
+    text = json.dumps([weights, kv_format, shard, mx.__version__, mlx_lm.__version__, MAGIC.decode()])
     return xxhash.xxh3_128_hexdigest(text.encode())
