@@ -231,7 +231,8 @@ def test_a_group_answers_as_one_rank_and_ends_with_exit_75_when_a_follower_is_ki
         assert not stream.thread.is_alive(), "the client's stream still waits after the serve ended"
         output = group.output()
         assert code == LOST_EXIT_CODE, f"serve exited {code}, not {LOST_EXIT_CODE}:\n{output}"
-        assert "rank 1 lost" in output, output
+        # lost by its heartbeat's silence, or sooner by the ring's collective failing on the dropped connection
+        assert "rank 1 lost" in output or "the group is broken" in output, output
         # the stream ended without finishing: an error event, or the connection closing with the process
         assert stream.errors or stream.transport_error is not None or not stream.done_marker, (
             stream.errors, stream.transport_error, stream.done_marker)
