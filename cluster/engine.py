@@ -23,7 +23,7 @@ from cluster.config import EngineConfig
 from cluster.detokenizer import OutputText
 from cluster.reasoning import start_reasoning
 from cluster.grammar import GrammarError, Grammars
-from cluster.kv.disk_tier import tier_for
+from cluster.kv.tier_setup import tier_for
 from cluster.kv.hashing import first_block_key
 from cluster.kv.plan import KVPlan, plan_kv
 from cluster.model import ModelSpec

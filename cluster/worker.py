@@ -38,7 +38,7 @@ from cluster.control import ControlChannel, ZmqControl
 from cluster.engine import EngineCore
 from cluster.engine_client import EngineError
 from cluster.owner_threads import OwnerThread, start_owner_thread
-from cluster.kv.disk_tier import default_tier_dir
+from cluster.kv.tier_setup import default_tier_dir
 from cluster.kv.index_view import prefix_index_groups
 from cluster.protocol import (AbortRequest, CacheGroupEntries, Generate, KVEvent, KVEvents, Ping, Pong,
                               PrefixIndexSnapshot, Rejected, ResetDone, ResetPrefixCache, SnapshotRequest,
