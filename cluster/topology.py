@@ -112,6 +112,9 @@ class RoutingSection:
       router/placement.py), "least_loaded" (fewest requests in flight, then most free KV blocks) or
       "round_robin" (for comparison).
     - `cache_weight`: how many requests in flight one cached prompt block is worth in prefix_aware scoring.
+    - `disk_cache_weight`: the fraction of `cache_weight` a cached block is worth when only the worker's SSD
+      tier holds it (it is loaded from disk before the prompt runs): below 1, a worker with the prefix in RAM
+      wins over one with it on disk, which wins over one without it.
     - `spill_margin`: a worker holding the prefix is passed over once it has this many more requests in
       flight than the least loaded live worker of its role (a hot prefix spreads instead of piling up).
     - `local_prefill_max_tokens`: a prompt with fewer uncached tokens than this is prefilled by its decode
@@ -125,6 +128,7 @@ class RoutingSection:
 
     policy: str = "prefix_aware"
     cache_weight: float = 0.1
+    disk_cache_weight: float = 0.5
     spill_margin: int = 4
     local_prefill_max_tokens: int = 256
     heartbeat_s: float = 1.0
@@ -135,6 +139,8 @@ class RoutingSection:
             raise ValueError(f"routing.policy={self.policy!r} is invalid: must be one of {', '.join(POLICIES)}")
         if not self.cache_weight >= 0 or self.spill_margin < 0:
             raise ValueError("routing.cache_weight and routing.spill_margin must be >= 0")
+        if not 0 <= self.disk_cache_weight <= 1:
+            raise ValueError(f"routing.disk_cache_weight={self.disk_cache_weight} is invalid: must be in [0, 1]")
         if self.local_prefill_max_tokens < 0:
             raise ValueError("routing.local_prefill_max_tokens must be >= 0")
         if not 0 < self.heartbeat_s < self.dead_after_s:

@@ -150,6 +150,7 @@ class Worker:
         server = getattr(self, "_metrics_server", None)
         if server is not None:
             server.shutdown()
+            server.server_close()  # its port is free again: the worker can be started anew in this process
 
     @property
     def healthy(self) -> bool:

@@ -4,7 +4,8 @@ Before any block moves, the prefill worker sends an `offer` (wire.Offer) carryin
 prompt's token ids. The decode worker answers with exactly one of:
 
 - `reserved`: it allocated every block the prompt needs (so a burst of transfers can never run it out of
-  memory) and says how many leading blocks it already holds in its prefix cache (`num_cached_blocks`);
+  memory) and says how many leading blocks it already holds in its prefix cache (`num_cached_blocks`),
+  in RAM or on its SSD tier (read from disk into the reserved blocks there and then, before it answers);
   the sender skips those. With recurrent layers too: the transfer's last message carries the state after
   the whole prompt, so any cached KV prefix is reused, restore point or not. The reservation carries an `epoch`, which every later message of the transfer
   repeats: a message whose (request_id, epoch) is no longer live is dropped before it touches memory.
@@ -13,8 +14,8 @@ prompt's token ids. The decode worker answers with exactly one of:
 - `busy`: not enough free blocks right now (backpressure); the sender retries after `retry_after_s` until
   its deadline (`TransferConfig.reserve_timeout_s`).
 
-`reserve` below is the receiver's decision, through its worker's `KVManager` (plain Python, no arrays, no
-sockets).
+`reserve` below is the receiver's decision, through its worker's `KVManager` (no sockets; arrays only where
+the SSD tier's blocks are loaded).
 """
 
 from __future__ import annotations
@@ -174,8 +175,9 @@ def reserve(kv: KVManager, request_id: str, fmt: KVFormat, offered: KVFormat, to
     if needed > pool.num_usable_blocks:
         return Refusal(f"the prompt needs {needed} KV blocks but the receiver's pool has "
                        f"{pool.num_usable_blocks}")
-    hit = kv.lookup(hashes, token_ids, len(hashes), state_shipped=True)  # the state comes with the blocks
+    # the state comes with the blocks; blocks on the SSD tier are loaded here instead of sent
+    hit = kv.lookup(hashes, token_ids, len(hashes), state_shipped=True, tier=True)
     if kv.free_besides(hit) < needed - hit.num_blocks + watermark_blocks:
         return Busy(retry_after_s())
     held = kv.reserve(request_id, hit, needed, n)
-    return Reservation(held.tables, hit.num_blocks, held.first_sent)
+    return Reservation(held.tables, held.num_cached_tokens // fmt.block_size, held.first_sent)

@@ -148,7 +148,9 @@ class ClusterEngineClient(ClusterLiveness):
             raise ValueError(f"request_id {request.request_id!r} is already running")
         await self._wait_for_decode_worker()
         request = self.hashed(request)  # once here, for placement and for every worker after it
-        prefill, decode = place(self.workers, request, self.routing, self.cached_blocks(request), self.block_size)
+        cached = self.cached_blocks(request)
+        prefill, decode = place(self.workers, request, self.routing, cached, self.block_size,
+                                self.disk_blocks(request, cached))
         stream = _Stream(request, asyncio.Queue(), decode, prefill)
         self.streams[request.request_id] = stream
         self._dispatch(stream)
@@ -221,6 +223,12 @@ class ClusterEngineClient(ClusterLiveness):
         if request.prompt_hash_key is None:
             return None
         return self.index.match_hashes(request.prompt_block_hashes, self.block_size)
+
+    def disk_blocks(self, request: GenerateRequest, cached: Optional[dict[str, int]]) -> Optional[dict[str, int]]:
+        """Of `cached` (`cached_blocks` of `request`), the blocks each worker holds only on its SSD tier."""
+        if not cached:
+            return None
+        return self.index.on_disk(self.hashed(request).prompt_block_hashes, cached)
 
     def worker_stats(self) -> list[dict]:
         """Each worker's last report (`WorkerStats.report`, empty before its first) plus the router's view

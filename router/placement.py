@@ -6,6 +6,8 @@ Policies (topology `[routing] policy`):
 
       requests in flight - cache_weight x cached blocks
 
+  where a block only the worker's SSD tier holds (loaded from disk on a hit) counts `disk_cache_weight` of a
+  block in RAM (so RAM wins over disk, disk over nothing),
   except that a worker with more than `spill_margin` requests in flight above the least loaded one gets no
   cache credit (a hot prefix spills to the others instead of queueing on its holder). Ties go to the worker
   placed least often, so prompts with nothing cached spread evenly.
@@ -48,7 +50,8 @@ def _free_blocks(w: WorkerState) -> int:
     return w.stats.kv_blocks_free if w.stats is not None else 0
 
 
-def _pick(workers: list[WorkerState], routing: RoutingSection, cached: Optional[dict[str, int]]) -> WorkerState:
+def _pick(workers: list[WorkerState], routing: RoutingSection, cached: Optional[dict[str, int]],
+          on_disk: Optional[dict[str, int]] = None) -> WorkerState:
     if routing.policy == "round_robin":  # per role: each role's workers take turns on their own
         return min(workers, key=lambda w: w.placed)
     if routing.policy == "least_loaded" or cached is None:
@@ -56,26 +59,30 @@ def _pick(workers: list[WorkerState], routing: RoutingSection, cached: Optional[
     least = min(len(w.inflight) for w in workers)
 
     def score(w: WorkerState) -> tuple:
-        blocks = cached.get(w.spec.name, 0) if len(w.inflight) <= least + routing.spill_margin else 0
+        blocks = 0.0
+        if len(w.inflight) <= least + routing.spill_margin:
+            disk = (on_disk or {}).get(w.spec.name, 0)
+            blocks = cached.get(w.spec.name, 0) - disk * (1.0 - routing.disk_cache_weight)
         return (len(w.inflight) - routing.cache_weight * blocks, w.placed, -_free_blocks(w))
 
     return min(workers, key=score)
 
 
 def place(workers: list[WorkerState], request: GenerateRequest, routing: RoutingSection,
-          cached: Optional[dict[str, int]] = None, block_size: int = 1) -> tuple[Optional[WorkerState], WorkerState]:
+          cached: Optional[dict[str, int]] = None, block_size: int = 1,
+          on_disk: Optional[dict[str, int]] = None) -> tuple[Optional[WorkerState], WorkerState]:
     """(prefill worker or None, decode worker) for `request`. `cached`: leading prompt blocks of
-    `block_size` tokens each worker holds (PrefixIndex.match; None = unknown). Raises EngineError when no
-    decode worker is alive."""
+    `block_size` tokens each worker holds (PrefixIndex.match; None = unknown); `on_disk`: how many of those
+    only its SSD tier holds (PrefixIndex.on_disk). Raises EngineError when no decode worker is alive."""
     decode = [w for w in workers if w.alive and w.spec.role == "decode"]
     if not decode:
         raise EngineError("no decode worker is alive", retry_after=routing.dead_after_s)
-    chosen = _pick(decode, routing, cached)
+    chosen = _pick(decode, routing, cached, on_disk)
     chosen.placed += 1
     prefill = [w for w in workers if w.alive and w.spec.role == "prefill"]
     left = len(request.prompt_token_ids) - (cached or {}).get(chosen.spec.name, 0) * block_size
     if not prefill or left < routing.local_prefill_max_tokens:
         return None, chosen
-    picked = _pick(prefill, routing, cached)
+    picked = _pick(prefill, routing, cached, on_disk)
     picked.placed += 1
     return picked, chosen

@@ -16,6 +16,10 @@ walks the groups that need every block with the bitmasks above, then cuts a work
 bounded reach back to the longest prefix they allow. Example (block size 4): a group of reach 7 needs, for a
 hit of 5 blocks (20 positions), blocks (20 - 7) // 4 = 3 and 4; a group of reach 1 only block 4.
 
+Tiers: a worker's groups count the blocks its SSD tier holds as held. One more set per worker, fed by the
+events of `DISK_ONLY_GROUP`, names the main group's blocks that only the tier holds (slower to reach);
+`on_disk` counts them in a match, so placement can prefer a worker that holds a prefix in RAM.
+
 Consistency: each worker numbers its events consecutively per boot (`boot_id`). A batch from a new boot, or
 one whose first sequence number is not the next expected, marks the worker stale: its entries stay until a
 snapshot (`apply_snapshot`) replaces them; `needs_snapshot()` lists who to ask. Events at or below the
@@ -29,6 +33,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
+from cluster.kv.block_pool import DISK_ONLY_GROUP
 from cluster.kv.hashing import block_hashes
 
 
@@ -50,6 +55,7 @@ class _Group:
 class _WorkerEntries:
     slot: int
     groups: dict[int, _Group] = field(default_factory=dict)  # its KV cache groups, by number
+    disk_only: set = field(default_factory=set)  # its main group's blocks only its SSD tier holds
     boot_id: str = ""
     last_seq: int = 0
     stale: bool = True  # nothing trustworthy yet: ask for a snapshot
@@ -84,6 +90,10 @@ class PrefixIndex:
             return False
         for e in events:
             number = getattr(e, "group", 0)
+            if number == DISK_ONLY_GROUP:
+                self._disk_only_event(w, e)
+                w.last_seq = e.seq
+                continue
             g = w.groups.get(number)
             if g is not None and e.kind == "stored":
                 self._add(w, number, g, e.block_hashes)
@@ -104,6 +114,9 @@ class PrefixIndex:
             return
         self._clear(w)
         for number, reach, hashes in groups:
+            if number == DISK_ONLY_GROUP:
+                w.disk_only = set(hashes)
+                continue
             g = w.groups[number] = _Group(reach)
             self._add(w, number, g, hashes)
         self._set_masks(w)
@@ -162,6 +175,17 @@ class PrefixIndex:
         """Leading blocks of a prompt each worker can use, from the chained hashes of its full blocks (of
         `block_size` tokens, as the workers hash them): `match`."""
         return self.match(hashes, block_size)
+
+    def on_disk(self, hashes: Sequence[int], matched: dict[str, int]) -> dict[str, int]:
+        """Of each worker's usable leading blocks (`matched`, from `match` over `hashes`), how many only its SSD
+        tier holds (loaded from disk on a hit, not in RAM); workers with none are left out."""
+        out = {}
+        for name, k in matched.items():
+            disk_only = self.workers[name].disk_only
+            n = sum(1 for h in hashes[:k] if h in disk_only) if disk_only else 0
+            if n:
+                out[name] = n
+        return out
 
     def num_blocks(self, worker: str, group: int = 0) -> int:
         """The blocks a worker's KV cache group (0: the first) holds, as indexed."""
@@ -231,6 +255,17 @@ class PrefixIndex:
         for number, g in w.groups.items():
             self._clear_group(w, number, g)
         w.groups = {}
+        w.disk_only = set()
+
+    @staticmethod
+    def _disk_only_event(w: _WorkerEntries, e) -> None:
+        """Blocks of the main group that left RAM for the SSD tier only ("stored"), came back or went ("removed")."""
+        if e.kind == "stored":
+            w.disk_only.update(e.block_hashes)
+        elif e.kind == "removed":
+            w.disk_only.difference_update(e.block_hashes)
+        else:
+            w.disk_only.clear()
 
 
 def _unset(holders: dict[int, dict[int, int]], number: int, h: int, bit: int) -> None:

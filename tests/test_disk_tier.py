@@ -23,12 +23,14 @@ from cluster.engine import EngineCore
 from cluster.kv.block_file import BlockFileError, decode, encode
 from cluster.kv.disk_tier import DiskTier, TierInUse
 from cluster.model import load_model, read_model_spec
+from cluster.request import GenerateRequest, SamplingParams
 from tests.engine_helpers import run
 from tests.family_helpers import COMMON, CONFIGS, TOL, VOCAB, request
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA = {"model_type": "llama", **COMMON, **CONFIGS["llama"], "head_dim": 32}  # 32 wide: 4-bit groups of 32
 BLOCK = 8
+CLUSTER_BLOCK = 32  # the clusters' (tests/cluster_helpers.py) block size
 NAMES = ("0.k", "0.v")  # a block's arrays in a file: the full-attention group's K and V
 # four sessions of 41 tokens (5 whole blocks each) over a pool of 13 usable blocks: each evicts the one before
 SESSIONS = np.random.RandomState(1).randint(100, VOCAB, size=(4, 41)).tolist()
@@ -314,8 +316,10 @@ def test_the_router_counts_what_a_worker_reaches_in_ram_and_on_disk_and_again_af
     """A worker whose pool and tier see random traffic (sessions evicted from RAM to disk, the tier's own LRU
     evicting, blocks the pool still holds after ones only the disk holds), followed by the router through its
     snapshot reply and KV events: for every prompt the router's count equals the hit the worker's own lookup
-    reaches; after a restart the worker's snapshot announces its disk blocks again, and the count still holds.
-    For a llama and for a hybrid (qwen3_next: a hit needs a state after its last block, in RAM or on disk)."""
+    reaches, and of those the router counts as only on disk exactly the blocks the worker's pool does not hold
+    (placement prefers RAM); after a restart the worker's snapshot announces its disk blocks again, and both
+    counts still hold. For a llama and for a hybrid (qwen3_next: a hit needs a state after its last block, in RAM
+    or on disk)."""
     import random
 
     from cluster.kv.hashing import block_hashes
@@ -328,31 +332,37 @@ def test_the_router_counts_what_a_worker_reaches_in_ram_and_on_disk_and_again_af
     block_file = len(encode(1, range(BLOCK), NAMES, [np.zeros((2, BLOCK, 2, 32), np.float32)] * 2))
     budget_gb = 14 * block_file / 2**30  # about as much as the pool: the tier evicts too
 
-    def check(engine, idx) -> int:
+    def check(engine, idx) -> tuple[int, int]:
         key = engine._extra_key(None)
         assert idx.apply_events("w", "boot", _events_over_the_wire(engine.kv))
-        hits = 0
+        hits = disk_only = 0
+        in_ram = set(engine.pool.cached_hashes())
         for tokens in prompts:
             hashes = block_hashes(tokens, BLOCK, key)
             want = engine.kv.lookup(hashes, tokens, len(hashes), tier=True).num_blocks
-            assert idx.match_prompt(tokens, BLOCK, key).get("w", 0) == want, tokens[:4]
-            hits += want
-        return hits
+            matched = idx.match_prompt(tokens, BLOCK, key)
+            assert matched.get("w", 0) == want, tokens[:4]
+            on_disk = sum(1 for h in hashes[:want] if h not in in_ram)
+            assert idx.on_disk(hashes, matched).get("w", 0) == on_disk, tokens[:4]
+            hits, disk_only = hits + want, disk_only + on_disk
+        return hits, disk_only
 
     engine = _engine(models[model], tmp_path, budget_gb=budget_gb)
     idx = PrefixIndex(["w"])
     idx.apply_snapshot("w", "boot", engine.pool.last_event_seq, _snapshot_over_the_wire(engine.kv, 0))
-    reached = 0
+    reached = on_disk = 0
     for step in range(24):
         _answers(engine, [rng.choice(prompts)], f"s{step}-")
         assert engine.tier.wait_written()
-        reached += check(engine, idx)
-    assert reached > 0 and engine.tier.stats()["evicted"] > 0
+        hits, disk_only = check(engine, idx)
+        reached, on_disk = reached + hits, on_disk + disk_only
+    assert reached > on_disk > 0 and engine.tier.stats()["evicted"] > 0
     engine.close()
     again = _engine(models[model], tmp_path, budget_gb=budget_gb)
     idx = PrefixIndex(["w"])
     idx.apply_snapshot("w", "boot", again.pool.last_event_seq, _snapshot_over_the_wire(again.kv, 1))
-    assert check(again, idx) > 0  # nothing in RAM: every hit is the disk's
+    hits, disk_only = check(again, idx)
+    assert hits == disk_only > 0  # nothing in RAM: every hit is the disk's
     again.close()
 
 
@@ -390,35 +400,75 @@ def test_a_block_the_pool_still_holds_after_blocks_only_the_disk_holds_is_copied
     engine.close()
 
 
-def test_through_prefill_and_decode_workers_a_session_comes_back_from_disk_after_both_restart(
+def test_on_one_prefill_and_two_decode_workers_a_session_goes_where_its_blocks_are_on_disk_across_restarts(
         tmp_path, monkeypatch):
-    """A 1P1D cluster whose workers each keep an SSD tier (one folder per worker by default): a long prompt is
-    answered, the whole cluster restarts (RAM empty), and the same prompt is answered again from disk (cached
-    tokens, blocks loaded) with the first answer's tokens and logprobs."""
+    """1P2D, every worker with an SSD tier (one folder per worker by default). A session's first turn is placed on
+    one decode worker, which writes its blocks to its disk. That worker restarts (RAM empty), announces its disk
+    to the router again, and still gets the session: a follow-up with a long new part goes through the prefill
+    worker, and the decode worker loads the session's blocks from its own disk instead of receiving them; a short
+    follow-up it prefills itself from its disk. Then the whole cluster restarts and the first turn comes back
+    from disk. Every answer equals the same prompt computed cold (another cache salt: nothing to hit)."""
     import httpx
 
+    from cluster.launch.workers import make_worker
     from tests.cluster_helpers import running_cluster
     from tests.cluster_requests import MODEL
     from tests.engine_helpers import fast_model
 
     monkeypatch.setenv("MLX_PD_CACHE", str(tmp_path))
-    prompt = np.random.RandomState(4).randint(100, VOCAB, size=300).tolist()
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1}
-    answers, loaded = [], []
-    for run in range(2):
-        with running_cluster(1, 1, loaded=fast_model(), engine="ssd_cache_gb = 0.05") as (base, client, workers):
-            r = httpx.post(base + "/v1/completions", json=body, timeout=120)
-            assert r.status_code == 200, r.text
-            choice = r.json()["choices"][0]
-            answers.append((choice["text"], choice["logprobs"]["token_logprobs"],
-                            r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]))
-            loaded.append(sum(w.call(lambda w: w.engine.tier.stats()["loaded"]) for w in workers.values()))
-            for w in workers.values():
-                assert w.call(lambda w: w.engine.tier.wait_written())
-    assert sorted(p.name for p in (tmp_path / "kv-tier").iterdir()) == ["decode-0", "prefill-0"]
-    (text0, lp0, cached0), (text1, lp1, cached1) = answers
-    assert cached0 == 0 and cached1 >= 288 and loaded[0] == 0 and loaded[1] >= 288 // 32
-    assert text1 == text0 and np.allclose(lp1, lp0, atol=TOL, rtol=0)
+    rng = np.random.RandomState(4)
+    first = rng.randint(100, VOCAB, size=300).tolist()
+    long_turn = first + rng.randint(100, VOCAB, size=300).tolist()  # more new tokens than a decode worker prefills
+    short_turn = first + rng.randint(100, VOCAB, size=20).tolist()
+    loaded_model = fast_model()
+
+    def ask(base, prompt, salt=None):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1}
+        if salt:
+            body["cache_salt"] = salt
+        r = httpx.post(base + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"], r.json()["choices"][0]["logprobs"]["token_logprobs"]
+
+    def tier(w, key):
+        return w.call(lambda w: w.engine.tier.stats()[key])
+
+    def same(got, cold):
+        assert got[0] == cold[0] and np.allclose(got[1], cold[1], atol=TOL, rtol=0)
+
+    with running_cluster(1, 2, loaded=loaded_model, engine="ssd_cache_gb = 0.05") as (base, client, workers):
+        answer = ask(base, first)
+        for w in workers.values():
+            assert w.call(lambda w: w.engine.tier.wait_written())
+        held = 300 // CLUSTER_BLOCK
+        holder = next(n for n in ("decode-0", "decode-1") if tier(workers[n], "blocks") >= held)
+        other = "decode-1" if holder == "decode-0" else "decode-0"
+        assert tier(workers[other], "blocks") == 0
+
+        workers[holder].stop()  # a restart: its RAM is empty, its disk is not
+        workers[holder] = make_worker(client.topology, holder, loaded_model)
+        workers[holder].start()
+        request = GenerateRequest("probe", long_turn, SamplingParams(max_tokens=1))
+        deadline = time.monotonic() + 30
+        while (client.cached_blocks(request) or {}).get(holder, 0) < held:
+            assert time.monotonic() < deadline, "the restarted worker's disk never reached the router's index"
+            time.sleep(0.05)
+
+        got_long = ask(base, long_turn)
+        assert tier(workers[holder], "loaded") >= held  # from its own disk, not over the wire:
+        assert workers[holder].stats().kv_blocks_received <= -(-len(long_turn) // CLUSTER_BLOCK) - held
+        got_short = ask(base, short_turn)
+        assert tier(workers[holder], "loaded") >= held and workers[other].stats().tokens_out == 0
+        same(got_long, ask(base, long_turn, salt="cold"))
+        same(got_short, ask(base, short_turn, salt="cold"))
+        for w in workers.values():
+            assert w.call(lambda w: w.engine.tier.wait_written())
+
+    with running_cluster(1, 2, loaded=loaded_model, engine="ssd_cache_gb = 0.05") as (base, client, workers):
+        again = ask(base, first)  # the whole cluster restarted: RAM empty everywhere
+        assert sum(tier(w, "loaded") for w in workers.values()) >= 300 // CLUSTER_BLOCK
+        same(again, answer)
+    assert sorted(p.name for p in (tmp_path / "kv-tier").iterdir()) == ["decode-0", "decode-1", "prefill-0"]
 
 
 def test_blocks_that_would_load_slower_than_they_compute_are_computed(models, tmp_path):
@@ -471,3 +521,49 @@ def test_a_prefix_reused_from_ram_stays_on_disk_while_other_sessions_come_and_go
     engine.kv.reset_prefix_cache()
     assert not list(engine.tier.dir.glob("*.kv")) and engine.tier.stats()["blocks"] == 0
     engine.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "sliding_window", "hybrid"])
+def test_a_decode_workers_reservation_loads_the_blocks_its_own_disk_holds_so_the_transfer_skips_them(
+        family, models, tmp_path_factory, tmp_path):
+    """A receiver restarted with a session's blocks on its SSD tier, offered that session's prompt: it reserves
+    with the blocks read from disk into the reservation's own blocks (each KV cache group's, bit for bit what the
+    pool held before the restart; a window pool's blocks no later query sees stay unreserved) and answers that
+    many cached blocks, which the sender then skips. A hybrid's state comes with the transfer, so its blocks
+    need no state on disk."""
+    from kv_transfer.handshake import KVFormat, Reservation, reserve
+    from tests.family_helpers import CONFIGS as FAMILIES
+
+    if family == "sliding_window":
+        config = {"model_type": "gemma3_text", **COMMON, **FAMILIES["gemma3_text"], "query_pre_attn_scalar": 16}
+        folder = random_model_dir("tier-gemma3", config, 0, tmp_path_factory.mktemp("tier-gemma3"))
+    else:
+        folder = models[0 if family == "llama" else "hybrid"]
+    prompt = SESSIONS[0]
+    engine = _engine(folder, tmp_path, num_blocks=40)
+    _answers(engine, [prompt], "first")
+    fmt = KVFormat.of_engine(engine)
+    hashes = fmt.block_hashes(prompt)
+    cached = engine.kv.lookup(hashes, prompt, len(hashes))
+
+    def per_block(group, table) -> dict:  # block index in the prompt -> that block's arrays in `group`
+        layers = range(group.store.spec.num_layers)
+        return {i: group.store.read_blocks([b], layers) for i, b in enumerate(table) if b}
+
+    before = [per_block(g, h.blocks) for g, h in zip(engine.kv.groups, cached.groups) if g.pool is not None]
+    assert engine.tier.wait_written()
+    engine.close()
+
+    again = _engine(folder, tmp_path, num_blocks=40)  # RAM empty, the disk as it was
+    got = reserve(again.kv, "r", fmt, fmt, prompt, hashes, max_prompt_len=4096)
+    assert isinstance(got, Reservation) and got.num_cached_blocks == len(hashes) == 5
+    assert again.tier.stats()["loaded"] == 5
+    for g, table, first, was in zip(again.kv.block_groups, got.tables, got.first_sent, before):
+        now = per_block(g, table[:5])
+        assert first >= 5 and now and set(now) <= set(was)
+        assert all(np.array_equal(a, b) for i in now for a, b in zip(was[i], now[i]))
+    if family == "sliding_window":
+        window = again.kv.block_groups[1]
+        assert got.tables[1][0] == 0 and window.first_to_ship(len(prompt), len(got.tables[1])) > 0
+    again.kv.release("r")
+    again.close()

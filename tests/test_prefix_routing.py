@@ -310,6 +310,21 @@ def test_a_hot_prefix_goes_to_its_holder_then_spills_once_it_is_saturated():
     assert max(loads) - min(loads) <= routing.spill_margin + 1  # the holder never runs away
 
 
+def test_a_prefix_in_ram_wins_over_the_same_prefix_on_disk_which_wins_over_none():
+    """Three decode workers: one holds the prompt's 20 blocks in RAM, one the same 20 only on its SSD tier, one
+    nothing. The RAM holder gets the request; without it, the disk holder; a disk-only block is worth
+    `disk_cache_weight` of one in RAM, so a longer run on disk can still win over a short one in RAM."""
+    ws = workers(3)
+    routing = RoutingSection(disk_cache_weight=0.5)
+    cached, on_disk = {"d0": 20, "d1": 20}, {"d1": 20}
+    assert place(ws, request(), routing, cached=cached, on_disk=on_disk)[1].spec.name == "d0"
+    assert place(ws, request(), routing, cached={"d1": 20}, on_disk=on_disk)[1].spec.name == "d1"
+    assert place(ws, request(), routing, cached={"d0": 5, "d1": 20}, on_disk=on_disk)[1].spec.name == "d1"
+    assert place(ws, request(), routing, cached={"d0": 15, "d1": 20}, on_disk=on_disk)[1].spec.name == "d0"
+    with pytest.raises(ValueError, match="disk_cache_weight"):
+        RoutingSection(disk_cache_weight=2)
+
+
 def test_short_uncached_suffix_skips_the_prefill_worker():
     ws = workers(1, "prefill") + workers(2)
     routing = RoutingSection(local_prefill_max_tokens=64)

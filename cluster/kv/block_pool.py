@@ -36,6 +36,9 @@ from typing import Callable, Optional, Sequence
 # The KV cache group number of a pool's restore points in its KV events: after the main pool's 0 and a window
 # pool's 1 (cluster/kv/index_view.py lists every group of a worker)
 RESTORE_POINT_GROUP = 2
+# ... and of the main pool's blocks that only the SSD tier holds now (not the pool): held all the same (group 0
+# announces them), but slower to reach, so the router prefers a worker with them in RAM
+DISK_ONLY_GROUP = 3
 
 
 @dataclass
@@ -54,7 +57,7 @@ class KVEvent:
     """A change to the cached set: `kind` is "stored", "removed" or "cleared" (all blocks dropped).
     `group`: the KV cache group whose cached set changed (0: the main pool, 1: a window pool,
     cluster/kv/groups.py; `RESTORE_POINT_GROUP`: the blocks with a state snapshot, in a pool with restore
-    points)."""
+    points; `DISK_ONLY_GROUP`: the main pool's blocks only its SSD tier holds)."""
 
     seq: int
     kind: str
@@ -204,6 +207,8 @@ class BlockPool:
         held = self._restorable if restore_point else self._cached
         if block_hash not in held and (self.retained is None or not self.retained(block_hash, group)):
             self.event_log.emit("removed", (block_hash,), group)
+            if not restore_point and self._tracks_disk_only():
+                self.event_log.emit("removed", (block_hash,), DISK_ONLY_GROUP)
 
     def restorable_hashes(self) -> Optional[list[int]]:
         """Every restore point (for a consumer that lost events); None in a pool without restore points."""
@@ -305,7 +310,21 @@ class BlockPool:
 
     def _emit(self, kind: str, hashes: tuple[int, ...]) -> None:
         self.event_log.emit(kind, hashes, self.group)
+        if self._tracks_disk_only():
+            if kind == "stored":  # in RAM again: no longer only on disk
+                on_disk = tuple(h for h in hashes if self.retained(h, self.group))
+                if on_disk:
+                    self.event_log.emit("removed", on_disk, DISK_ONLY_GROUP)
+            elif kind == "cleared":
+                self.event_log.emit("cleared", (), DISK_ONLY_GROUP)
 
     def _removed(self, block_hash: int, group: int) -> None:
         if self.retained is None or not self.retained(block_hash, group):
             self.event_log.emit("removed", (block_hash,), group)
+        elif group == self.group and self._tracks_disk_only():  # left RAM, still on disk
+            self.event_log.emit("stored", (block_hash,), DISK_ONLY_GROUP)
+
+    def _tracks_disk_only(self) -> bool:
+        """Whether this pool announces which of its group's blocks only the SSD tier holds (the main pool, with a
+        tier: `retained` set)."""
+        return self.retained is not None and self.group == 0

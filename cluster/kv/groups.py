@@ -153,10 +153,12 @@ class KVCacheGroup:
     def attach_tier(self, tier) -> None:
         """Keep what this group caches beyond blocks in the SSD tier too (`cluster.kv.disk_tier.DiskTier`)."""
 
-    def tier_hit(self, hashes: Sequence[int], start: int, end: int) -> tuple[int, Optional[GroupHit]]:
+    def tier_hit(self, hashes: Sequence[int], start: int, end: int, state_shipped: bool = False
+                 ) -> tuple[int, Optional[GroupHit]]:
         """A hit that the pool holds up to block `start` and the SSD tier's block files up to `end`: the largest
         end' <= `end` this group can use (start: none past the pool's) and its share of that hit when it differs
-        from the pool's (None: the same). The default: blocks are all it needs."""
+        from the pool's (None: the same). `state_shipped`: as in `longest_hit`. The default: blocks are all it
+        needs."""
         return end, None
 
     def stats(self, transfer=None) -> KVGroupStats:

@@ -16,6 +16,8 @@ The groups of today's models, by number (the number the KV events of each carry,
 
 What the SSD tier holds (cluster/kv/disk_tier.py) counts as held: its blocks in groups 0 and 1, its states
 as restore points (the pools do not announce the removal of what the tier still holds, `BlockPool.retained`).
+Which of group 0's blocks are only on the tier, not in RAM, is one more set, `DISK_ONLY_GROUP` (3): not a
+group a hit needs, but what the router weighs (router/placement.py prefers RAM).
 
 Nothing here imports the engine: it reads a `KVManager`'s groups.
 """
@@ -42,8 +44,9 @@ class IndexGroup:
 def prefix_index_groups(kv: "KVManager") -> list[IndexGroup]:
     """Every KV cache group of a worker's prefix cache, with the blocks each holds now (a prefix-index
     snapshot), as each group lists itself (`KVCacheGroup.index_entry`), and what the worker's SSD tier holds
-    (its blocks in every block group, its states as restore points): a hit reaches those too."""
-    from cluster.kv.block_pool import RESTORE_POINT_GROUP
+    (its blocks in every block group, its states as restore points): a hit reaches those too; with a tier,
+    last, `DISK_ONLY_GROUP`: the main pool's blocks only the tier holds."""
+    from cluster.kv.block_pool import DISK_ONLY_GROUP, RESTORE_POINT_GROUP
     from cluster.kv.disk_tier import BLOCK, STATE
 
     found = [(g.index_entry(), g.reach_tokens) for g in kv.groups]
@@ -58,4 +61,7 @@ def prefix_index_groups(kv: "KVManager") -> list[IndexGroup]:
             hashes = hashes + [h for h in tier.hashes(STATE if entry[0] == RESTORE_POINT_GROUP else BLOCK)
                                if h not in held]
         out.append(IndexGroup(entry[0], reach, hashes))
+    if tier is not None:
+        in_ram = set(kv.pool.cached_hashes())
+        out.append(IndexGroup(DISK_ONLY_GROUP, None, [h for h in tier.hashes(BLOCK) if h not in in_ram]))
     return out

@@ -273,7 +273,7 @@ class KVManager:
             shares = list(hits)
             for g in self.groups:  # a group that needs more than blocks (a state after the last) may cut it back
                 if end > k:
-                    end, share = g.tier_hit(hashes, k, end)
+                    end, share = g.tier_hit(hashes, k, end, state_shipped)
                     shares[g.index] = share or shares[g.index]
             if end > k:
                 bs = self.block_size
@@ -333,14 +333,7 @@ class KVManager:
         for g, h in zip(self.groups, shares):
             entries[g.index] = g.take(entries[g.index], h)
         if hit.head is None:
-            copied = [b for *_, b in hit.disk[:len(loaded)] if b]
-            self.pool.touch(copied)  # no allocation may evict a block before it is copied
-            self.allocate(request_id, num_new_blocks + len(hit.disk))
-            if loaded:
-                self._write_loaded(request_id, hit, loaded)
-            self.pool.free(copied)
-            reused = hit.num_blocks - len(hit.disk) + len(loaded)
-            self._tier_reused(request_id, hit.hashes[:reused])
+            reused = self._take_disk(request_id, hit, loaded, num_new_blocks + len(hit.disk))
             return reused * self.block_size if hit.disk else hit.num_tokens
         source = hit.head[0]
         self.pool.touch([source])  # no allocation may evict it before the copy
@@ -349,6 +342,24 @@ class KVManager:
         self.pool.free([source])
         self._tier_reused(request_id, hit.hashes[:hit.num_blocks])
         return hit.num_tokens
+
+    def _take_disk(self, request_id: str, hit: PrefixHit, loaded: list, num_blocks: int,
+                   after: Optional[Callable[[], None]] = None) -> int:
+        """Allocate `num_blocks` more for the request (its entries hold the hit's pool blocks; `after` allocates
+        instead when given), write `loaded` (`_read_tier`) into those that follow the pool's hit and register
+        them; a free pool block the hit copies is held until it is copied. Returns the hit's blocks reused."""
+        copied = [b for *_, b in hit.disk[:len(loaded)] if b]
+        self.pool.touch(copied)  # no allocation may evict a block before it is copied
+        if after is None:
+            self.allocate(request_id, num_blocks)
+        else:
+            after()
+        if loaded:
+            self._write_loaded(request_id, hit, loaded)
+        self.pool.free(copied)
+        reused = hit.num_blocks - len(hit.disk) + len(loaded)
+        self._tier_reused(request_id, hit.hashes[:reused])
+        return reused
 
     def _tier_reused(self, request_id: str, hashes: Sequence[int]) -> None:
         """A hit reused the request's first blocks `hashes`: the SSD tier holds them too (those it let go of are
@@ -411,18 +422,17 @@ class KVManager:
         follow its pool hit, in every block group, and register them in the prefix cache."""
         entries = self._entries[request_id]
         first = hit.num_blocks - len(hit.disk)
-        read = [j for j, arrays in enumerate(loaded) if not isinstance(arrays, int)]
-        stacked = [np.concatenate(parts, axis=1) for parts in zip(*(loaded[j] for j in read))]
         at = 0
         for g in self.block_groups:
             store, table = g.store, g.table(entries[g.index])
             n = len(store.array_names)
-            if read:
-                store.write_blocks([table[first + j] for j in read], range(store.spec.num_layers),
-                                   stacked[at:at + n])
+            read = [j for j, arrays in enumerate(loaded) if not isinstance(arrays, int) and table[first + j]]
+            if read:  # a block a group never needs (before a reservation's first sent) has no block: 0
+                stacked = [np.concatenate(parts, axis=1) for parts in zip(*(loaded[j][at:at + n] for j in read))]
+                store.write_blocks([table[first + j] for j in read], range(store.spec.num_layers), stacked)
             at += n
             for j, (block_hash, tokens, parent, source) in enumerate(hit.disk[:len(loaded)]):
-                if source:  # a block the pool holds (one block group): copied as a head hit is
+                if source and table[first + j]:  # a block the pool holds (one block group): copied as a head hit is
                     store.copy_block(source, table[first + j])
                 g.cache_block(entries[g.index], first + j, block_hash, tokens, parent)
 
@@ -439,22 +449,34 @@ class KVManager:
     def reserve(self, request_id: str, hit: PrefixHit, num_blocks: int, num_tokens: int) -> Holding:
         """Hold `hit`'s cached blocks (referenced) plus fresh ones up to `num_blocks` for `request_id`, whose KV of
         `num_tokens` positions arrives by transfer: in each group, blocks before the first it needs
-        (`first_to_ship`) stay 0. Raises ValueError when the request already holds KV or too few blocks are
-        free."""
+        (`first_to_ship`) stay 0. The hit's blocks on the SSD tier are loaded into their fresh blocks now (a
+        decode worker restores them from its own disk; the transfer skips them), up to the first the tier cannot
+        give. Raises ValueError when the request already holds KV or too few blocks are free."""
         if request_id in self._entries:
             raise ValueError(f"request {request_id!r} already holds KV blocks")
         num_new = num_blocks - hit.num_blocks
         if num_new > self.free_besides(hit):
             raise ValueError(f"cannot hold {num_new} new blocks: only {self.num_free_blocks} free")
-        entries, sent = self._entry(request_id), []
+        loaded = self._read_tier(hit) if hit.disk else []
+        entries, firsts = self._entry(request_id), []
         for g, h in zip(self.groups, hit.groups):
             first = g.first_to_ship(num_tokens, num_blocks) if g.pool is not None else 0
             kept = GroupHit(tuple(b if i >= first else 0 for i, b in enumerate(h.blocks)), h.state, h.key)
             entries[g.index] = g.take(entries[g.index], kept)
-            if g.pool is not None:
-                entries[g.index] = reserve_blocks(g, entries[g.index], num_blocks, first)
-            sent.append(max(hit.num_blocks, first) if g.pool is not None else num_blocks)
-        held = Holding(request_id, self.tables(request_id), hit.num_blocks * self.block_size, tuple(sent))
+            firsts.append(first)
+
+        def fill() -> None:  # every group's table up to num_blocks: 0 before its first needed block
+            for g, first in zip(self.groups, firsts):
+                if g.pool is not None:
+                    entries[g.index] = reserve_blocks(g, entries[g.index], num_blocks, first)
+
+        if hit.disk:
+            cached = self._take_disk(request_id, hit, loaded, 0, fill)
+        else:
+            fill()
+            cached = hit.num_blocks
+        sent = tuple(max(cached, first) if g.pool is not None else num_blocks for g, first in zip(self.groups, firsts))
+        held = Holding(request_id, self.tables(request_id), cached * self.block_size, sent)
         self._held[request_id] = held
         return held
 

@@ -142,9 +142,11 @@ class RecurrentStateGroup(KVCacheGroup):
         arrays = [np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a) for layer in state for a in layer]
         self.tier.put(block_hash, (), arrays, STATE)
 
-    def tier_hit(self, hashes, start, end):
+    def tier_hit(self, hashes, start, end, state_shipped=False):
         """The longest hit up to `end` whose last block's state the tier holds, that state read (a bad file is
-        passed over); `start` (none) when there is none."""
+        passed over); `start` (none) when there is none. With `state_shipped` the blocks are all it needs."""
+        if state_shipped:
+            return end, None
         tier = self.tier
         while tier is not None and end > start:
             arrays = tier.load(hashes[end - 1], (), STATE) if tier.has(hashes[end - 1], STATE) else None
