@@ -20,8 +20,14 @@ and the router's own history (router/dashboard_history.py). The page polls it ev
                    bytes_received}, cluster/stats.py); parallel ("tensor" or "pipeline" for a worker that is a group of ranks,
                    "" otherwise) and ranks (a group's ranks, rank 0 first: {"rank", "host", "alive" (its heartbeat,
                    as the leader last heard it), "parameter_bytes", "kv_bytes", "peak_bytes", "step_bytes"}; [] for
-                   one process); from the history: tokens_per_s and kv_bytes_per_s (counter deltas over the last
-                   interval)
+                   one process); its SSD KV tier (cluster/kv/disk_tier.py, the report's figures): ssd_blocks and
+                   ssd_bytes held, ssd_budget_bytes, and the counters ssd_blocks_written, ssd_blocks_dropped (the
+                   writer's queue was full), ssd_blocks_loaded (blocks of prefix hits read from disk),
+                   ssd_bytes_loaded, ssd_load_seconds, ssd_bad_blocks (files found torn, corrupted or colliding);
+                   ssd_tier ("on", "off" for a budget of 0, None while it has not reported) and
+                   ssd_load_bytes_per_s (ssd_bytes_loaded / ssd_load_seconds, None before anything was loaded);
+                   from the history: tokens_per_s, kv_bytes_per_s, ssd_blocks_written_per_s and
+                   ssd_blocks_loaded_per_s (counter deltas over the last interval)
     summary      the last `window_s` seconds (60): requests_per_s, tokens_per_s, and ttft / tpot / itl / e2e as
                  {"p50", "p90", "p99", "count"} (seconds; None without observations)
     history      {"interval_s", "span_s", "samples": [...]}: the samples (fields in router/dashboard_history.py)
@@ -37,7 +43,7 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
-from router.dashboard_history import DashboardHistory
+from router.dashboard_history import WORKER_RATES, DashboardHistory
 
 STATE_VERSION = 1
 MAX_REQUEST_ROWS = 200
@@ -46,7 +52,10 @@ _REPORTED = (("running", "num_running"), ("waiting", "num_waiting"), ("kv_blocks
              ("prefix_cache_hit_rate", "prefix_cache_hit_rate"), ("tokens_out", "tokens_out"),
              ("kv_bytes_sent", "kv_bytes_sent"), ("kv_bytes_received", "kv_bytes_received"),
              ("transfers_inflight", "transfers_inflight"), ("kv_groups", "kv_groups"), ("parallel", "parallel"),
-             ("ranks", "ranks"))
+             ("ranks", "ranks"),
+             *((f, f) for f in ("ssd_blocks", "ssd_bytes", "ssd_budget_bytes", "ssd_blocks_written",
+                                "ssd_blocks_dropped", "ssd_blocks_loaded", "ssd_bytes_loaded", "ssd_load_seconds",
+                                "ssd_bad_blocks")))
 
 
 def is_cluster(engine: Any) -> bool:
@@ -62,6 +71,14 @@ def worker_reports(engine: Any) -> list[dict]:
         return [dict(r) for r in reports()]
     return [dict(engine.stats().report(), name="engine", role="single-node", alive=bool(engine.is_healthy()),
                  inflight=None)]
+
+
+def ssd_load_rate(bytes_loaded: Optional[float], load_seconds: Optional[float]) -> Optional[float]:
+    """The SSD tier's load rate since the worker started: bytes loaded per second spent loading them; None when
+    nothing was loaded (or nothing reported)."""
+    if not bytes_loaded or not load_seconds or load_seconds <= 0:
+        return None
+    return bytes_loaded / load_seconds
 
 
 def worker_rows(engine: Any, history: DashboardHistory) -> list[dict]:
@@ -80,9 +97,12 @@ def worker_rows(engine: Any, history: DashboardHistory) -> list[dict]:
         row["parallel"], row["ranks"] = row["parallel"] or "", row["ranks"] or []
         total, free = row["kv_blocks_total"], row["kv_blocks_free"]
         row["kv_blocks_used"] = total - free if total is not None and free is not None else None
+        budget = row["ssd_budget_bytes"]
+        row["ssd_tier"] = None if budget is None else "on" if budget > 0 else "off"
+        row["ssd_load_bytes_per_s"] = ssd_load_rate(row["ssd_bytes_loaded"], row["ssd_load_seconds"])
         rates = history.worker_rates.get(name, {})
-        row["tokens_per_s"] = rates.get("tokens_per_s", 0.0)
-        row["kv_bytes_per_s"] = rates.get("kv_bytes_per_s", 0.0)
+        for rate, _ in WORKER_RATES:
+            row[rate] = rates.get(rate, 0.0)
         rows.append(row)
     return rows
 

@@ -12,8 +12,10 @@ the history needs nothing from the workers but their counters. Time is cut into 
     inflight        sequences in flight at the interval's end
     ttft, tpot, itl, e2e   {"p50", "p90", "p99", "count"} of the values observed in the interval (seconds;
                     the percentiles are None when count is 0)
-    workers         {name: {"tokens_per_s", "kv_bytes_per_s"}}: each worker's counter deltas (`tokens_out`, and
-                    `kv_bytes_sent` + `kv_bytes_received`) between two readings of its reports, per second
+    workers         {name: {"tokens_per_s", "kv_bytes_per_s", "ssd_blocks_written_per_s",
+                    "ssd_blocks_loaded_per_s"}}: each worker's counter deltas (WORKER_RATES: `tokens_out`,
+                    `kv_bytes_sent` + `kv_bytes_received`, and its SSD tier's `ssd_blocks_written` and
+                    `ssd_blocks_loaded`) between two readings of its reports, per second
 
 Intervals roll lazily: every call first closes the intervals that ended (an idle stretch becomes zero samples),
 so no task or thread runs. Not thread-safe: the router's event loop makes every call.
@@ -35,6 +37,10 @@ LATENCIES = ("ttft", "tpot", "itl", "e2e")
 PERCENTILES = (("p50", 0.50), ("p90", 0.90), ("p99", 0.99))
 RESERVOIR = 4096  # values kept per latency per interval; past it a uniform sample of them
 BASELINE_RETRY_S = 0.25  # until a worker has reported, the first reading is tried at most this often
+# each worker's rates: (the rate's name, the counters of its report whose sum it is the delta of, per second)
+WORKER_RATES = (("tokens_per_s", ("tokens_out",)), ("kv_bytes_per_s", ("kv_bytes_sent", "kv_bytes_received")),
+                ("ssd_blocks_written_per_s", ("ssd_blocks_written",)),
+                ("ssd_blocks_loaded_per_s", ("ssd_blocks_loaded",)))
 
 
 def percentile(ordered: list[float], q: float) -> Optional[float]:
@@ -96,9 +102,9 @@ class DashboardHistory:
     """Per-interval samples of the router's observations over the last `span_s` seconds, the sequences in flight,
     and each worker's recent rates.
 
-    `worker_reports` returns the workers' latest reports (dicts with "name" and the counters "tokens_out",
-    "kv_bytes_sent", "kv_bytes_received"; `router.dashboard.worker_reports`), read once per interval; None
-    leaves the samples' `workers` empty. `clock` is time.monotonic (tests pass their own)."""
+    `worker_reports` returns the workers' latest reports (dicts with "name" and the counters of WORKER_RATES;
+    `router.dashboard.worker_reports`), read once per interval; None leaves the samples' `workers` empty.
+    `clock` is time.monotonic (tests pass their own)."""
 
     def __init__(self, interval_s: float = 2.0, span_s: float = 600.0, summary_s: float = 60.0,
                  worker_reports: Optional[Callable[[], list[dict]]] = None,
@@ -116,7 +122,7 @@ class DashboardHistory:
         self._wall = time.time() - self._start  # clock -> seconds since the epoch (fixed: samples stay evenly spaced)
         self._open = _Interval()
         self._inflight: dict[str, _InFlight] = {}
-        self._readings: dict[str, tuple[float, float, float]] = {}  # name -> (time, tokens_out, kv bytes)
+        self._readings: dict[str, tuple[float, tuple]] = {}  # name -> (time, its WORKER_RATES counters)
         self._baseline_tried = -math.inf
         self.worker_rates: dict[str, dict] = {}  # name -> its rates over the last interval
         self.requests_total = 0
@@ -228,17 +234,15 @@ class DashboardHistory:
             if not name:
                 continue
             if "tokens_out" not in report:  # nothing reported (a dead worker): its reading waits for it
-                rates[name] = {"tokens_per_s": 0.0, "kv_bytes_per_s": 0.0}
+                rates[name] = {rate: 0.0 for rate, _ in WORKER_RATES}
                 continue
-            tokens = float(report.get("tokens_out") or 0)
-            kv = float(report.get("kv_bytes_sent") or 0) + float(report.get("kv_bytes_received") or 0)
+            counts = tuple(sum(float(report.get(c) or 0) for c in counters) for _, counters in WORKER_RATES)
             before = self._readings.get(name)
-            self._readings[name] = (now, tokens, kv)
+            self._readings[name] = (now, counts)
             if before is None or now <= before[0]:
-                rates[name] = {"tokens_per_s": 0.0, "kv_bytes_per_s": 0.0}
+                rates[name] = {rate: 0.0 for rate, _ in WORKER_RATES}
                 continue
             dt = now - before[0]
-            d_tokens = tokens - before[1] if tokens >= before[1] else tokens
-            d_kv = kv - before[2] if kv >= before[2] else kv
-            rates[name] = {"tokens_per_s": d_tokens / dt, "kv_bytes_per_s": d_kv / dt}
+            rates[name] = {rate: (count - prev if count >= prev else count) / dt
+                           for (rate, _), count, prev in zip(WORKER_RATES, counts, before[1])}
         self.worker_rates = rates

@@ -8,11 +8,13 @@ from __future__ import annotations
 import re
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from cluster.stats import WorkerStats
 from router.app import create_app
 from router.dashboard_history import DashboardHistory, percentile
 from router.dashboard_web import COOKIE
@@ -100,7 +102,8 @@ def test_history_samples_each_interval_with_its_percentiles_rates_and_worker_del
     assert first["itl"]["count"] == 3 and first["itl"]["p50"] == 0.25 and first["itl"]["p99"] == pytest.approx(0.495)
     assert first["tpot"]["p50"] == 0.3 and first["e2e"]["p50"] == 1.5
     assert first["workers"] == {"decode-0": {"tokens_per_s": pytest.approx(40 / 2.1),
-                                             "kv_bytes_per_s": pytest.approx(1000 / 2.1)}}
+                                             "kv_bytes_per_s": pytest.approx(1000 / 2.1),
+                                             "ssd_blocks_written_per_s": 0.0, "ssd_blocks_loaded_per_s": 0.0}}
     # an idle stretch of three intervals: [102, 104) with the worker's delta, then zero samples
     clock.now = 108.1
     reports[0].update(tokens_out=100, kv_bytes_received=1600.0)
@@ -117,12 +120,30 @@ def test_history_samples_each_interval_with_its_percentiles_rates_and_worker_del
     clock.now = 110.1
     reports[:] = [{"name": "decode-0", "tokens_out": 8}, {"name": "prefill-0"}]
     h.roll()
-    assert h.worker_rates == {"decode-0": {"tokens_per_s": pytest.approx(4.0), "kv_bytes_per_s": 0.0},
-                              "prefill-0": {"tokens_per_s": 0.0, "kv_bytes_per_s": 0.0}}
+    idle = {"tokens_per_s": 0.0, "kv_bytes_per_s": 0.0, "ssd_blocks_written_per_s": 0.0,
+            "ssd_blocks_loaded_per_s": 0.0}
+    assert h.worker_rates == {"decode-0": dict(idle, tokens_per_s=pytest.approx(4.0)), "prefill-0": idle}
     # a stretch longer than the ring keeps the ring's length of samples, the last one ending at the last boundary
     clock.now = 200.0
     h.roll()
     assert len(h.samples) == 5 and h.samples[-1]["t"] - h.samples[0]["t"] == pytest.approx(8.0)
+
+
+def test_history_rates_each_workers_ssd_tier_writes_and_loads():
+    clock = Clock()
+    report = {"name": "decode-0", "tokens_out": 0, "ssd_blocks_written": 10.0, "ssd_blocks_loaded": 0.0}
+    h = DashboardHistory(interval_s=2.0, span_s=10.0, worker_reports=lambda: [report], clock=clock)
+    h.roll(100.0)  # the baseline
+    clock.now = 102.0
+    report.update(ssd_blocks_written=50.0, ssd_blocks_loaded=8.0)
+    h.roll()
+    rates = h.samples[-1]["workers"]["decode-0"]
+    assert rates["ssd_blocks_written_per_s"] == pytest.approx(20.0) and rates["ssd_blocks_loaded_per_s"] == 4.0
+    clock.now = 104.0
+    report.update(ssd_blocks_written=6.0)  # a restarted worker's tier counts from zero
+    h.roll()
+    assert h.worker_rates["decode-0"]["ssd_blocks_written_per_s"] == pytest.approx(3.0)
+    assert h.worker_rates["decode-0"]["ssd_blocks_loaded_per_s"] == 0.0
 
 
 def test_percentile_interpolates_between_ranks():
@@ -147,6 +168,7 @@ def test_cluster_state_shows_workers_a_running_request_and_the_rates_after():
             assert row["alive"] is True and row["role"] == name.split("-")[0]
             assert row["address"] == f"{spec.host}:{spec.control_port}"
             assert row["kv_blocks_total"] > 0 and row["kv_blocks_used"] + row["kv_blocks_free"] == row["kv_blocks_total"]
+            assert row["ssd_tier"] == "off"  # no SSD tier unless the topology asks for one
         got_tokens = threading.Event()
         thread = stream_completion(base, 80, got_tokens)
         assert got_tokens.wait(60), "the stream delivered no tokens"
@@ -181,6 +203,31 @@ def test_cluster_state_shows_workers_a_running_request_and_the_rates_after():
         assert all(s["t"] > last for s in later["history"]["samples"])
 
 
+def test_cluster_state_shows_each_workers_ssd_tier_filling_as_blocks_are_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_PD_CACHE", str(tmp_path))  # the tier's folders (kv-tier/<worker>)
+    prompt = list(range(100, 400))  # several whole blocks
+    with running_cluster(1, 1, loaded=fast_model(), routing=ALL_REMOTE, engine="ssd_cache_gb = 0.05") as (
+            base, client, workers):
+        rows = workers_by_name(wait_for(lambda: state_of(base), lambda s: all(
+            w["ssd_tier"] is not None for w in s["workers"]), 10, "both workers' first reports"))
+        for row in rows.values():
+            assert row["ssd_tier"] == "on" and row["ssd_budget_bytes"] > 0 and row["ssd_bad_blocks"] == 0
+            assert row["ssd_load_bytes_per_s"] is None  # nothing loaded yet
+        r = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2,
+                                                        "temperature": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+
+        def written(s: dict) -> bool:
+            row = workers_by_name(s)["prefill-0"]
+            return (row["ssd_blocks_written"] > 0 and row["ssd_blocks"] > 0 and 0 < row["ssd_bytes"]
+                    and any(x["workers"].get("prefill-0", {}).get("ssd_blocks_written_per_s", 0) > 0
+                            for x in s["history"]["samples"]))
+
+        state = wait_for(lambda: state_of(base), written, 15, "the prefill worker's blocks written to its tier")
+        row = workers_by_name(state)["prefill-0"]
+        assert row["ssd_bytes"] <= row["ssd_budget_bytes"] and row["ssd_blocks"] <= row["ssd_blocks_written"]
+
+
 def test_a_stopped_worker_shows_dead():
     with running_cluster(1, 1, loaded=fast_model()) as (base, client, workers):
         assert all(w["alive"] for w in state_of(base)["workers"])
@@ -200,6 +247,50 @@ def fake_app(api_key=None):
     tokenizer = load_tokenizer()
     engine = FakeEngine(tokenizer)
     return create_app(engine, tokenizer, served_model_names=[MODEL], api_key=api_key), engine
+
+
+def scripted_ssd_cluster():
+    """A scripted engine (FakeEngine) standing in for a cluster of four workers whose reports are real
+    `WorkerStats` reports: decode-0's SSD tier has loaded blocks, prefill-0's has loaded none, decode-1 has no
+    tier (a budget of 0), decode-2 is dead (no report)."""
+    tokenizer = load_tokenizer()
+    engine = FakeEngine(tokenizer)
+    names = ("prefill-0", "decode-0", "decode-1", "decode-2")
+    engine.workers = [SimpleNamespace(spec=SimpleNamespace(name=n, host="10.0.0.1", control_port=5600 + i))
+                      for i, n in enumerate(names)]
+    tiers = {
+        "prefill-0": dict(ssd_blocks=30, ssd_bytes=12e6, ssd_budget_bytes=50e9, ssd_blocks_written=30.0),
+        "decode-0": dict(ssd_blocks=120, ssd_bytes=48e6, ssd_budget_bytes=2e9, ssd_blocks_written=150.0,
+                         ssd_blocks_dropped=3.0, ssd_blocks_loaded=40.0, ssd_bytes_loaded=16e6,
+                         ssd_load_seconds=0.008, ssd_bad_blocks=1.0),
+        "decode-1": {},
+    }
+
+    def worker_stats() -> list[dict]:
+        out = []
+        for n in names:
+            report = WorkerStats(name=n, role=n.split("-")[0], **tiers[n]).report() if n in tiers else {}
+            out.append(dict(report, name=n, role=n.split("-")[0], alive=n in tiers, inflight=0))
+        return out
+
+    engine.worker_stats = worker_stats
+    return create_app(engine, tokenizer, served_model_names=[MODEL])
+
+
+def test_state_shows_each_workers_ssd_tier_or_off():
+    with TestClient(scripted_ssd_cluster()) as c:
+        rows = workers_by_name(c.get("/dashboard/api/state").json())
+    tiered = rows["decode-0"]
+    assert tiered["ssd_tier"] == "on"
+    assert {k: tiered[k] for k in ("ssd_blocks", "ssd_bytes", "ssd_budget_bytes", "ssd_blocks_written",
+                                   "ssd_blocks_dropped", "ssd_blocks_loaded", "ssd_bad_blocks")} == {
+        "ssd_blocks": 120, "ssd_bytes": 48e6, "ssd_budget_bytes": 2e9, "ssd_blocks_written": 150.0,
+        "ssd_blocks_dropped": 3.0, "ssd_blocks_loaded": 40.0, "ssd_bad_blocks": 1.0}
+    assert tiered["ssd_load_bytes_per_s"] == pytest.approx(16e6 / 0.008)  # 2 GB/s
+    assert rows["prefill-0"]["ssd_tier"] == "on" and rows["prefill-0"]["ssd_load_bytes_per_s"] is None
+    assert rows["decode-1"]["ssd_tier"] == "off" and rows["decode-1"]["ssd_budget_bytes"] == 0
+    dead = rows["decode-2"]
+    assert dead["ssd_tier"] is None and dead["ssd_blocks"] is None and dead["ssd_load_bytes_per_s"] is None
 
 
 def test_the_page_is_self_contained():
@@ -303,6 +394,7 @@ def test_single_node_serves_the_page_and_state():
         (row,) = state["workers"]
         assert row["name"] == "engine" and row["role"] == "single-node" and row["alive"] is True
         assert row["address"] == "in-process" and row["kv_blocks_total"] > 0
+        assert row["ssd_tier"] == "off"  # no SSD tier unless one is asked for
         if state["requests"]:  # the stand-in model may already be done with 200 tokens
             assert state["requests"][0]["workers"] == ["engine"]
         thread.join(60)

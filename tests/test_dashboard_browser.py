@@ -222,3 +222,34 @@ def test_a_worker_groups_ranks_show_under_its_row(browser):
         node = browser.execute_script(
             "return document.querySelector('#topology g[data-node=\"decode-0\"]').textContent")
         assert "decode · alive · tensor ×2" in node
+
+
+def test_the_ssd_tier_panel_shows_each_workers_tier_or_off(browser):
+    """The SSD KV tier panel (a scripted cluster stands in, tests/test_dashboard.py's `scripted_ssd_cluster`): a
+    worker with a tier shows its disk used of its budget, blocks, hits, load rate, blocks written, dropped and bad
+    files; one whose tier loaded nothing shows a dash for the load rate; one without a tier shows "off"; a dead
+    one, dashes."""
+    from tests.router_fakes import ServerThread
+    from tests.test_dashboard import scripted_ssd_cluster
+
+    with ServerThread(scripted_ssd_cluster()) as server:
+        browser.get(server.url + "/dashboard")
+        rows_js = """return Object.fromEntries(Array.from(document.querySelectorAll('#ssd-body tr[data-worker]'))
+            .map(tr => [tr.dataset.worker, Object.assign({tier: tr.dataset.ssdTier}, Object.fromEntries(
+              Array.from(tr.querySelectorAll('td[data-field]')).map(td => [td.dataset.field, td.textContent]))) ]));"""
+        deadline = time.monotonic() + 15
+        while len(browser.execute_script(rows_js)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        rows = browser.execute_script(rows_js)
+        assert set(rows) == {"prefill-0", "decode-0", "decode-1", "decode-2"}, rows
+        tiered = rows["decode-0"]
+        assert tiered == {"tier": "on", "name": "decode-0", "ssd-disk": "48 MB / 2.0 GB", "ssd-blocks": "120",
+                          "ssd-hits": "40", "ssd-hits-per-s": "0.0", "ssd-load-rate": "2.0 GB/s",
+                          "ssd-written": "150", "ssd-written-per-s": "0.0", "ssd-dropped": "3", "ssd-bad": "1"}
+        fill = browser.execute_script(
+            "return document.querySelector('#ssd-body tr[data-worker=\"decode-0\"] .bar > i').style.width")
+        assert fill == "2.4%"  # 48 MB of 2 GB
+        assert rows["prefill-0"]["ssd-disk"] == "12 MB / 50 GB" and rows["prefill-0"]["ssd-load-rate"] == "–"
+        assert rows["decode-1"] == {"tier": "off", "name": "decode-1", "ssd-tier": "off"}
+        dead = rows["decode-2"]
+        assert dead["tier"] == "" and all(dead[f] == "–" for f in ("ssd-disk", "ssd-blocks", "ssd-hits", "ssd-bad"))
