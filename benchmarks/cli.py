@@ -18,6 +18,7 @@
     mlx-pd bench hybrid-turns --out h.json                  # hybrid model, 16-turn chat: TTFT cached vs cold, RSS
     mlx-pd bench structured --out st.json                   # JSON-schema constrained vs free decode tok/s, mask cost
     mlx-pd bench ssd-tier --out ssd.json                    # agent sessions past the RAM pool: SSD tier vs none, restart
+    mlx-pd bench ssd-soak --out soak.json                   # 240 sessions, a 32 MiB tier: folder vs budget, RSS slope
     mlx-pd bench --compare --fast-model --concurrency 1,8   # the 2-layer stand-in; host CPU s per output token too
     mlx-pd bench interference --out i.json                  # stream ITL while a 1.5k-token prompt prefills
     mlx-pd bench mixed-prefill --out m.json                 # 8 prompts of 100-2000 tokens at once: prefill tok/s
@@ -141,6 +142,9 @@ SUBCOMMANDS = {
     "ssd-tier": "an agent's long sessions whose KV is several times the RAM pool, follow-ups round-robin: mlx-pd with "
                 "its SSD tier, without it, and mlx_lm.server; TTFT, cached tokens, a restart, restore GB/s against "
                 "the disk's sequential read (benchmarks/ssd_tier_bench.py)",
+    "ssd-soak": "many distinct sessions through one server with a small pool and a small SSD tier, some followed up "
+                "from the tier: the server's RSS slope and the tier folder's bytes against its budget "
+                "(benchmarks/ssd_tier_soak.py)",
     "structured": "constrained decoding in process: decode tok/s with every request JSON-schema constrained vs "
                   "unconstrained at concurrency 8, and the grammar mask's cost per step (benchmarks/structured_bench.py)",
     "interference": "mlx-pd vs mlx_lm.server: decoding streams' ITL before and during a long prompt's prefill, and "
@@ -164,6 +168,7 @@ SUBCOMMANDS = {
 }
 MODULES = {"cluster": "cluster_bench", "routing": "routing_bench", "routing-sim": "routing_sim",
            "speculative": "speculative_bench", "hybrid-turns": "hybrid_bench", "ssd-tier": "ssd_tier_bench",
+           "ssd-soak": "ssd_tier_soak",
            "structured": "structured_bench", "interference": "interference_bench",
            "mixed-prefill": "mixed_prefill_bench", "aiperf": "aiperf_compare", "link-transfer": "link_transfer",
            "lab-ttft": "lab_ttft", "load-check": "load_check_bench",
