@@ -80,6 +80,12 @@ class PrefixMatcher:
             return self.kv.lookup(hashes, seq.token_ids, len(hashes), head_until=len(seq.token_ids) - 1, root=root)
         return hit
 
+    def loads_ready(self, hit: PrefixHit) -> bool:
+        """Whether the hit's blocks on the SSD tier can be loaded without waiting for the disk; starts reading
+        their files in the background (`DiskTier.prefetch`) when it has not yet."""
+        blocks = [(h, tokens) for h, tokens, _, source in hit.disk if not source]
+        return not blocks or self.kv.tier.prefetch(blocks)
+
     def _worth_loading(self, hit: PrefixHit) -> bool:
         """Whether loading the hit's blocks from the SSD tier is predicted to take no longer than computing them
         (the tier's measured load rate against the engine's fitted prefill cost; either unknown yet: load)."""

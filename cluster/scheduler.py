@@ -6,8 +6,10 @@ sequence that has finished its prompt, then prompt chunks in the rest of the bud
 decodes so the streams' inter-token latency stays within its target. A decoding sequence is never skipped for a
 step, and a long prompt advances a bounded chunk beside each decode step. New sequences are admitted from the
 waiting queue (FCFS) whenever the budget, a running slot and the blocks allow, reusing their longest cached
-prefix. When a running sequence
-needs a block and none is free, the most recently admitted other sequence is preempted: its blocks are
+prefix. While other sequences run, a prefix whose blocks are on the SSD tier is read from disk in the background
+(cluster/kv/tier_prefetch.py): its sequence stays at the head of the queue, while the running batch goes on,
+until the reads are done (with nothing running there is nothing to overlap: the commit reads them). When a
+running sequence needs a block and none is free, the most recently admitted other sequence is preempted: its blocks are
 freed and it goes back to the front of the queue to be recomputed later (vLLM's recompute preemption).
 
 Speculative decoding is "schedule k+1" (nano-vllm's counters): `lookahead(seq)` says how many draft tokens
@@ -348,11 +350,14 @@ class Scheduler:
             took(seq, start, n)
             partial = partial or n < seq.num_uncomputed
         whole_room = self.budget.whole_room(allowance)
+        overlap = bool(self.running)  # else nothing runs while the disk reads: the commit reads, batched as they came
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_inflight_tokens:  # preempted with its token on the device: after `resolve`
                 break
             hit = self.prefix.lookup(seq)  # no side effects: nothing to undo when it does not fit
+            if hit is not None and hit.disk and overlap and not self.prefix.loads_ready(hit):
+                break  # its blocks are being read from the SSD tier while the running batch goes on
             start = seq.num_computed_tokens if hit is None else hit.num_tokens
             n = self._chunk(seq, allowance, whole_room, time_left, floor, now, start)
             if n < len(seq.token_ids) - start and partial:

@@ -567,3 +567,51 @@ def test_a_decode_workers_reservation_loads_the_blocks_its_own_disk_holds_so_the
         assert got.tables[1][0] == 0 and window.first_to_ship(len(prompt), len(got.tables[1])) > 0
     again.kv.release("r")
     again.close()
+
+
+def test_while_a_sequence_decodes_another_prompts_blocks_are_read_from_disk_without_stopping_it(models, tmp_path):
+    """A session whose blocks are only on disk arrives while another request decodes: its files are read in the
+    background (held here until the test lets them go), and the decoding request gets a token every step
+    meanwhile; once the reads are done the session is admitted, loads what was read (no file read twice) and
+    answers as the cold run."""
+    import threading
+
+    from tests.engine_helpers import Result
+
+    cold = _answers(_engine(models[0], None, budget_gb=0, enable_prefix_caching=False), SESSIONS[:1], "cold")
+    engine = _engine(models[0], tmp_path, num_blocks=40)
+    _answers(engine, SESSIONS[:1], "first")
+    assert engine.tier.wait_written()
+    engine.close()
+    engine = _engine(models[0], tmp_path, num_blocks=40)  # RAM empty: the session is on disk only
+    gate, reads = threading.Event(), []
+    read = engine.tier._prefetch._read
+
+    def held_read(block_hash, token_ids):
+        reads.append(block_hash)
+        assert gate.wait(30)
+        return read(block_hash, token_ids)
+
+    engine.tier._prefetch._read = held_read
+    long = GenerateRequest("decoding", tuple(SESSIONS[3][:9]), SamplingParams(max_tokens=40, temperature=0,
+                                                                             ignore_eos=True))
+    results = {"decoding": Result(), "session": Result()}
+    assert engine.add_request(long) is None
+    while not results["decoding"].token_ids:  # it decodes
+        for out in engine.step():
+            results[out.request_id].add(out)
+    assert engine.add_request(request("session", SESSIONS[0])) is None
+    tokens_before = len(results["decoding"].token_ids)
+    for _ in range(5):  # its reads are held: the session waits, the decoding request does not
+        for out in engine.step():
+            results[out.request_id].add(out)
+    assert len(results["decoding"].token_ids) == tokens_before + 5 and not results["session"].token_ids
+    assert len(reads) == 5 and engine.tier.stats()["loaded"] == 0
+    gate.set()
+    while engine.has_work():
+        for out in engine.step():
+            results[out.request_id].add(out)
+    session = results["session"]
+    assert session.final.num_cached_tokens == 40 and engine.tier.stats()["loaded"] == 5 and len(reads) == 5
+    _assert_same({0: (session.token_ids, [lp.logprob for lp in session.logprobs], 40)}, cold)
+    engine.close()
