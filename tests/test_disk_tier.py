@@ -158,10 +158,20 @@ def test_weights_of_other_values_in_files_of_the_same_sizes_never_hit(models, tm
     other.close()
 
 
-def test_the_folder_stays_within_its_budget_is_private_and_refuses_a_second_server(models, tmp_path):
+def test_the_folder_stays_within_its_budget_is_private_and_refuses_a_second_server(models, tmp_path, monkeypatch):
+    """Twelve sessions through a tier of seven blocks: the folder's block files never exceed the budget, not even
+    for the moment a new file is renamed into place (room is made before it is written), and the tier evicts; the
+    folder is private and a second server on it is refused until the first closes it."""
     block_file = len(encode(1, range(BLOCK), NAMES, [np.zeros((2, BLOCK, 2, 32), np.float32)] * 2))
     budget = 7 * block_file  # seven blocks: fewer than one session and a half
     engine = _engine(models[0], tmp_path, budget_gb=budget / 2**30)
+    replace, peaks = os.replace, []
+
+    def renamed(src, dst):  # the writer's rename: the folder's block files right after it
+        replace(src, dst)
+        peaks.append(sum(f.stat().st_size for f in Path(dst).parent.glob("*.kv") if f.exists()))
+
+    monkeypatch.setattr(os, "replace", renamed)
     rng = np.random.RandomState(2)
     for i in range(12):
         _answers(engine, [rng.randint(100, VOCAB, size=41).tolist()], f"soak{i}-")
@@ -170,6 +180,7 @@ def test_the_folder_stays_within_its_budget_is_private_and_refuses_a_second_serv
         assert on_disk <= budget and engine.tier.nbytes == on_disk
     stats = engine.tier.stats()
     assert stats["evicted"] > 0 and stats["blocks"] <= 7
+    assert len(peaks) == stats["written"] and max(peaks) <= budget
     assert stat.S_IMODE(engine.tier.dir.stat().st_mode) == 0o700
     assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in engine.tier.dir.glob("*.kv"))
     name = engine.tier.dir.name

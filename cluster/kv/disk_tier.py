@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 BLOCK, STATE = "kv", "st"  # the kinds of file, and their suffixes: a block's KV, a recurrent state after a block
 QUEUE_BYTES = 256 << 20  # blocks waiting for the writer at most (or the budget, if smaller)
-READERS = 8  # threads reading one hit's block files at once
+READERS = 16  # threads reading one prompt's block files at once (the disk's queue depth: 8 read 1.05 GB/s, 16 1.12, 32 0.78)
 
 
 class TierInUse(ValueError):
@@ -356,9 +356,7 @@ class DiskTier:
                     if size:
                         self._index[key] = size
                         self.nbytes += size
-                        doomed = self._over_budget(keep=key)
-                    else:
-                        doomed = []
+                    doomed = []
                 else:
                     doomed = [key] if size else []
             for k in doomed:
@@ -371,6 +369,10 @@ class DiskTier:
         tmp = path.with_name(f".{path.name}.tmp")
         try:
             data = encode(key[0], token_ids, self._names[key[1]], arrays)
+            with self._mutex:  # room first: the folder never holds more than its budget, this file included
+                doomed = self._over_budget(keep=None, adding=len(data))
+            for k in doomed:
+                self._path(k).unlink(missing_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
                 view = memoryview(data)
@@ -397,11 +399,11 @@ class DiskTier:
 
     # -- the index -----------------------------------------------------------------------------------------------
 
-    def _over_budget(self, keep) -> list[tuple[int, str]]:
-        """Drop the least recently used files (not `keep`) until the tier fits its budget; their keys, whose
-        files the caller deletes outside the lock. Called holding the lock."""
+    def _over_budget(self, keep, adding: int = 0) -> list[tuple[int, str]]:
+        """Drop the least recently used files (not `keep`) until the tier, with `adding` bytes more, fits its
+        budget; their keys, whose files the caller deletes outside the lock. Called holding the lock."""
         doomed = []
-        while self.nbytes > self.budget_bytes and len(self._index) > 1:
+        while self.nbytes + adding > self.budget_bytes and self._index and (adding or len(self._index) > 1):
             key, size = next(iter(self._index.items()))
             if key == keep:
                 break
