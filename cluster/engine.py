@@ -55,7 +55,8 @@ class EngineCore:
 
     def __init__(self, model, tokenizer, spec: ModelSpec, config: EngineConfig,
                  connector: Optional[Connector] = None, kv_plan: Optional[KVPlan] = None,
-                 verified: Optional[VerifiedModel] = None, replicas: Optional[Replicas] = None):
+                 verified: Optional[VerifiedModel] = None, replicas: Optional[Replicas] = None,
+                 open_tier: bool = True):
         # before the pool is allocated: a refused model fails fast (`verified`: the load check's, with the mask
         # rank it found, cluster/load_check.py)
         verified = verified or verify_model(model)
@@ -70,8 +71,9 @@ class EngineCore:
         self.owner = ThreadOwner("this engine")
         self.kv = kv_plan.build(self.owner)  # the one owner of every request's KV, by KV cache group
         self.pool, self.store = self.kv.pool, self.kv.block_groups[0].store
-        # the SSD tier under the pool (`ssd_cache_gb`; cluster/kv/disk_tier.py), None without
-        self.tier = tier_for(self.kv, spec, self.config, replicated=replicas is not None)
+        # the SSD tier under the pool (`ssd_cache_gb`; cluster/kv/disk_tier.py), None without; a worker group's
+        # ranks (`open_tier` False) open theirs once the group is formed (cluster/parallel/group_tier.py)
+        self.tier = tier_for(self.kv, spec, self.config) if open_tier else None
         self.runner = ModelRunner(model, self.kv, verified, replicas)
         # a pipeline group's leader: the whole model's cache slot kinds (its own model runs only its layers'; the
         # KV transfer's format states the whole, kv_transfer/handshake.py)

@@ -81,11 +81,11 @@ def tolerance(dtype: str) -> float:
     return 2e-3 if dtype == "float32" else 0.15
 
 
-def checked_engine(model, tokenizer, spec: ModelSpec, config: EngineConfig, replicas=None):
+def checked_engine(model, tokenizer, spec: ModelSpec, config: EngineConfig, replicas=None, open_tier: bool = True):
     """The serving `EngineCore` for `model`, after the load check (`run_load_check`; skipped for a tested family
     when `config.skip_load_check`). The engine's `load_check` is the result. `replicas`: a worker group's
-    followers (`cluster.runner.Replicas`), which run the same load check at the same time on their shards.
-    Raises ValueError (the structural gate) or `LoadCheckError`."""
+    followers (`cluster.runner.Replicas`), which run the same load check at the same time on their shards;
+    `open_tier`: as `EngineCore`'s. Raises ValueError (the structural gate) or `LoadCheckError`."""
     from cluster.engine import EngineCore
 
     verified = verify_model(model)
@@ -94,7 +94,8 @@ def checked_engine(model, tokenizer, spec: ModelSpec, config: EngineConfig, repl
     else:
         check = run_load_check(model, tokenizer, spec, config, verified)
     logger.info("%s", check.summary())
-    engine = EngineCore(model, tokenizer, spec, config, verified=check.verified, replicas=replicas)
+    engine = EngineCore(model, tokenizer, spec, config, verified=check.verified, replicas=replicas,
+                        open_tier=open_tier)
     engine.load_check = check
     return engine
 

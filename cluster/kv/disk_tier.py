@@ -19,6 +19,10 @@ touches its blocks suffix first, so a prompt's prefix is the last of it to go (a
 prefix). At start the folder's files are listed by modification time (the oldest first to go). The folder is
 `<root>/<fingerprint>` (cluster/kv/tier_fingerprint.py), created 0700 with files 0600, and locked: a second
 server on the same folder is refused. `clear` (a prefix-cache reset) deletes every block.
+
+In a worker group each rank keeps its own shard of every block in a tier of its own (cluster/parallel/
+group_tier.py): the leader's decides, a follower's `follows` it: no LRU of its own, it deletes what the leader's
+let go of (`drop`), and its `put` waits for room in its queue rather than drop a block the leader kept.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ class DiskTier:
     the folder, OSError when it cannot be made."""
 
     def __init__(self, root: Path, fingerprint: str, budget_bytes: int, names: Sequence[str],
-                 queue_bytes: Optional[int] = None, state_names: Sequence[str] = ()):
+                 queue_bytes: Optional[int] = None, state_names: Sequence[str] = (), follows: bool = False):
         root = Path(root).expanduser()
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.dir = root / fingerprint
@@ -90,6 +94,7 @@ class DiskTier:
         self._queued_bytes = 0
         self.queue_bytes = min(queue_bytes or QUEUE_BYTES, max(1, self.budget_bytes))
         self.writable = True
+        self.follows = follows  # a worker group's follower: no LRU of its own (see the module docstring)
         self.num_written = self.num_dropped = self.num_loaded = self.num_bad = self.num_evicted = 0
         self.bytes_written = self.bytes_loaded = 0
         self.load_seconds = 0.0
@@ -118,17 +123,21 @@ class DiskTier:
                 n += 1
             return n
 
-    def put(self, block_hash: int, token_ids: Sequence[int], arrays: list[np.ndarray], kind: str = BLOCK) -> bool:
+    def put(self, block_hash: int, token_ids: Sequence[int], arrays: list[np.ndarray], kind: str = BLOCK,
+            wait_s: float = 0.0) -> bool:
         """Queue block `block_hash`'s file of `kind` (a block caching `token_ids`, or the state after it; its
         host copies `arrays`) for writing; False when it is held already, writing is off, or the queue is full
-        (dropped and counted)."""
+        (dropped and counted) and stays full for `wait_s` seconds."""
         size = sum(a.nbytes for a in arrays)
         key = (block_hash, kind)
+        deadline = time.monotonic() + wait_s
         with self._mutex:
             if key in self._index or key in self._pending:
                 return False
             if not self.writable or self._closed or size > self.budget_bytes:
                 return False
+            while self._queued_bytes + size > self.queue_bytes and self._queue and time.monotonic() < deadline:
+                self._wake.wait(0.01)
             if self._queued_bytes + size > self.queue_bytes:
                 self.num_dropped += 1
                 return False
@@ -282,6 +291,11 @@ class DiskTier:
             gone, self._gone = self._gone, []
         return gone
 
+    def drop(self, keys: Sequence[tuple[int, str]]) -> None:
+        """Forget and delete the files `keys` ((block hash, kind)): what a worker group's leader let go of."""
+        for key in keys:
+            self._forget(tuple(key), delete=True)
+
     def clear(self) -> int:
         """Forget and delete every block (waiting ones included); returns how many were held."""
         with self._mutex:
@@ -388,7 +402,7 @@ class DiskTier:
                       "the disk is full: " if full else "", exc)
             with self._mutex:
                 self.writable = False
-                self._gone += list(self._pending)
+                self._let_go(list(self._pending))
                 self._queue.clear()
                 self._pending.clear()
                 self._queued_bytes = 0
@@ -399,10 +413,18 @@ class DiskTier:
 
     # -- the index -----------------------------------------------------------------------------------------------
 
+    def _let_go(self, keys: list[tuple[int, str]]) -> None:
+        """`keys` are no longer held: announced by `take_gone` (a follower's are the leader's to announce)."""
+        if not self.follows:
+            self._gone += keys
+
     def _over_budget(self, keep, adding: int = 0) -> list[tuple[int, str]]:
         """Drop the least recently used files (not `keep`) until the tier, with `adding` bytes more, fits its
-        budget; their keys, whose files the caller deletes outside the lock. Called holding the lock."""
+        budget; their keys, whose files the caller deletes outside the lock. Called holding the lock. A follower
+        drops nothing of its own accord."""
         doomed = []
+        if self.follows:
+            return doomed
         while self.nbytes + adding > self.budget_bytes and self._index and (adding or len(self._index) > 1):
             key, size = next(iter(self._index.items()))
             if key == keep:
@@ -411,7 +433,7 @@ class DiskTier:
             self.nbytes -= size
             self.num_evicted += 1
             doomed.append(key)
-        self._gone += doomed
+        self._let_go(doomed)
         return doomed
 
     def _forget(self, key: tuple[int, str], delete: bool) -> None:
@@ -419,7 +441,7 @@ class DiskTier:
             size = self._index.pop(key, None)
             if size is not None:
                 self.nbytes -= size
-                self._gone.append(key)
+                self._let_go([key])
             if self._memo is not None and self._memo[0] == key:
                 self._memo = None
         if delete:

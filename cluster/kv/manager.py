@@ -30,6 +30,7 @@ import numpy as np
 from cluster.kv.attention_groups import FullAttentionGroup
 from cluster.kv.block_pool import BlockPool
 from cluster.kv.groups import GroupHit, KVCacheGroup, PrefixHit, StepRequest, reserve_blocks
+from cluster.kv.tier_io import host_copies, store_loaded
 
 # the fewest tokens a head hit must cover, for 32-token blocks (scaled with the block size): a head hit costs a
 # block copy and, with the overlapped loop, one wait for the device; a few tokens of prompt cost less
@@ -81,6 +82,8 @@ class KVManager:
         self._entries: dict[str, list[Any]] = {}
         self._held: dict[str, Holding] = {}
         self.tier = None  # the SSD tier under the pool (`attach_tier`)
+        # a worker group leader's followers, each with a tier of its own shard (cluster/parallel/group_tier.py)
+        self.tier_replicas = None
 
     def attach_tier(self, tier) -> None:
         """Keep every cached block in `tier` too (a `cluster.kv.disk_tier.DiskTier` whose arrays are
@@ -95,15 +98,26 @@ class KVManager:
         for g in self.block_groups:  # what the tier still holds stays announced to the router's prefix index
             g.pool.retained = lambda h, group: tier.has(h, STATE if group == RESTORE_POINT_GROUP else BLOCK)
 
+    def detach_tier(self) -> None:
+        """Undo `attach_tier` (before any block was cached): no tier under the pool."""
+        self.tier = None
+        for g in self.groups:
+            g.attach_tier(None)
+        for g in self.block_groups:
+            g.pool.retained = None
+
     def drain_events(self) -> list:
         """The KV events recorded since the last call (`BlockPool.drain_events`, every group's), after announcing
         what the SSD tier let go of that no pool holds either."""
         from cluster.kv.disk_tier import BLOCK
 
         if self.tier is not None:
-            for block_hash, kind in self.tier.take_gone():
+            gone = self.tier.take_gone()
+            for block_hash, kind in gone:
                 for g in self.block_groups:
                     g.pool.announce_gone(block_hash, restore_point=kind != BLOCK)
+            if gone and self.tier_replicas is not None:  # the followers' tiers let go of the same
+                self.tier_replicas.drop(gone)
         return self.pool.drain_events()
 
     def tier_array_names(self) -> tuple[str, ...]:
@@ -354,10 +368,9 @@ class KVManager:
             self.allocate(request_id, num_blocks)
         else:
             after()
-        if loaded:
-            self._write_loaded(request_id, hit, loaded)
+        taken = self._write_loaded(request_id, hit, loaded) if loaded else 0
         self.pool.free(copied)
-        reused = hit.num_blocks - len(hit.disk) + len(loaded)
+        reused = hit.num_blocks - len(hit.disk) + taken
         self._tier_reused(request_id, hit.hashes[:reused])
         return reused
 
@@ -396,14 +409,15 @@ class KVManager:
             todo = [i for i in todo if self.pool.blocks[anchor[i]].block_hash == hashes[i]]
         if not todo:
             return
-        per_group = []
-        for g, table in zip(self.block_groups, tables):
-            store = g.store
-            per_group += store.read_blocks([table[i] for i in todo], range(store.spec.num_layers))
-        for j, i in enumerate(todo):
+        written = []
+        for i, arrays in zip(todo, host_copies(self.block_groups, tables, todo, bs)):
             tokens = token_ids[i * bs:(i + 1) * bs] if token_ids is not None else \
                 self.pool.blocks[tables[0][i]].token_ids
-            self.tier.put(hashes[i], tokens, [np.ascontiguousarray(a[:, j * bs:(j + 1) * bs]) for a in per_group])
+            if self.tier.put(hashes[i], tokens, arrays):
+                written.append((i, tokens))
+        if self.tier_replicas is not None and written:  # each follower writes its shard of what the tier took
+            self.tier_replicas.write([hashes[i] for i, _ in written], [tokens for _, tokens in written],
+                                     [[t[i] for i, _ in written] for t in tables])
 
     def _read_tier(self, hit: PrefixHit) -> list:
         """The arrays of the hit's blocks on the SSD tier, read in order up to the first it cannot give (a bad
@@ -417,30 +431,31 @@ class KVManager:
             loaded.append(arrays)
         return loaded
 
-    def _write_loaded(self, request_id: str, hit: PrefixHit, loaded: list) -> None:
+    def _write_loaded(self, request_id: str, hit: PrefixHit, loaded: list) -> int:
         """Write blocks read from the SSD tier (and copy those the pool holds) into the request's new blocks that
-        follow its pool hit, in every block group, and register them in the prefix cache."""
+        follow its pool hit, in every block group, and register them in the prefix cache. In a worker group every
+        rank loads its shard of them, and all take as many as the rank that could load the fewest. Returns how many
+        of `loaded` were taken."""
         entries = self._entries[request_id]
         first = hit.num_blocks - len(hit.disk)
-        at = 0
+        tables = [g.table(entries[g.index]) for g in self.block_groups]
+        dests = [[table[first + j] for j in range(len(loaded))] for table in tables]
+        if self.tier_replicas is not None:
+            loaded = loaded[:self.tier_replicas.load(hit.disk[:len(loaded)], dests, len(loaded))]
+            dests = [d[:len(loaded)] for d in dests]
+        store_loaded(self.block_groups, dests, loaded)
         for g in self.block_groups:
-            store, table = g.store, g.table(entries[g.index])
-            n = len(store.array_names)
-            read = [j for j, arrays in enumerate(loaded) if not isinstance(arrays, int) and table[first + j]]
-            if read:  # a block a group never needs (before a reservation's first sent) has no block: 0
-                stacked = [np.concatenate(parts, axis=1) for parts in zip(*(loaded[j][at:at + n] for j in read))]
-                store.write_blocks([table[first + j] for j in read], range(store.spec.num_layers), stacked)
-            at += n
-            for j, (block_hash, tokens, parent, source) in enumerate(hit.disk[:len(loaded)]):
-                if source and table[first + j]:  # a block the pool holds (one block group): copied as a head hit is
-                    store.copy_block(source, table[first + j])
+            for j, (block_hash, tokens, parent, _) in enumerate(hit.disk[:len(loaded)]):
                 g.cache_block(entries[g.index], first + j, block_hash, tokens, parent)
+        return len(loaded)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached hash in every group (and delete the SSD tier's blocks); returns how many the anchor
         pool forgot."""
         if self.tier is not None:
             self.tier.clear()
+            if self.tier_replicas is not None:
+                self.tier_replicas.clear()
         counts = [g.reset_prefix_cache() for g in self.groups]
         return counts[self.block_groups[0].index]
 

@@ -136,7 +136,7 @@ class RecurrentStateGroup(KVCacheGroup):
         a hit whose blocks the tier holds restores the state after its last block from there."""
         self.tier = tier
         if self.snapshots is not None:
-            self.snapshots.on_kept = self._write_state
+            self.snapshots.on_kept = self._write_state if tier is not None else None
 
     def _write_state(self, block_hash: int, state) -> None:
         arrays = [np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a) for layer in state for a in layer]

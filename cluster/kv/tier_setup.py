@@ -22,19 +22,19 @@ def default_tier_dir(worker: Optional[str] = None) -> Path:
     return root if worker is None else root / worker
 
 
-def tier_for(manager, spec, config, replicated: bool = False) -> Optional[DiskTier]:
+def tier_for(manager, spec, config, shard: str = "whole", follows: bool = False) -> Optional[DiskTier]:
     """The SSD tier a server's `manager` (`KVManager`) keeps under its pool, attached, per `config`
     (`ssd_cache_gb`, `ssd_cache_dir`) for the model `spec` (`cluster.model.ModelSpec`, whose `weights_dir` is
-    fingerprinted); None when the config keeps none, or (logged) when the model or the process cannot have one:
-    a worker group's rank (`replicated`, not yet), the prefix cache off, no weights folder.
+    fingerprinted); None when the config keeps none, or (logged) when the model cannot have one: the prefix
+    cache off, no weights folder. `shard`: the part of each block this process holds (a worker group's rank,
+    cluster/parallel/group_tier.py); `follows`: a group follower's tier (no LRU of its own).
     Raises TierInUse when another server holds the folder."""
     from cluster.kv.hashing import kv_format_name
     from cluster.kv.tier_fingerprint import tier_fingerprint, weights_digest
 
     if not config.ssd_cache_gb:
         return None
-    why = "a worker group's ranks keep no tier yet" if replicated \
-        else "the prefix cache is off (enable_prefix_caching)" if not config.enable_prefix_caching \
+    why = "the prefix cache is off (enable_prefix_caching)" if not config.enable_prefix_caching \
         else "its weights' folder is unknown" if not spec.weights_dir else None
     if why:
         log.warning("SSD tier off for %s: %s", spec.model_id, why)
@@ -43,9 +43,9 @@ def tier_for(manager, spec, config, replicated: bool = False) -> Optional[DiskTi
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     fmt = kv_format_name(config.dtype, config.kv_bits, config.kv_group_size, config.block_size)
     t0 = time.perf_counter()
-    fingerprint = tier_fingerprint(weights_digest(Path(spec.weights_dir), root), fmt)
+    fingerprint = tier_fingerprint(weights_digest(Path(spec.weights_dir), root), fmt, shard)
     tier = DiskTier(root, fingerprint, int(config.ssd_cache_gb * 2**30), manager.tier_array_names(),
-                    state_names=manager.tier_state_names())
+                    state_names=manager.tier_state_names(), follows=follows)
     manager.attach_tier(tier)
     log.info("SSD tier: %s, %d blocks (%.1f MiB) of %.1f GiB found; weights fingerprinted in %.1f s", tier.dir,
              tier.stats()["blocks"], tier.nbytes / 2**20, config.ssd_cache_gb, time.perf_counter() - t0)

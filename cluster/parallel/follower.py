@@ -18,6 +18,7 @@ import zmq
 
 from cluster.parallel import step_wire
 from cluster.parallel.group_kv import gather_whole
+from cluster.parallel.group_tier import follow as follow_tier
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,8 @@ def run_follower(engine, sock: zmq.Socket, group=None, poll_ms: int = 1000, lead
                       for b, d, shape in zip(msg.data, msg.dtypes, msg.shapes)]
             engine.kv.groups[msg.group].store.write_blocks(msg.block_ids, range(msg.layer_start, msg.layer_stop),
                                                           arrays)
+        elif isinstance(msg, (step_wire.TierWrite, step_wire.TierLoad, step_wire.TierDrop, step_wire.TierClear)):
+            follow_tier(engine, msg, group)
         elif isinstance(msg, step_wire.Hello):
             if msg.num_blocks != engine.pool.num_blocks:
                 raise FollowerError(f"the leader's KV pool has {msg.num_blocks} blocks, this rank's "

@@ -124,7 +124,7 @@ def start_rank(plan: GroupPlan, rank: int, heartbeat: Optional[Heartbeat] = None
         from cluster.parallel.leader import GroupLeader
 
         leader = GroupLeader(plan, boot=heartbeat.boot)
-    engine = checked_engine(model, tokenizer, spec, config, replicas=leader)
+    engine = checked_engine(model, tokenizer, spec, config, replicas=leader, open_tier=False)
     memory, error = None, None
     try:
         memory = check_rank_memory(model, engine, plan.memory_budget_gb or float("inf"), where)
@@ -144,6 +144,9 @@ def start_rank(plan: GroupPlan, rank: int, heartbeat: Optional[Heartbeat] = None
             largest = max(_all_ranks(group, g.entry_bytes()))
             if rank == 0:
                 g.charge_entries(largest)
+    from cluster.parallel.group_tier import open_group_tier
+
+    engine.tier = open_group_tier(engine, spec, config, plan.parallel, rank, plan.size, group, leader)
     if leader is not None:
         from cluster.parallel.group_kv import GroupKV
 

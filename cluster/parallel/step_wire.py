@@ -10,6 +10,9 @@
   all-gather of its share of them (its heads, or its layers).
 - `WriteBlocks`: blocks that arrived from another worker, this rank's share of them (layers numbered in its own
   pool; the leader keeps its own share).
+- `TierWrite` / `TierLoad` / `TierDrop` / `TierClear`: what the leader's SSD tier did, which each rank does
+  with its own shard in its own tier (cluster/parallel/group_tier.py): blocks written behind, a hit's blocks
+  loaded into new blocks (all ranks agree on how many), files let go of, every file deleted.
 - `Hello`: the leader's KV pool size, checked against the follower's own before its first step.
 - `Stop`: the group ends; the follower exits.
 
@@ -71,6 +74,36 @@ class WriteBlocks(msgspec.Struct, tag="write_blocks", frozen=True):
     data: list[bytes]
 
 
+class TierWrite(msgspec.Struct, tag="tier_write", frozen=True):
+    """Blocks the leader's tier took: block `hashes[j]` caching `tokens[j]` is block `tables[g][j]` of each block
+    group g (by the order of `KVManager.block_groups`)."""
+
+    hashes: list[int]
+    tokens: list[list[int]]
+    tables: list[list[int]]
+
+
+class TierLoad(msgspec.Struct, tag="tier_load", frozen=True):
+    """A hit's blocks past the pool's run, in order: block `hashes[j]` caching `tokens[j]`, from the tier
+    (`sources[j]` 0) or copied from pool block `sources[j]`, into block `dests[g][j]` of each block group g (0:
+    none there)."""
+
+    hashes: list[int]
+    tokens: list[list[int]]
+    sources: list[int]
+    dests: list[list[int]]
+
+
+class TierDrop(msgspec.Struct, tag="tier_drop", frozen=True):
+    """Files the leader's tier let go of: (block hash, kind) each."""
+
+    keys: list[tuple[int, str]]
+
+
+class TierClear(msgspec.Struct, tag="tier_clear", frozen=True):
+    """The leader's prefix cache was reset: every file goes."""
+
+
 class Hello(msgspec.Struct, tag="hello", frozen=True):
     num_blocks: int
     pool_bytes: int
@@ -80,7 +113,7 @@ class Stop(msgspec.Struct, tag="stop", frozen=True):
     reason: str
 
 
-StepMessage = Union[Forward, CopyBlock, Gather, WriteBlocks, Hello, Stop]
+StepMessage = Union[Forward, CopyBlock, Gather, WriteBlocks, TierWrite, TierLoad, TierDrop, TierClear, Hello, Stop]
 BOOT_BYTES = 4  # a message's first frame: the sending leader's boot id (cluster/parallel/leader.py)
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(StepMessage)

@@ -1,0 +1,129 @@
+"""A worker group's SSD tier: each rank keeps its own shard of every block (its heads, or its layers) in a tier
+of its own (cluster/kv/disk_tier.py), in a folder of its own (the fingerprint names the shard).
+
+The leader's tier decides, as a server's does: what is written behind, what a hit loads, what the LRU lets go
+of, a reset. Each decision reaches the followers as a step message (cluster/parallel/step_wire.py), in order with
+the forwards, and each follower does the same with its own shard of the same block ids:
+- `TierWrite`: blocks the leader's tier took; the follower copies its share of them to host memory and queues
+  them, waiting for room in its queue rather than drop one (its tier `follows`: no LRU of its own);
+- `TierLoad`: a hit's blocks past the pool's run; every rank reads its own files, and the ranks agree, with one
+  all-gather, on the longest run every one of them could load (a file one follower lost, torn or never written
+  shortens the hit for all, and the rest is computed); all write that many;
+- `TierDrop`: files the leader's tier let go of (its LRU, a bad file, a failed write), deleted on every rank;
+- `TierClear`: a prefix-cache reset.
+
+A model with recurrent layers keeps no tier in a group (its snapshots are a follower's replica, not files).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from cluster.kv.tier_io import host_copies, store_loaded
+from cluster.parallel import step_wire
+
+log = logging.getLogger(__name__)
+
+FOLLOWER_WAIT_S = 30.0  # how long a follower's `put` waits for room in its write queue
+
+
+def tier_shard(parallel: str, rank: int, size: int) -> str:
+    """The shard a rank's tier is fingerprinted with (its folder's name changes with it)."""
+    return f"{parallel}-rank{rank}-of-{size}"
+
+
+def agree(group, count: int) -> int:
+    """The smallest `count` over the ranks of `group` (every rank calls it at once)."""
+    counts = mx.distributed.all_gather(mx.array([count], dtype=mx.int32), group=group)
+    return int(np.array(counts).min())
+
+
+class GroupTier:
+    """The leader's side (`KVManager.tier_replicas`): hands each decision of its tier to the followers."""
+
+    def __init__(self, leader, group):
+        self.leader, self.group = leader, group
+
+    def write(self, hashes: Sequence[int], tokens: Sequence[Sequence[int]], tables: Sequence[Sequence[int]]) -> None:
+        """The leader's tier took blocks `hashes` (caching `tokens`), block `tables[g][j]` of each block group g."""
+        self.leader.send_all(step_wire.TierWrite(list(hashes), [list(t) for t in tokens],
+                                                 [list(t) for t in tables]))
+
+    def load(self, disk: Sequence[tuple], dests: Sequence[Sequence[int]], loaded: int) -> int:
+        """A hit's blocks past the pool's run (`PrefixHit.disk` entries), of which the leader loaded the first
+        `loaded`, go into blocks `dests[g][j]`: how many every rank loaded (the followers load theirs now)."""
+        self.leader.send_all(step_wire.TierLoad([h for h, *_ in disk], [list(t) for _, t, *_ in disk],
+                                                [s for *_, s in disk], [list(d) for d in dests]))
+        return agree(self.group, loaded)
+
+    def drop(self, keys: Sequence[tuple[int, str]]) -> None:
+        self.leader.send_all(step_wire.TierDrop([(int(h), kind) for h, kind in keys]))
+
+    def clear(self) -> None:
+        self.leader.send_all(step_wire.TierClear())
+
+
+def follow(engine, msg, group) -> None:
+    """Do on a follower's `engine` (its tier: `engine.tier`, None when it has none) what the leader's tier did
+    (`msg`: a `TierWrite`, `TierLoad`, `TierDrop` or `TierClear`); joins the collective of a `TierLoad`."""
+    kv, tier = engine.kv, engine.tier
+    if isinstance(msg, step_wire.TierLoad):
+        loaded = _load(tier, msg)
+        taken = agree(group, len(loaded))
+        store_loaded(kv.block_groups, [d[:taken] for d in msg.dests], loaded[:taken])
+    elif tier is None:
+        return
+    elif isinstance(msg, step_wire.TierWrite):
+        copies = host_copies(kv.block_groups, msg.tables, range(len(msg.hashes)), kv.block_size)
+        for block_hash, tokens, arrays in zip(msg.hashes, msg.tokens, copies):
+            if not tier.put(block_hash, tokens, arrays, wait_s=FOLLOWER_WAIT_S) and not tier.has(block_hash):
+                log.warning("worker group: this rank's SSD tier could not take block %016x (its hits will be "
+                            "computed)", block_hash)
+    elif isinstance(msg, step_wire.TierDrop):
+        tier.drop([(h, kind) for h, kind in msg.keys])
+    elif isinstance(msg, step_wire.TierClear):
+        tier.clear()
+
+
+def _load(tier, msg) -> list:
+    """The leading blocks of `msg` this rank can provide: a pool block's id to copy, or its file's arrays."""
+    files = iter(tier.load_many([(h, t) for h, t, s in zip(msg.hashes, msg.tokens, msg.sources) if not s])
+                 if tier is not None else [])
+    out = []
+    for block_hash, source in zip(msg.hashes, msg.sources):
+        got = source if source else next(files, None)
+        if got is None:
+            break
+        out.append(got)
+    return out
+
+
+def open_group_tier(engine, spec, config, parallel: str, rank: int, size: int, group, leader=None) -> Optional[object]:
+    """Open rank `rank`'s tier (a follower's `follows` the leader's) per `config`, on every rank at once; when any
+    rank cannot have one, none keeps one (logged). The leader's `KVManager` then hands its tier's decisions to the
+    followers. Returns this rank's tier or None."""
+    from cluster.kv.tier_setup import tier_for
+
+    if not config.ssd_cache_gb:  # the same config on every rank
+        return None
+    tier, why = None, None
+    if engine.runner.verified.num_state_layers:
+        why = "a model with recurrent layers keeps no SSD tier in a worker group yet"
+    else:
+        try:
+            tier = tier_for(engine.kv, spec, config, shard=tier_shard(parallel, rank, size), follows=rank > 0)
+        except (OSError, ValueError) as exc:
+            why = f"rank {rank}: {exc}"
+    if not agree(group, int(tier is not None)):
+        if tier is not None:
+            engine.kv.detach_tier()
+            tier.close()
+        log.warning("SSD tier off in this worker group: %s", why or "another rank could not open its tier")
+        return None
+    if leader is not None:
+        engine.kv.tier_replicas = GroupTier(leader, group)
+    return tier

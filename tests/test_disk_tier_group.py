@@ -1,0 +1,100 @@
+"""The SSD tier in a worker group (`mlx-pd serve --tensor-parallel 2`, processes of its own): each rank keeps its
+own shard of every block in a folder of its own; sessions evicted from the ranks' pools come back from their
+disks, and again after the whole group restarts, answering as one rank without a tier does; a block file one
+follower lost makes every rank compute that hit, and the answer stays right."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from tests.test_worker_group_faults import serving
+
+SESSIONS = 4
+SESSION_TOKENS = 300
+KV_GB = 0.0006  # each rank: about 600 tokens of the fast model's half of the heads, two sessions
+FLAGS = ("--tensor-parallel", "2", "--kv-cache-gb", str(KV_GB), "--ssd-cache-gb", "0.05", "--block-size", "32",
+         "--skip-load-check")
+
+
+def _complete(base: str, model: str, prompt, salt=None) -> tuple[tuple, int]:
+    """(the answer: its text and each token's logprob, the prompt's cached tokens)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1}
+    if salt:
+        body["cache_salt"] = salt
+    r = httpx.post(base + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return (choice["text"], choice["logprobs"]["token_logprobs"]), r.json()["usage"]["prompt_tokens_details"][
+        "cached_tokens"]
+
+
+def _same(got: tuple, cold: tuple) -> bool:
+    """The same text, logprobs within 1e-3 (the project's tolerance for KV read back from a cache)."""
+    return got[0] == cold[0] and np.allclose(got[1], cold[1], atol=1e-3, rtol=0)
+
+
+def _metric(base: str, name: str) -> float:
+    text = httpx.get(base + "/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, flags=re.M))
+
+
+def _rank_folders(tier_dir: Path) -> dict[int, Path]:
+    """Each rank's tier folder, by the pid in its lock file: {pid: folder}."""
+    return {int((d / "lock").read_text()): d for d in tier_dir.iterdir() if (d / "lock").exists()}
+
+
+def test_a_tensor_parallel_group_keeps_each_ranks_shard_on_its_own_disk_and_restores_sessions_after_a_restart(
+        tmp_path):
+    from benchmarks.reliability_long import fast_model_dir
+
+    model_dir = fast_model_dir()
+    name = model_dir.name
+    rng = np.random.RandomState(8)
+    prompts = [rng.randint(100, 500, size=SESSION_TOKENS).tolist() for _ in range(SESSIONS)]
+    tier_dir = tmp_path / "tier"
+    flags = FLAGS + ("--ssd-cache-dir", str(tier_dir))
+    with serving(model_dir, tmp_path / "first", *flags) as group:
+        group.wait_healthy()
+        cold = [_complete(group.base, name, p, salt="cold") for p in prompts]  # nothing to hit: the reference
+        assert all(c == 0 for _, c in cold)
+        for p in prompts:  # each session in turn: the pools hold two, the disks all four
+            _complete(group.base, name, p)
+        answer, cached = _complete(group.base, name, prompts[0])
+        assert cached == SESSION_TOKENS // 32 * 32 and _same(answer, cold[0][0]), "not back from disk, or wrong"
+        assert _metric(group.base, "mlx_pd_kv_ssd_blocks_loaded_total") >= SESSION_TOKENS // 32
+        folders = _rank_folders(tier_dir)
+        assert sorted(folders) == sorted([group.proc.pid, *group.followers]), folders
+        leader, follower = folders[group.proc.pid], folders[group.followers[0]]
+        names = {f.name for f in leader.glob("*.kv")}
+        assert names and names == {f.name for f in follower.glob("*.kv")}  # the same blocks, each rank its shard
+        assert all((leader / n).stat().st_size == (follower / n).stat().st_size for n in names)
+    with serving(model_dir, tmp_path / "again", *flags) as group:  # RAM empty on both ranks, the disks as left
+        group.wait_healthy()
+        answer, cached = _complete(group.base, name, prompts[1])
+        assert cached == SESSION_TOKENS // 32 * 32 and _same(answer, cold[1][0])
+        folders = _rank_folders(tier_dir)
+        follower = folders[group.followers[0]]
+        for victim in _first_block_files(follower, prompts[2]):  # (the cold run's, under its salt, too)
+            victim.write_bytes(victim.read_bytes()[:100])  # torn on the follower only
+        answer, cached = _complete(group.base, name, prompts[2])
+        assert cached == 0 and _same(answer, cold[2][0])  # every rank computed it: the follower lost block 0
+        answer, cached = _complete(group.base, name, prompts[3])
+        assert cached == SESSION_TOKENS // 32 * 32 and _same(answer, cold[3][0])
+
+
+def _first_block_files(folder: Path, prompt) -> list[Path]:
+    """The block files in `folder` that cache the prompt's first 32 tokens."""
+    import msgpack
+
+    found = []
+    for f in folder.glob("*.kv"):
+        data = f.read_bytes()
+        n = int.from_bytes(data[8:12], "little")
+        if list(msgpack.unpackb(data[12:12 + n])["tokens"]) == list(prompt[:32]):
+            found.append(f)
+    assert found, "no block file holds the prompt's first block"
+    return found
