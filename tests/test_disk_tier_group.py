@@ -1,4 +1,4 @@
-"""The SSD tier in a worker group (`mlx-pd serve --tensor-parallel 2`, processes of its own): each rank keeps its
+"""The SSD tier in a worker group (`mlx-pd serve --tensor-parallel 2` or `--pipeline-parallel 2`, processes of its own): each rank keeps its
 own shard of every block in a folder of its own; sessions evicted from the ranks' pools come back from their
 disks, and again after the whole group restarts, answering as one rank without a tier does; a block file one
 follower lost makes every rank compute that hit, and the answer stays right."""
@@ -10,14 +10,16 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 
 from tests.test_worker_group_faults import serving
 
 SESSIONS = 4
 SESSION_TOKENS = 300
-KV_GB = 0.0006  # each rank: about 600 tokens of the fast model's half of the heads, two sessions
-FLAGS = ("--tensor-parallel", "2", "--kv-cache-gb", str(KV_GB), "--ssd-cache-gb", "0.05", "--block-size", "32",
-         "--skip-load-check")
+# each rank's pool: about 600 tokens (two sessions) of its share of the KV: the fast llama's half of the heads
+# (1 KiB a token), or one of the two layers of the test family's qwen3_moe (256 bytes a token)
+KV_GB = {"tensor": 0.0006, "pipeline": 0.00015}
+FLAGS = ("--ssd-cache-gb", "0.05", "--block-size", "32", "--skip-load-check")
 
 
 def _complete(base: str, model: str, prompt, salt=None) -> tuple[tuple, int]:
@@ -47,16 +49,20 @@ def _rank_folders(tier_dir: Path) -> dict[int, Path]:
     return {int((d / "lock").read_text()): d for d in tier_dir.iterdir() if (d / "lock").exists()}
 
 
-def test_a_tensor_parallel_group_keeps_each_ranks_shard_on_its_own_disk_and_restores_sessions_after_a_restart(
-        tmp_path):
+@pytest.mark.parametrize("parallel", ["tensor", "pipeline"])
+def test_a_group_keeps_each_ranks_shard_on_its_own_disk_and_restores_sessions_after_a_restart(parallel, tmp_path):
+    """Two ranks splitting the heads (tensor: a llama) or the layers (pipeline: a qwen3_moe, whose mlx-lm class
+    splits its layers)."""
     from benchmarks.reliability_long import fast_model_dir
+    from tests.group_helpers import model_folder
 
-    model_dir = fast_model_dir()
+    model_dir = fast_model_dir() if parallel == "tensor" else model_folder("qwen3_moe", tmp_path / "models")
     name = model_dir.name
     rng = np.random.RandomState(8)
     prompts = [rng.randint(100, 500, size=SESSION_TOKENS).tolist() for _ in range(SESSIONS)]
     tier_dir = tmp_path / "tier"
-    flags = FLAGS + ("--ssd-cache-dir", str(tier_dir))
+    flags = FLAGS + (f"--{parallel}-parallel", "2", "--kv-cache-gb", str(KV_GB[parallel]),
+                     "--ssd-cache-dir", str(tier_dir))
     with serving(model_dir, tmp_path / "first", *flags) as group:
         group.wait_healthy()
         cold = [_complete(group.base, name, p, salt="cold") for p in prompts]  # nothing to hit: the reference
