@@ -626,3 +626,61 @@ def test_while_a_sequence_decodes_another_prompts_blocks_are_read_from_disk_with
     assert session.final.num_cached_tokens == 40 and engine.tier.stats()["loaded"] == 5 and len(reads) == 5
     _assert_same({0: (session.token_ids, [lp.logprob for lp in session.logprobs], 40)}, cold)
     engine.close()
+
+
+def _block(seed: int) -> list[np.ndarray]:
+    return [np.random.RandomState(seed).rand(2, BLOCK, 2, 32).astype(np.float32) for _ in NAMES]
+
+
+def test_a_ranks_tier_never_trims_another_ranks_folder_of_its_group_but_trims_a_stale_fingerprint(tmp_path):
+    """Two ranks of one worker group keep their folders side by side (`<fingerprint>-r0`, `-r1`), each about the
+    budget: opening one never deletes the other (nor counts it), while a stale fingerprint's folder goes."""
+    group, stale = "a" * 32, "b" * 32
+    block_file = len(encode(1, range(BLOCK), NAMES, _block(0)))
+    budget = 3 * block_file
+    for folder, n in ((f"{group}-r1", 3), (stale, 4)):  # the stale one over the budget by itself
+        tier = DiskTier(tmp_path, folder, n * block_file, NAMES)
+        for i in range(n):
+            assert tier.put(i + 1, range(BLOCK), _block(i))
+        assert tier.wait_written()
+        tier.close()
+    tier = DiskTier(tmp_path, f"{group}-r0", budget, NAMES)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{group}-r0", f"{group}-r1"]
+    assert len(list((tmp_path / f"{group}-r1").glob("*.kv"))) == 3
+    tier.close()
+
+
+def test_a_dropped_block_is_deleted_even_while_queued_or_being_written(tmp_path):
+    """A worker group's follower drops what the leader let go of: a block still in its write queue, or being
+    written at that moment, is not left behind on disk."""
+    import threading
+
+    tier = DiskTier(tmp_path, "c" * 32, 1 << 20, NAMES)
+    release, write = threading.Event(), tier._write
+
+    def held_write(key, token_ids, arrays):
+        assert release.wait(10)
+        return write(key, token_ids, arrays)
+
+    tier._write = held_write
+    assert tier.put(1, range(BLOCK), _block(1)) and tier.put(2, range(BLOCK), _block(2))
+    time.sleep(0.05)  # the writer holds block 1, block 2 waits in the queue
+    tier.drop([(1, "kv"), (2, "kv")])
+    release.set()
+    assert tier.wait_written()
+    time.sleep(0.05)
+    assert not tier.has(1) and not tier.has(2) and not list(tier.dir.glob("*.kv"))
+    tier.close()
+
+
+def test_a_block_let_go_of_and_put_again_before_it_was_announced_is_not_announced_gone(tmp_path):
+    """The tier evicts block 1 for block 2, then takes block 1 again before its owner drains what was let go of:
+    nothing announces block 1 gone (the router and a group's followers keep it, as the tier does)."""
+    block_file = len(encode(1, range(BLOCK), NAMES, _block(0)))
+    tier = DiskTier(tmp_path, "d" * 32, block_file, NAMES)
+    assert tier.put(1, range(BLOCK), _block(1)) and tier.wait_written()
+    assert tier.put(2, range(BLOCK), _block(2)) and tier.wait_written()  # evicts 1
+    assert not tier.has(1)
+    assert tier.put(1, range(BLOCK), _block(1)) and tier.wait_written()  # evicts 2
+    assert tier.take_gone() == [(2, "kv")]
+    tier.close()

@@ -1,17 +1,20 @@
 """The SSD tier in a worker group (`mlx-pd serve --tensor-parallel 2` or `--pipeline-parallel 2`, processes of its own): each rank keeps its
 own shard of every block in a folder of its own; sessions evicted from the ranks' pools come back from their
 disks, and again after the whole group restarts, answering as one rank without a tier does; a block file one
-follower lost makes every rank compute that hit, and the answer stays right."""
+follower lost makes every rank compute that hit, the answer stays right, and the block is written again on every
+rank."""
 
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
+from tests.live_server import live_model_server
 from tests.test_worker_group_faults import serving
 
 SESSIONS = 4
@@ -22,11 +25,9 @@ KV_GB = {"tensor": 0.0006, "pipeline": 0.00015}
 FLAGS = ("--ssd-cache-gb", "0.05", "--block-size", "32", "--skip-load-check")
 
 
-def _complete(base: str, model: str, prompt, salt=None) -> tuple[tuple, int]:
+def _complete(base: str, model: str, prompt) -> tuple[tuple, int]:
     """(the answer: its text and each token's logprob, the prompt's cached tokens)."""
     body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1}
-    if salt:
-        body["cache_salt"] = salt
     r = httpx.post(base + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
@@ -63,10 +64,10 @@ def test_a_group_keeps_each_ranks_shard_on_its_own_disk_and_restores_sessions_af
     tier_dir = tmp_path / "tier"
     flags = FLAGS + (f"--{parallel}-parallel", "2", "--kv-cache-gb", str(KV_GB[parallel]),
                      "--ssd-cache-dir", str(tier_dir))
+    with live_model_server(model_dir, skip_load_check=True, block_size=32) as (base, _):  # one rank, no tier
+        cold = [_complete(base, name, p) for p in prompts]
     with serving(model_dir, tmp_path / "first", *flags) as group:
         group.wait_healthy()
-        cold = [_complete(group.base, name, p, salt="cold") for p in prompts]  # nothing to hit: the reference
-        assert all(c == 0 for _, c in cold)
         for p in prompts:  # each session in turn: the pools hold two, the disks all four
             _complete(group.base, name, p)
         answer, cached = _complete(group.base, name, prompts[0])
@@ -84,23 +85,44 @@ def test_a_group_keeps_each_ranks_shard_on_its_own_disk_and_restores_sessions_af
         assert cached == SESSION_TOKENS // 32 * 32 and _same(answer, cold[1][0])
         folders = _rank_folders(tier_dir)
         follower = folders[group.followers[0]]
-        for victim in _first_block_files(follower, prompts[2]):  # (the cold run's, under its salt, too)
-            victim.write_bytes(victim.read_bytes()[:100])  # torn on the follower only
+        victim = _first_block_file(follower, prompts[2])
+        whole = victim.read_bytes()
+        victim.write_bytes(whole[:100])  # torn on the follower only
         answer, cached = _complete(group.base, name, prompts[2])
         assert cached == 0 and _same(answer, cold[2][0])  # every rank computed it: the follower lost block 0
+        deadline = time.monotonic() + 20  # and the leader had it written again, on every rank
+        while not _whole_file(victim, len(whole)):
+            assert time.monotonic() < deadline, "the follower's lost block was never written again"
+            time.sleep(0.1)
         answer, cached = _complete(group.base, name, prompts[3])
         assert cached == SESSION_TOKENS // 32 * 32 and _same(answer, cold[3][0])
 
 
-def _first_block_files(folder: Path, prompt) -> list[Path]:
-    """The block files in `folder` that cache the prompt's first 32 tokens."""
+def _first_block_file(folder: Path, prompt) -> Path:
+    """The block file in `folder` that caches the prompt's first 32 tokens."""
     import msgpack
 
-    found = []
-    for f in folder.glob("*.kv"):
-        data = f.read_bytes()
-        n = int.from_bytes(data[8:12], "little")
-        if list(msgpack.unpackb(data[12:12 + n])["tokens"]) == list(prompt[:32]):
-            found.append(f)
-    assert found, "no block file holds the prompt's first block"
+    (found,) = [f for f in folder.glob("*.kv") if _tokens(f, msgpack) == list(prompt[:32])]
     return found
+
+
+def _whole_file(path: Path, size: int) -> bool:
+    """Whether `path` is a whole block file of `size` bytes (its checksum, hash and tokens right)."""
+    import msgpack
+
+    from cluster.kv.block_file import BlockFileError, decode
+
+    try:
+        data = path.read_bytes()
+        n = int.from_bytes(data[8:12], "little")
+        header = msgpack.unpackb(data[12:12 + n])
+        decode(data, header["hash"], header["tokens"], [a[0] for a in header["arrays"]])
+    except (OSError, ValueError, BlockFileError):
+        return False
+    return len(data) == size
+
+
+def _tokens(path: Path, msgpack) -> list:
+    data = path.read_bytes()
+    n = int.from_bytes(data[8:12], "little")
+    return list(msgpack.unpackb(data[12:12 + n])["tokens"])

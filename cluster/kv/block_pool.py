@@ -311,10 +311,8 @@ class BlockPool:
     def _emit(self, kind: str, hashes: tuple[int, ...]) -> None:
         self.event_log.emit(kind, hashes, self.group)
         if self._tracks_disk_only():
-            if kind == "stored":  # in RAM again: no longer only on disk
-                on_disk = tuple(h for h in hashes if self.retained(h, self.group))
-                if on_disk:
-                    self.event_log.emit("removed", on_disk, DISK_ONLY_GROUP)
+            if kind == "stored":  # in RAM again: not only on disk (whether or not the tier still holds it)
+                self.event_log.emit("removed", hashes, DISK_ONLY_GROUP)
             elif kind == "cleared":
                 self.event_log.emit("cleared", (), DISK_ONLY_GROUP)
 

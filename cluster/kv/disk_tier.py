@@ -142,6 +142,8 @@ class DiskTier:
                 self.num_dropped += 1
                 return False
             self._pending[key] = (tuple(token_ids), arrays)
+            if key in self._gone:  # let go of and taken again before it was announced: nothing to announce
+                self._gone.remove(key)
             self._queue.append(key)
             self._queued_bytes += size
             self._wake.notify()
@@ -292,9 +294,18 @@ class DiskTier:
         return gone
 
     def drop(self, keys: Sequence[tuple[int, str]]) -> None:
-        """Forget and delete the files `keys` ((block hash, kind)): what a worker group's leader let go of."""
+        """Forget and delete the files `keys` ((block hash, kind)), queued ones too (a file being written is
+        deleted once written): what a worker group's leader let go of, or what a leader found missing on a
+        follower (announced by `take_gone`, so that it is written again)."""
         for key in keys:
-            self._forget(tuple(key), delete=True)
+            key = tuple(key)
+            with self._mutex:
+                pending = self._pending.pop(key, None)
+                if pending is not None:
+                    self._queue.remove(key)
+                    self._queued_bytes -= sum(a.nbytes for a in pending[1])
+                    self._let_go([key])
+            self._forget(key, delete=True)
 
     def clear(self) -> int:
         """Forget and delete every block (waiting ones included); returns how many were held."""
@@ -308,6 +319,7 @@ class DiskTier:
             self._memo = None
             self._gone = []
             self.nbytes = 0
+        self._prefetch.start(())  # reads ahead of files that go
         for key in keys:
             self._path(key).unlink(missing_ok=True)
         return n
@@ -475,7 +487,8 @@ class DiskTier:
         Only a fingerprint's own files are deleted (block and state files, its lock), never anything else."""
         others = []
         for entry in os.scandir(root):
-            if entry.path == str(self.dir) or not entry.is_dir() or not _is_fingerprint(entry.name):
+            if entry.path == str(self.dir) or not entry.is_dir() or not _is_fingerprint(entry.name) \
+                    or _same_group(entry.name, self.dir.name):  # another rank of this worker group: its own
                 continue
             files = [f for f in os.scandir(entry.path) if f.name.endswith((f".{BLOCK}", f".{STATE}", ".tmp"))]
             stats = [f.stat() for f in files]
@@ -503,5 +516,13 @@ class DiskTier:
 
 
 def _is_fingerprint(name: str) -> bool:
-    """A tier folder's name: 32 hex digits (`tier_fingerprint`)."""
-    return len(name) == 32 and all(c in "0123456789abcdef" for c in name)
+    """A tier folder's name: 32 hex digits (`tier_fingerprint`), and for a worker group's rank "-r" and its
+    number."""
+    fingerprint, _, rank = name.partition("-r")
+    return len(fingerprint) == 32 and all(c in "0123456789abcdef" for c in fingerprint) \
+        and (rank.isdigit() or "-r" not in name)
+
+
+def _same_group(name: str, own: str) -> bool:
+    """Whether folders `name` and `own` are two ranks' of one worker group (one fingerprint, other ranks)."""
+    return "-r" in name and name.partition("-r")[0] == own.partition("-r")[0]

@@ -441,8 +441,12 @@ class KVManager:
         tables = [g.table(entries[g.index]) for g in self.block_groups]
         dests = [[table[first + j] for j in range(len(loaded))] for table in tables]
         if self.tier_replicas is not None:
-            loaded = loaded[:self.tier_replicas.load(hit.disk[:len(loaded)], dests, len(loaded))]
-            dests = [d[:len(loaded)] for d in dests]
+            taken = self.tier_replicas.load(hit.disk[:len(loaded)], dests, len(loaded))
+            if taken < len(loaded):  # a rank lacks a file: every rank computes those, and writes them again
+                from cluster.kv.disk_tier import BLOCK
+
+                self.tier.drop([(h, BLOCK) for h, _, _, source in hit.disk[taken:len(loaded)] if not source])
+            loaded, dests = loaded[:taken], [d[:taken] for d in dests]
         store_loaded(self.block_groups, dests, loaded)
         for g in self.block_groups:
             for j, (block_hash, tokens, parent, _) in enumerate(hit.disk[:len(loaded)]):

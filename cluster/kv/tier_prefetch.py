@@ -44,6 +44,8 @@ class Prefetch:
             tokens = tuple(tokens)
             known = self._reads.get(h)
             if known is None or known[0] != tokens:
+                if known is not None:
+                    known[1].cancel()
                 self._reads[h] = (tokens, self.pool().submit(self._timed, h, tokens), time.perf_counter())
 
     def ready(self, hashes: Iterable[int]) -> bool:
@@ -51,12 +53,12 @@ class Prefetch:
         return all(self._reads[h][1].done() for h in hashes if h in self._reads)
 
     def take(self, block_hash: int, token_ids: Sequence[int]) -> Optional[tuple[Any, float, float]]:
-        """The finished read of `block_hash` for exactly `token_ids`, forgotten here: (its result, perf_counter
-        when it was started, when it finished); None when there is none (not started, other tokens, running)."""
-        known = self._reads.get(block_hash)
-        if known is None or known[0] != tuple(token_ids) or not known[1].done():
+        """The read of `block_hash` for exactly `token_ids` (waited for if it still runs), forgotten here: (its
+        result, perf_counter when it was started, when it finished); None when there is none (not started, other
+        tokens, cancelled)."""
+        known = self._reads.pop(block_hash, None)
+        if known is None or known[0] != tuple(token_ids) or known[1].cancelled():
             return None
-        del self._reads[block_hash]
         result, done_at = known[1].result()
         return result, known[2], done_at
 

@@ -22,12 +22,13 @@ def default_tier_dir(worker: Optional[str] = None) -> Path:
     return root if worker is None else root / worker
 
 
-def tier_for(manager, spec, config, shard: str = "whole", follows: bool = False) -> Optional[DiskTier]:
+def tier_for(manager, spec, config, shard: str = "whole", rank: Optional[int] = None) -> Optional[DiskTier]:
     """The SSD tier a server's `manager` (`KVManager`) keeps under its pool, attached, per `config`
     (`ssd_cache_gb`, `ssd_cache_dir`) for the model `spec` (`cluster.model.ModelSpec`, whose `weights_dir` is
     fingerprinted); None when the config keeps none, or (logged) when the model cannot have one: the prefix
-    cache off, no weights folder. `shard`: the part of each block this process holds (a worker group's rank,
-    cluster/parallel/group_tier.py); `follows`: a group follower's tier (no LRU of its own).
+    cache off, no weights folder. `shard`: how a worker group splits each block, and `rank` (None: not a
+    group's) which part this process holds, in a folder `<fingerprint>-r<rank>` (cluster/parallel/group_tier.py);
+    a follower's tier (rank > 0) follows the leader's (no LRU of its own).
     Raises TierInUse when another server holds the folder."""
     from cluster.kv.hashing import kv_format_name
     from cluster.kv.tier_fingerprint import tier_fingerprint, weights_digest
@@ -44,8 +45,10 @@ def tier_for(manager, spec, config, shard: str = "whole", follows: bool = False)
     fmt = kv_format_name(config.dtype, config.kv_bits, config.kv_group_size, config.block_size)
     t0 = time.perf_counter()
     fingerprint = tier_fingerprint(weights_digest(Path(spec.weights_dir), root), fmt, shard)
+    if rank is not None:
+        fingerprint += f"-r{rank}"
     tier = DiskTier(root, fingerprint, int(config.ssd_cache_gb * 2**30), manager.tier_array_names(),
-                    state_names=manager.tier_state_names(), follows=follows)
+                    state_names=manager.tier_state_names(), follows=bool(rank))
     manager.attach_tier(tier)
     log.info("SSD tier: %s, %d blocks (%.1f MiB) of %.1f GiB found; weights fingerprinted in %.1f s", tier.dir,
              tier.stats()["blocks"], tier.nbytes / 2**20, config.ssd_cache_gb, time.perf_counter() - t0)

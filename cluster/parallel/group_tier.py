@@ -1,14 +1,16 @@
 """A worker group's SSD tier: each rank keeps its own shard of every block (its heads, or its layers) in a tier
-of its own (cluster/kv/disk_tier.py), in a folder of its own (the fingerprint names the shard).
+of its own (cluster/kv/disk_tier.py), in a folder of its own: the group's fingerprint (which names the split)
+and the rank, `<fingerprint>-r<rank>`; no rank trims another's folder as a stale fingerprint's.
 
 The leader's tier decides, as a server's does: what is written behind, what a hit loads, what the LRU lets go
 of, a reset. Each decision reaches the followers as a step message (cluster/parallel/step_wire.py), in order with
 the forwards, and each follower does the same with its own shard of the same block ids:
 - `TierWrite`: blocks the leader's tier took; the follower copies its share of them to host memory and queues
-  them, waiting for room in its queue rather than drop one (its tier `follows`: no LRU of its own);
+  them (its tier `follows`: no LRU of its own);
 - `TierLoad`: a hit's blocks past the pool's run; every rank reads its own files, and the ranks agree, with one
-  all-gather, on the longest run every one of them could load (a file one follower lost, torn or never written
-  shortens the hit for all, and the rest is computed); all write that many;
+  all-gather, on the longest run every one of them could load (a file one follower lost, torn or never written,
+  its queue or disk full, shortens the hit for all, and the rest is computed); all write that many, and the
+  leader drops the rest from its tier, so that the recomputed blocks are written again on every rank;
 - `TierDrop`: files the leader's tier let go of (its LRU, a bad file, a failed write), deleted on every rank;
 - `TierClear`: a prefix-cache reset.
 
@@ -28,12 +30,11 @@ from cluster.parallel import step_wire
 
 log = logging.getLogger(__name__)
 
-FOLLOWER_WAIT_S = 30.0  # how long a follower's `put` waits for room in its write queue
 
 
-def tier_shard(parallel: str, rank: int, size: int) -> str:
-    """The shard a rank's tier is fingerprinted with (its folder's name changes with it)."""
-    return f"{parallel}-rank{rank}-of-{size}"
+def tier_shard(parallel: str, size: int) -> str:
+    """The split a group's tiers are fingerprinted with; each rank's folder adds its rank (`tier_for`)."""
+    return f"{parallel}-of-{size}"
 
 
 def agree(group, count: int) -> int:
@@ -80,9 +81,9 @@ def follow(engine, msg, group) -> None:
     elif isinstance(msg, step_wire.TierWrite):
         copies = host_copies(kv.block_groups, msg.tables, range(len(msg.hashes)), kv.block_size)
         for block_hash, tokens, arrays in zip(msg.hashes, msg.tokens, copies):
-            if not tier.put(block_hash, tokens, arrays, wait_s=FOLLOWER_WAIT_S) and not tier.has(block_hash):
-                log.warning("worker group: this rank's SSD tier could not take block %016x (its hits will be "
-                            "computed)", block_hash)
+            # a block it cannot take (its queue full, its disk full) is one the leader finds missing on a hit,
+            # and drops, so it is written again (`KVManager._write_loaded`)
+            tier.put(block_hash, tokens, arrays)
     elif isinstance(msg, step_wire.TierDrop):
         tier.drop([(h, kind) for h, kind in msg.keys])
     elif isinstance(msg, step_wire.TierClear):
@@ -115,7 +116,7 @@ def open_group_tier(engine, spec, config, parallel: str, rank: int, size: int, g
         why = "a model with recurrent layers keeps no SSD tier in a worker group yet"
     else:
         try:
-            tier = tier_for(engine.kv, spec, config, shard=tier_shard(parallel, rank, size), follows=rank > 0)
+            tier = tier_for(engine.kv, spec, config, shard=tier_shard(parallel, size), rank=rank)
         except (OSError, ValueError) as exc:
             why = f"rank {rank}: {exc}"
     if not agree(group, int(tier is not None)):
