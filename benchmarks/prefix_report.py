@@ -51,6 +51,19 @@ def print_tables(tables) -> None:
         _print_table(title, header, rows, sys.stdout)
 
 
+def finish_run(result: dict, t_start: float, summarize, tables) -> dict:
+    """End a benchmark's run: its wall time (from `t_start`, a perf_counter) and the machine's load average in
+    `result`, then `summarize(result)` and print `tables(result)`; returns `result`."""
+    import os
+    import time
+
+    result["wall_s"] = time.perf_counter() - t_start
+    result["machine"]["loadavg_end"] = os.getloadavg()
+    summarize(result)
+    print_tables(tables(result))
+    return result
+
+
 def print_prefix(result: dict) -> None:
     print_tables(prefix_tables(result))
     for name, s in result["servers"].items():

@@ -463,13 +463,9 @@ def run(args, log=None) -> dict:
     finally:
         if not args.keep_tier:
             shutil.rmtree(tmp, ignore_errors=True)
-    result["wall_s"] = time.perf_counter() - t_start
-    result["machine"]["loadavg_end"] = os.getloadavg()
-    summarize(result)
-    from benchmarks.prefix_report import print_tables
+    from benchmarks.prefix_report import finish_run
 
-    print_tables(tables(result))
-    return result
+    return finish_run(result, t_start, summarize, tables)
 
 
 def summarize(result: dict) -> dict:
