@@ -97,6 +97,20 @@ class EngineCore:
             self.tier.close()
             self.tier = None
 
+    def disk_block_worth(self) -> Optional[float]:
+        """What a prefix block only the SSD tier holds is worth, as a share of one in RAM (placement weighs it so,
+        router/placement.py): 1 - the seconds to load a prefill chunk's blocks / the seconds to compute them from
+        position 0, in [0, 1]; from the tier's measured load rate and the fitted prefill cost, None until both are
+        measured (or without a tier)."""
+        if self.tier is None:
+            return None
+        tokens = max(self.block_size, self.config.prefill_chunk_size // self.block_size * self.block_size)
+        load = self.tier.load_seconds_estimate(tokens // self.block_size)
+        compute = self.scheduler.budget.solo_seconds(0, tokens)
+        if load is None or not compute:
+            return None
+        return max(0.0, min(1.0, 1.0 - load / compute))
+
     @property
     def speculator(self) -> Speculator:
         """The speculator (`NoSpeculator` until the decode role installs its own, decode_node/speculative.py's,

@@ -110,6 +110,9 @@ class EngineStats:
     ssd_bytes_loaded: float = 0.0
     ssd_load_seconds: float = 0.0
     ssd_bad_blocks: float = 0.0  # torn, corrupted or colliding files found (recomputed)
+    # what a block only on the SSD tier is worth, as a share of one in RAM: 1 - its load time / its compute time,
+    # from the tier's measured load rate and the engine's fitted prefill cost (None until both are measured)
+    ssd_block_worth: Optional[float] = None
     kv_groups: tuple[KVGroupStats, ...] = ()
 
     @property
@@ -153,13 +156,15 @@ class EngineStats:
         running, the KV blocks, the speculative and constrained-request counters are the decode workers' (a
         prefill worker's sequences and blocks are transient, and a request it hands on starts its grammar again
         on the decode worker); everything else is everyone's. `ttft_p50_s` is the largest worker median (None
-        without one). Single-node mode reports one decode worker."""
+        without one), `ssd_block_worth` the smallest worker's. Single-node mode reports one decode worker."""
         live = list(reports)
         decode = [s for s in live if s.role == "decode"]
         everyone = {f.name for f in dataclasses.fields(cls)} - {"num_running", "kv_block_size", "num_draft_tokens",
                                                                "num_accepted_tokens", "constrained_requests",
-                                                               "ttft_p50_s", "healthy", "kv_groups"}
+                                                               "ttft_p50_s", "healthy", "kv_groups",
+                                                               "ssd_block_worth"}
         medians = [s.ttft_p50_s for s in live if s.ttft_p50_s is not None]
+        worths = [s.ssd_block_worth for s in live if s.ssd_block_worth is not None]
         return cls(**{k: sum(getattr(s, k) for s in live) for k in everyone},
                    num_running=sum(s.num_running for s in decode),
                    kv_block_size=decode[0].kv_block_size if decode else 0,
@@ -167,6 +172,7 @@ class EngineStats:
                    num_accepted_tokens=sum(s.num_accepted_tokens for s in decode),
                    constrained_requests=sum(s.constrained_requests for s in decode),
                    ttft_p50_s=max(medians) if medians else None,
+                   ssd_block_worth=min(worths) if worths else None,
                    healthy=any(s.healthy for s in decode),
                    kv_groups=_add_groups((g for s in live for g in s.kv_groups),
                                          (g for s in decode for g in s.kv_groups)))

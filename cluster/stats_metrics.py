@@ -82,6 +82,9 @@ METRICS: tuple[MetricSpec, ...] = (
     _counter("ssd_load_seconds", "kv_ssd_load_seconds", "Seconds spent loading blocks from the SSD tier"),
     _counter("ssd_bad_blocks", "kv_ssd_bad_blocks", "SSD tier block files found torn, corrupted or colliding "
                                                     "(recomputed instead)"),
+    _gauge("ssd_block_worth", "kv_ssd_block_worth", "What a block only on the SSD tier is worth as a share of one in "
+                                                    "RAM: 1 - its load time / its compute time (the router: the "
+                                                    "smallest worker's)"),
     _gauge("ttft_p50_s", "ttft_p50_seconds", "Prefill: median time to first token of recent requests, seconds "
                                              "(the router: the largest worker median)"),
 )

@@ -113,8 +113,9 @@ class RoutingSection:
       "round_robin" (for comparison).
     - `cache_weight`: how many requests in flight one cached prompt block is worth in prefix_aware scoring.
     - `disk_cache_weight`: the fraction of `cache_weight` a cached block is worth when only the worker's SSD
-      tier holds it (it is loaded from disk before the prompt runs): below 1, a worker with the prefix in RAM
-      wins over one with it on disk, which wins over one without it.
+      tier holds it (it is loaded from disk before the prompt runs), until the worker reports its own measure
+      (`ssd_block_worth`: 1 - load time / compute time): below 1, a worker with the prefix in RAM wins over one
+      with it on disk, which wins over one without it.
     - `spill_margin`: a worker holding the prefix is passed over once it has this many more requests in
       flight than the least loaded live worker of its role (a hot prefix spreads instead of piling up).
     - `local_prefill_max_tokens`: a prompt with fewer uncached tokens than this is prefilled by its decode

@@ -317,7 +317,7 @@ class Worker:
             prefix_cache_hits=sched.prefix_hits, tokens_out=self.tokens_out, requests=len(self.routes),
             constrained_requests=e.grammars.num_constrained, grammar_mask_seconds=e.grammars.mask_seconds,
             kv_groups=e.kv.group_stats(self._transfer_metrics()),
-            **(e.tier.engine_stats() if e.tier is not None else {}),
+            **(e.tier.engine_stats() if e.tier is not None else {}), ssd_block_worth=e.disk_block_worth(),
             **(self.group_rank.stats() if self.group_rank is not None else {}), **self._role_stats())
         self._stats_at = time.monotonic()
 

@@ -6,8 +6,9 @@ Policies (topology `[routing] policy`):
 
       requests in flight - cache_weight x cached blocks
 
-  where a block only the worker's SSD tier holds (loaded from disk on a hit) counts `disk_cache_weight` of a
-  block in RAM (so RAM wins over disk, disk over nothing),
+  where a block only the worker's SSD tier holds (loaded from disk on a hit) counts as much of a block in RAM as
+  loading it saves over computing it: 1 - load time / compute time, which the worker measures and reports
+  (`ssd_block_worth`; `disk_cache_weight` until it has), so RAM wins over disk, disk over nothing,
   except that a worker with more than `spill_margin` requests in flight above the least loaded one gets no
   cache credit (a hot prefix spills to the others instead of queueing on its holder). Ties go to the worker
   placed least often, so prompts with nothing cached spread evenly.
@@ -50,6 +51,13 @@ def _free_blocks(w: WorkerState) -> int:
     return w.stats.kv_blocks_free if w.stats is not None else 0
 
 
+def _disk_worth(w: WorkerState, routing: RoutingSection) -> float:
+    """What a block only on `w`'s SSD tier is worth, as a share of one in RAM: its own measure (load time against
+    compute time, `EngineStats.ssd_block_worth`), or `routing.disk_cache_weight` until it has one."""
+    worth = w.stats.ssd_block_worth if w.stats is not None else None
+    return routing.disk_cache_weight if worth is None else worth
+
+
 def _pick(workers: list[WorkerState], routing: RoutingSection, cached: Optional[dict[str, int]],
           on_disk: Optional[dict[str, int]] = None) -> WorkerState:
     if routing.policy == "round_robin":  # per role: each role's workers take turns on their own
@@ -62,7 +70,7 @@ def _pick(workers: list[WorkerState], routing: RoutingSection, cached: Optional[
         blocks = 0.0
         if len(w.inflight) <= least + routing.spill_margin:
             disk = (on_disk or {}).get(w.spec.name, 0)
-            blocks = cached.get(w.spec.name, 0) - disk * (1.0 - routing.disk_cache_weight)
+            blocks = cached.get(w.spec.name, 0) - disk * (1.0 - _disk_worth(w, routing))
         return (len(w.inflight) - routing.cache_weight * blocks, w.placed, -_free_blocks(w))
 
     return min(workers, key=score)

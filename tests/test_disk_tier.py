@@ -484,14 +484,19 @@ def test_on_one_prefill_and_two_decode_workers_a_session_goes_where_its_blocks_a
 
 def test_blocks_that_would_load_slower_than_they_compute_are_computed(models, tmp_path):
     """Once the tier's load rate and the engine's prefill cost are measured, a hit whose blocks would take longer
-    to read than to compute (a disk made slow here) is computed instead: nothing loaded, the same answer."""
+    to read than to compute (a disk made slow here) is computed instead: nothing loaded, the same answer; and what
+    the worker reports a disk block to be worth (for the router's placement) drops to nothing."""
     engine = _engine(models[0], tmp_path)
     cold = _answers(engine, SESSIONS, "first")  # each evicts the one before; prefill steps are timed
     assert engine.tier.wait_written()
     assert _answers(engine, SESSIONS[:1], "fast")[0][2] == 40  # loaded: the rate is measured now
     loaded = engine.tier.stats()["loaded"]
     assert loaded >= 4 and engine.tier.load_seconds_estimate(5) is not None
-    engine.tier.load_seconds *= 1e6  # a disk a million times slower than measured
+    measured = engine.tier.load_seconds
+    engine.tier.load_seconds = measured * 1e-6  # a disk a million times faster: its blocks are all but free
+    assert 0.99 < engine.disk_block_worth() <= 1.0  # (what the worker reports for the router's placement)
+    engine.tier.load_seconds = measured * 1e6  # a disk a million times slower than measured
+    assert engine.disk_block_worth() == 0.0
     got = _answers(engine, SESSIONS[1:2], "slow")
     assert got[0][2] == 0 and engine.tier.stats()["loaded"] == loaded
     _assert_same({0: got[0]}, {0: cold[1]})

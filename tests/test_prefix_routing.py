@@ -325,6 +325,20 @@ def test_a_prefix_in_ram_wins_over_the_same_prefix_on_disk_which_wins_over_none(
         RoutingSection(disk_cache_weight=2)
 
 
+def test_a_disk_block_is_worth_what_its_worker_measured_loading_saves():
+    """A worker that measured its disk blocks as nearly free to load (worth 0.9 of a RAM block) wins with 20 of
+    them on disk over a worker with 15 in RAM; one whose disk barely beats computing (worth 0.1) loses; a worker
+    that has measured nothing yet counts `disk_cache_weight`."""
+    from cluster.stats import WorkerStats
+
+    routing = RoutingSection(disk_cache_weight=0.5)
+    cached, on_disk = {"d0": 15, "d1": 20}, {"d1": 20}
+    for worth, winner in ((0.9, "d1"), (0.1, "d0"), (None, "d0")):
+        ws = workers(2)
+        ws[1].stats = WorkerStats(name="d1", role="decode", ssd_block_worth=worth)
+        assert place(ws, request(), routing, cached=cached, on_disk=on_disk)[1].spec.name == winner, worth
+
+
 def test_short_uncached_suffix_skips_the_prefill_worker():
     ws = workers(1, "prefill") + workers(2)
     routing = RoutingSection(local_prefill_max_tokens=64)
