@@ -25,8 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-import numpy as np
-
 from cluster.kv.attention_groups import FullAttentionGroup
 from cluster.kv.block_pool import BlockPool
 from cluster.kv.groups import GroupHit, KVCacheGroup, PrefixHit, StepRequest, reserve_blocks
@@ -347,7 +345,8 @@ class KVManager:
         for g, h in zip(self.groups, shares):
             entries[g.index] = g.take(entries[g.index], h)
         if hit.head is None:
-            reused = self._take_disk(request_id, hit, loaded, num_new_blocks + len(hit.disk))
+            reused = self._take_disk(request_id, hit, loaded,
+                                     lambda: self.allocate(request_id, num_new_blocks + len(hit.disk)))
             return reused * self.block_size if hit.disk else hit.num_tokens
         source = hit.head[0]
         self.pool.touch([source])  # no allocation may evict it before the copy
@@ -357,17 +356,13 @@ class KVManager:
         self._tier_reused(request_id, hit.hashes[:hit.num_blocks])
         return hit.num_tokens
 
-    def _take_disk(self, request_id: str, hit: PrefixHit, loaded: list, num_blocks: int,
-                   after: Optional[Callable[[], None]] = None) -> int:
-        """Allocate `num_blocks` more for the request (its entries hold the hit's pool blocks; `after` allocates
-        instead when given), write `loaded` (`_read_tier`) into those that follow the pool's hit and register
-        them; a free pool block the hit copies is held until it is copied. Returns the hit's blocks reused."""
+    def _take_disk(self, request_id: str, hit: PrefixHit, loaded: list, allocate: Callable[[], None]) -> int:
+        """`allocate` the request's blocks past the hit's pool blocks (its entries hold those), write `loaded`
+        (`_read_tier`) into those that follow the pool's hit and register them; a free pool block the hit copies
+        is held until it is copied. Returns the hit's blocks reused."""
         copied = [b for *_, b in hit.disk[:len(loaded)] if b]
         self.pool.touch(copied)  # no allocation may evict a block before it is copied
-        if after is None:
-            self.allocate(request_id, num_blocks)
-        else:
-            after()
+        allocate()
         taken = self._write_loaded(request_id, hit, loaded) if loaded else 0
         self.pool.free(copied)
         reused = hit.num_blocks - len(hit.disk) + taken
@@ -490,7 +485,7 @@ class KVManager:
                     entries[g.index] = reserve_blocks(g, entries[g.index], num_blocks, first)
 
         if hit.disk:
-            cached = self._take_disk(request_id, hit, loaded, 0, fill)
+            cached = self._take_disk(request_id, hit, loaded, fill)
         else:
             fill()
             cached = hit.num_blocks
