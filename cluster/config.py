@@ -166,8 +166,8 @@ class EngineConfig:
             raise bad("state_snapshot_interval", f"must be a positive multiple of block_size={self.block_size}")
         if self.state_cache_gb is not None and not self.state_cache_gb >= 0:
             raise bad("state_cache_gb", "must be >= 0 GiB (0 keeps no recurrent-state snapshots)")
-        if not self.ssd_cache_gb >= 0:
-            raise bad("ssd_cache_gb", "must be >= 0 GiB (0 keeps no SSD tier)")
+        if not 0 <= self.ssd_cache_gb < float("inf"):
+            raise bad("ssd_cache_gb", "must be a finite number of GiB >= 0 (0 keeps no SSD tier)")
         if not self.queue_timeout_s > 0:
             raise bad("queue_timeout_s", "must be > 0 seconds")
         if self.max_waiting < 1:

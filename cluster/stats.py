@@ -110,6 +110,7 @@ class EngineStats:
     ssd_bytes_loaded: float = 0.0
     ssd_load_seconds: float = 0.0
     ssd_bad_blocks: float = 0.0  # torn, corrupted or colliding files found (recomputed)
+    ssd_blocks_evicted: float = 0.0  # files the tier's LRU let go of to keep within its budget
     # what a block only on the SSD tier is worth, as a share of one in RAM: 1 - its load time / its compute time,
     # from the tier's measured load rate and the engine's fitted prefill cost (None until both are measured)
     ssd_block_worth: Optional[float] = None

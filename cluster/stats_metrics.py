@@ -80,6 +80,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _counter("ssd_blocks_loaded", "kv_ssd_blocks_loaded", "KV blocks loaded from the SSD tier by prefix hits"),
     _counter("ssd_bytes_loaded", "kv_ssd_bytes_loaded", "Bytes loaded from the SSD tier by prefix hits"),
     _counter("ssd_load_seconds", "kv_ssd_load_seconds", "Seconds spent loading blocks from the SSD tier"),
+    _counter("ssd_blocks_evicted", "kv_ssd_blocks_evicted", "SSD tier files its LRU let go of to keep within its "
+                                                            "budget"),
     _counter("ssd_bad_blocks", "kv_ssd_bad_blocks", "SSD tier block files found torn, corrupted or colliding "
                                                     "(recomputed instead)"),
     _gauge("ssd_block_worth", "kv_ssd_block_worth", "What a block only on the SSD tier is worth as a share of one in "

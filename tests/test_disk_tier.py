@@ -689,3 +689,38 @@ def test_a_block_let_go_of_and_put_again_before_it_was_announced_is_not_announce
     assert tier.put(1, range(BLOCK), _block(1)) and tier.wait_written()  # evicts 2
     assert tier.take_gone() == [(2, "kv")]
     tier.close()
+
+
+def test_a_session_larger_than_the_tier_keeps_its_first_blocks_not_its_last(models, tmp_path):
+    """A five-block session through a tier of three blocks: the tier keeps the session's first three blocks (a
+    prefix a later hit can use), not its last (which no hit reaches without the blocks before them), and lists
+    them so that the first is the last to go."""
+    from cluster.kv.hashing import block_hashes
+
+    block_file = len(encode(2**64 - 1, [VOCAB - 1] * BLOCK, NAMES, [np.zeros((2, BLOCK, 2, 32), np.float32)] * 2))
+    engine = _engine(models[0], tmp_path, budget_gb=3 * block_file / 2**30)  # (the largest hash and tokens: 3 files fit)
+    engine.tier.queue_bytes = 1 << 20  # the writer's queue takes all five: the budget alone decides
+    _answers(engine, SESSIONS[:1], "first")
+    assert engine.tier.wait_written()
+    hashes = block_hashes(SESSIONS[0], BLOCK, engine._extra_key(None))
+    assert [engine.tier.has(h) for h in hashes] == [True, True, True, False, False]
+    assert list(engine.tier._index) == [(h, "kv") for h in reversed(hashes[:3])]  # least recently used first
+    engine.close()
+
+
+def test_a_tier_that_cannot_be_is_refused_by_name_and_a_folder_without_a_budget_is_said(models, tmp_path, caplog):
+    """An infinite budget, or a folder that is a file or lies under one, is refused naming the setting (never a
+    traceback); a folder given without a budget keeps no tier, and the log says why."""
+    import logging
+
+    with pytest.raises(ValueError, match="ssd_cache_gb=inf is invalid"):
+        EngineConfig(ssd_cache_gb=float("inf"))
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    for folder in (a_file, a_file / "under"):
+        with pytest.raises(ValueError, match=f"ssd_cache_dir {folder} cannot hold the SSD tier"):
+            _engine(models[0], folder)
+    with caplog.at_level(logging.WARNING):
+        engine = _engine(models[0], tmp_path / "unused", budget_gb=0)
+    assert engine.tier is None and "ssd_cache_gb is 0: no SSD tier" in caplog.text
+    assert not (tmp_path / "unused").exists()

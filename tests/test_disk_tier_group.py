@@ -79,6 +79,10 @@ def test_a_group_keeps_each_ranks_shard_on_its_own_disk_and_restores_sessions_af
         names = {f.name for f in leader.glob("*.kv")}
         assert names and names == {f.name for f in follower.glob("*.kv")}  # the same blocks, each rank its shard
         assert all((leader / n).stat().st_size == (follower / n).stat().st_size for n in names)
+        if parallel == "tensor":  # a second group on the same folders is refused, as a second server is
+            with serving(model_dir, tmp_path / "second", *flags) as second:
+                assert second.exit_code(60) == 2
+                assert "is in use by another server" in second.output(), second.output()
     with serving(model_dir, tmp_path / "again", *flags) as group:  # RAM empty on both ranks, the disks as left
         group.wait_healthy()
         answer, cached = _complete(group.base, name, prompts[1])

@@ -91,6 +91,8 @@ class DiskTier:
         # the last file read (`load`): its key, the tokens it was read for, its arrays
         self._memo: Optional[tuple[tuple[int, str], tuple[int, ...], list[np.ndarray]]] = None
         self._gone: list[tuple[int, str]] = []  # let go of since `take_gone` (evicted, bad, never written)
+        self._ends: set[tuple[int, str]] = set()  # queued keys that end a batch (`end_batch`)
+        self._batch: list[tuple[int, str]] = []  # the writer's: keys written since the last batch ended
         self._queued_bytes = 0
         self.queue_bytes = min(queue_bytes or QUEUE_BYTES, max(1, self.budget_bytes))
         self.writable = True
@@ -274,7 +276,19 @@ class DiskTier:
             order += [(h, BLOCK) for h in reversed(hashes) if (h, BLOCK) in self._index]
             for key in order:
                 self._index.move_to_end(key)
-        now = time.time_ns()  # the same order on disk, for the next start's listing by modification time
+        self._stamp(order)
+
+    def end_batch(self) -> None:
+        """The blocks `put` since the last call are one prompt's, first to last: once written they are listed as
+        `touch` lists a prefix (its first block the last to go), whatever order the writer listed them in."""
+        with self._mutex:
+            if self._queue:
+                self._ends.add(self._queue[-1])
+
+    def _stamp(self, order: list) -> None:
+        """Give the files `order` increasing modification times, the same order on disk for the next start's
+        listing."""
+        now = time.time_ns()
         for j, key in enumerate(order):
             try:
                 os.utime(self._path(key), ns=(now + j, now + j))
@@ -318,6 +332,7 @@ class DiskTier:
             self._index.clear()
             self._memo = None
             self._gone = []
+            self._ends.clear()
             self.nbytes = 0
         self._prefetch.start(())  # reads ahead of files that go
         for key in keys:
@@ -360,7 +375,7 @@ class DiskTier:
         return {"ssd_blocks": s["blocks"], "ssd_bytes": s["bytes"], "ssd_budget_bytes": s["budget_bytes"],
                 "ssd_blocks_written": s["written"], "ssd_blocks_dropped": s["dropped"],
                 "ssd_blocks_loaded": s["loaded"], "ssd_bytes_loaded": s["bytes_loaded"],
-                "ssd_load_seconds": s["load_seconds"], "ssd_bad_blocks": s["bad"]}
+                "ssd_load_seconds": s["load_seconds"], "ssd_bad_blocks": s["bad"], "ssd_blocks_evicted": s["evicted"]}
 
     # -- the writer thread ---------------------------------------------------------------------------------------
 
@@ -374,7 +389,11 @@ class DiskTier:
                 key = self._queue[0]
                 token_ids, arrays = self._pending[key]
             size = self._write(key, token_ids, arrays)
+            order = []
             with self._mutex:
+                if size is None:  # no room beside its batch's earlier blocks: let go of, as an eviction
+                    self.num_evicted += 1
+                    self._let_go([key])
                 if self._queue and self._queue[0] == key:  # not cleared meanwhile
                     self._queue.popleft()
                     self._pending.pop(key, None)
@@ -382,23 +401,35 @@ class DiskTier:
                     if size:
                         self._index[key] = size
                         self.nbytes += size
+                        self._batch.append(key)
                     doomed = []
                 else:
                     doomed = [key] if size else []
+                if key in self._ends or not self._queue:  # a batch is written: its first block newest
+                    self._ends.discard(key)
+                    order = [k for k in reversed(self._batch) if k in self._index]
+                    self._batch = []
+                    for k in order:
+                        self._index.move_to_end(k)
             for k in doomed:
                 self._path(k).unlink(missing_ok=True)
+            self._stamp(order)
 
-    def _write(self, key: tuple[int, str], token_ids, arrays) -> int:
-        """Write one file (temporary name, then renamed); its bytes, or 0 when writing failed (writing is then off
-        for good: the disk is full or failing)."""
+    def _write(self, key: tuple[int, str], token_ids, arrays) -> Optional[int]:
+        """Write one file (temporary name, then renamed); its bytes, 0 when writing failed (writing is then off
+        for good: the disk is full or failing), None when it does not fit beside the blocks written before it in
+        its batch (a prompt's later block is worth less than its earlier ones: it is not written)."""
         path = self._path(key)
         tmp = path.with_name(f".{path.name}.tmp")
         try:
             data = encode(key[0], token_ids, self._names[key[1]], arrays)
             with self._mutex:  # room first: the folder never holds more than its budget, this file included
-                doomed = self._over_budget(keep=None, adding=len(data))
+                doomed = self._over_budget(keep=None, adding=len(data), spare=set(self._batch))
+                room = self.follows or self.nbytes + len(data) <= self.budget_bytes
             for k in doomed:
                 self._path(k).unlink(missing_ok=True)
+            if not room:  # only its own batch's earlier blocks could make room: it is not written, they stay
+                return None
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
                 view = memoryview(data)
@@ -430,17 +461,19 @@ class DiskTier:
         if not self.follows:
             self._gone += keys
 
-    def _over_budget(self, keep, adding: int = 0) -> list[tuple[int, str]]:
-        """Drop the least recently used files (not `keep`) until the tier, with `adding` bytes more, fits its
-        budget; their keys, whose files the caller deletes outside the lock. Called holding the lock. A follower
-        drops nothing of its own accord."""
+    def _over_budget(self, keep, adding: int = 0, spare: frozenset = frozenset()) -> list[tuple[int, str]]:
+        """Drop the least recently used files (not `keep`, nor any of `spare`) until the tier, with `adding` bytes
+        more, fits its budget; their keys, whose files the caller deletes outside the lock. Called holding the
+        lock. A follower drops nothing of its own accord."""
         doomed = []
         if self.follows:
             return doomed
+        candidates = (k for k in list(self._index) if k not in spare)
         while self.nbytes + adding > self.budget_bytes and self._index and (adding or len(self._index) > 1):
-            key, size = next(iter(self._index.items()))
-            if key == keep:
+            key = next(candidates, None)
+            if key is None or key == keep:
                 break
+            size = self._index[key]
             del self._index[key]
             self.nbytes -= size
             self.num_evicted += 1

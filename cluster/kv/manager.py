@@ -410,6 +410,7 @@ class KVManager:
                 self.pool.blocks[tables[0][i]].token_ids
             if self.tier.put(hashes[i], tokens, arrays):
                 written.append((i, tokens))
+        self.tier.end_batch()  # listed once written so that the first of them is the last to go
         if self.tier_replicas is not None and written:  # each follower writes its shard of what the tier took
             self.tier_replicas.write([hashes[i] for i, _ in written], [tokens for _, tokens in written],
                                      [[t[i] for i, _ in written] for t in tables])

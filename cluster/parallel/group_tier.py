@@ -104,26 +104,30 @@ def _load(tier, msg) -> list:
 
 
 def open_group_tier(engine, spec, config, parallel: str, rank: int, size: int, group, leader=None) -> Optional[object]:
-    """Open rank `rank`'s tier (a follower's `follows` the leader's) per `config`, on every rank at once; when any
-    rank cannot have one, none keeps one (logged). The leader's `KVManager` then hands its tier's decisions to the
-    followers. Returns this rank's tier or None."""
+    """Open rank `rank`'s tier (a follower's `follows` the leader's) per `config`, on every rank at once. The
+    leader's `KVManager` then hands its tier's decisions to the followers. Returns this rank's tier, or None
+    (logged) when the model keeps none in a group. Raises ValueError on every rank when any rank's folder is in
+    use or unusable (as one server refuses it)."""
     from cluster.kv.tier_setup import tier_for
 
     if not config.ssd_cache_gb:  # the same config on every rank
         return None
-    tier, why = None, None
-    if engine.runner.verified.num_state_layers:
-        why = "a model with recurrent layers keeps no SSD tier in a worker group yet"
-    else:
-        try:
-            tier = tier_for(engine.kv, spec, config, shard=tier_shard(parallel, size), rank=rank)
-        except (OSError, ValueError) as exc:
-            why = f"rank {rank}: {exc}"
-    if not agree(group, int(tier is not None)):
+    if engine.runner.verified.num_state_layers:  # the same model on every rank
+        log.warning("SSD tier off in this worker group: a model with recurrent layers keeps no SSD tier in a "
+                    "worker group yet")
+        return None
+    tier, error = None, None
+    try:
+        tier = tier_for(engine.kv, spec, config, shard=tier_shard(parallel, size), rank=rank)
+    except ValueError as exc:  # the folder in use by another server, or unusable: refused, as one server is
+        error = exc
+    if not agree(group, int(error is None)):
         if tier is not None:
             engine.kv.detach_tier()
             tier.close()
-        log.warning("SSD tier off in this worker group: %s", why or "another rank could not open its tier")
+        raise error or ValueError("SSD tier: another rank of this worker group could not open its folder (its "
+                                  "log names why)")
+    if tier is None:  # off for a reason every rank shares (logged)
         return None
     if leader is not None:
         engine.kv.tier_replicas = GroupTier(leader, group)
