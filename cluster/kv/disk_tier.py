@@ -22,7 +22,7 @@ server on the same folder is refused. `clear` (a prefix-cache reset) deletes eve
 
 In a worker group each rank keeps its own shard of every block in a tier of its own (cluster/parallel/
 group_tier.py): the leader's decides, a follower's `follows` it: no LRU of its own, it deletes what the leader's
-let go of (`drop`), and its `put` waits for room in its queue rather than drop a block the leader kept.
+let go of (`drop`); a block it could not take is one the leader finds missing on a hit and has written again.
 """
 
 from __future__ import annotations
@@ -56,8 +56,9 @@ class TierInUse(ValueError):
 class DiskTier:
     """Blocks of one fingerprint's folder under `root`, within `budget_bytes`; each block's arrays are named
     `names` (`KVManager.tier_array_names`), and, for a model with recurrent layers, the state after a block
-    `state_names` (kind `STATE`, keyed by the block's hash: a snapshot). Owner-thread calls: `longest`, `put`,
-    `load`, `touch`, `clear`; the writer thread lists what it wrote. Raises TierInUse when another process holds
+    `state_names` (kind `STATE`, keyed by the block's hash: a snapshot). Owner-thread calls: `has`, `put`,
+    `end_batch`, `prefetch`, `load`, `load_many`, `touch`, `drop`, `clear`; the writer thread lists what it
+    wrote; `follows`: a worker group follower's tier (no LRU of its own). Raises TierInUse when another process holds
     the folder, OSError when it cannot be made."""
 
     def __init__(self, root: Path, fingerprint: str, budget_bytes: int, names: Sequence[str],
@@ -115,31 +116,17 @@ class DiskTier:
         with self._mutex:
             return key in self._index or key in self._pending
 
-    def longest(self, hashes: Sequence[int]) -> int:
-        """How many of the blocks `hashes`, from the first, the tier holds (or is writing)."""
-        with self._mutex:
-            n = 0
-            for h in hashes:
-                if (h, BLOCK) not in self._index and (h, BLOCK) not in self._pending:
-                    break
-                n += 1
-            return n
-
-    def put(self, block_hash: int, token_ids: Sequence[int], arrays: list[np.ndarray], kind: str = BLOCK,
-            wait_s: float = 0.0) -> bool:
+    def put(self, block_hash: int, token_ids: Sequence[int], arrays: list[np.ndarray], kind: str = BLOCK) -> bool:
         """Queue block `block_hash`'s file of `kind` (a block caching `token_ids`, or the state after it; its
         host copies `arrays`) for writing; False when it is held already, writing is off, or the queue is full
-        (dropped and counted) and stays full for `wait_s` seconds."""
+        (dropped and counted)."""
         size = sum(a.nbytes for a in arrays)
         key = (block_hash, kind)
-        deadline = time.monotonic() + wait_s
         with self._mutex:
             if key in self._index or key in self._pending:
                 return False
             if not self.writable or self._closed or size > self.budget_bytes:
                 return False
-            while self._queued_bytes + size > self.queue_bytes and self._queue and time.monotonic() < deadline:
-                self._wake.wait(0.01)
             if self._queued_bytes + size > self.queue_bytes:
                 self.num_dropped += 1
                 return False
@@ -257,14 +244,11 @@ class DiskTier:
             return exc
 
     def load_seconds_estimate(self, num_blocks: int) -> Optional[float]:
-        """Predicted seconds to load `num_blocks` block files, from the average file and the load rate measured
-        so far (None before a few loads were timed)."""
+        """Predicted seconds to load `num_blocks` block files, at the seconds per block file measured so far (None
+        before a few loads were timed)."""
         if self.num_loaded < 4 or self.load_seconds <= 0:
             return None
-        with self._mutex:
-            sizes = [size for (_, kind), size in self._index.items() if kind == BLOCK]
-        average = sum(sizes) / len(sizes) if sizes else 0.0
-        return num_blocks * average * self.load_seconds / max(1, self.bytes_loaded)
+        return num_blocks * self.load_seconds / self.num_loaded
 
     def touch(self, hashes: Sequence[int]) -> None:
         """A prompt used these blocks (a prefix, in order; and the state after its last one): the most recently
@@ -424,7 +408,7 @@ class DiskTier:
         try:
             data = encode(key[0], token_ids, self._names[key[1]], arrays)
             with self._mutex:  # room first: the folder never holds more than its budget, this file included
-                doomed = self._over_budget(keep=None, adding=len(data), spare=set(self._batch))
+                doomed = self._over_budget(adding=len(data), spare=set(self._batch))
                 room = self.follows or self.nbytes + len(data) <= self.budget_bytes
             for k in doomed:
                 self._path(k).unlink(missing_ok=True)
@@ -461,17 +445,17 @@ class DiskTier:
         if not self.follows:
             self._gone += keys
 
-    def _over_budget(self, keep, adding: int = 0, spare: frozenset = frozenset()) -> list[tuple[int, str]]:
-        """Drop the least recently used files (not `keep`, nor any of `spare`) until the tier, with `adding` bytes
-        more, fits its budget; their keys, whose files the caller deletes outside the lock. Called holding the
-        lock. A follower drops nothing of its own accord."""
+    def _over_budget(self, adding: int = 0, spare: frozenset = frozenset()) -> list[tuple[int, str]]:
+        """Drop the least recently used files (not any of `spare`) until the tier, with `adding` bytes more, fits
+        its budget; their keys, whose files the caller deletes outside the lock. Called holding the lock. A
+        follower drops nothing of its own accord."""
         doomed = []
         if self.follows:
             return doomed
         candidates = (k for k in list(self._index) if k not in spare)
         while self.nbytes + adding > self.budget_bytes and self._index and (adding or len(self._index) > 1):
             key = next(candidates, None)
-            if key is None or key == keep:
+            if key is None:
                 break
             size = self._index[key]
             del self._index[key]
@@ -511,7 +495,7 @@ class DiskTier:
         for _, key, size in sorted(found):
             self._index[key] = size
             self.nbytes += size
-        for key in self._over_budget(keep=None):
+        for key in self._over_budget():
             self._path(key).unlink(missing_ok=True)
 
     def _trim_others(self, root: Path) -> None:

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 from cluster.kv.attention_groups import FullAttentionGroup
 from cluster.kv.block_pool import BlockPool
 from cluster.kv.groups import GroupHit, KVCacheGroup, PrefixHit, StepRequest, reserve_blocks
-from cluster.kv.tier_io import host_copies, store_loaded
+from cluster.kv.tier_io import host_copies, read_run, store_loaded
 
 # the fewest tokens a head hit must cover, for 32-token blocks (scaled with the block size): a head hit costs a
 # block copy and, with the overlapped loop, one wait for the device; a few tokens of prompt cost less
@@ -336,7 +336,7 @@ class KVManager:
         when fewer than `num_new_blocks` blocks are free besides the hit (checked before anything changes)."""
         if num_new_blocks > self.free_besides(hit):
             raise ValueError(f"cannot allocate {num_new_blocks} blocks: only {self.free_besides(hit)} free")
-        loaded, shares = (self._read_tier(hit) if hit.disk else []), hit.groups
+        loaded, shares = self._read_tier(hit), hit.groups
         if len(loaded) < len(hit.disk) and any(h.tier for h in hit.groups):
             # a state read from the tier follows the hit's last block, which could not be loaded: the pool's hit
             shares, loaded = hit.pool_groups, []
@@ -416,16 +416,8 @@ class KVManager:
                                      [[t[i] for i, _ in written] for t in tables])
 
     def _read_tier(self, hit: PrefixHit) -> list:
-        """The arrays of the hit's blocks on the SSD tier, read in order up to the first it cannot give (a bad
-        file); a block the pool holds stands as its block id."""
-        read = iter(self.tier.load_many([(h, tokens) for h, tokens, _, source in hit.disk if not source]))
-        loaded = []
-        for *_, source in hit.disk:
-            arrays = next(read) if not source else source  # a pool block: copied
-            if arrays is None:
-                break
-            loaded.append(arrays)
-        return loaded
+        """The hit's blocks on the SSD tier, read in order up to the first it cannot give (`read_run`)."""
+        return read_run(self.tier, [(h, tokens, source) for h, tokens, _, source in hit.disk]) if hit.disk else []
 
     def _write_loaded(self, request_id: str, hit: PrefixHit, loaded: list) -> int:
         """Write blocks read from the SSD tier (and copy those the pool holds) into the request's new blocks that
@@ -472,7 +464,7 @@ class KVManager:
         num_new = num_blocks - hit.num_blocks
         if num_new > self.free_besides(hit):
             raise ValueError(f"cannot hold {num_new} new blocks: only {self.num_free_blocks} free")
-        loaded = self._read_tier(hit) if hit.disk else []
+        loaded = self._read_tier(hit)
         entries, firsts = self._entry(request_id), []
         for g, h in zip(self.groups, hit.groups):
             first = g.first_to_ship(num_tokens, num_blocks) if g.pool is not None else 0

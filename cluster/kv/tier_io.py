@@ -5,7 +5,7 @@ ids (cluster/parallel/group_tier.py). Owner-thread calls (they read and write th
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -21,6 +21,20 @@ def host_copies(block_groups: Sequence, tables: Sequence[Sequence[int]], blocks:
         per_group += g.store.read_blocks([table[i] for i in blocks], range(g.store.spec.num_layers))
     bs = block_size
     return [[np.ascontiguousarray(a[:, j * bs:(j + 1) * bs]) for a in per_group] for j in range(len(blocks))]
+
+
+def read_run(tier, blocks: Sequence[tuple[int, Sequence[int], int]]) -> list:
+    """A hit's blocks past the pool's run, each (block hash, tokens, 0 or the pool block to copy instead), read
+    in order up to the first the tier (a `DiskTier`; None: none) cannot give: each file's arrays, or a pool
+    block's id. Reads the files (`DiskTier.load_many`)."""
+    files = iter(tier.load_many([(h, tokens) for h, tokens, source in blocks if not source]) if tier else [])
+    out: list = []
+    for _, _, source in blocks:
+        got: Optional[object] = source if source else next(files, None)
+        if got is None:
+            break
+        out.append(got)
+    return out
 
 
 def store_loaded(block_groups: Sequence, dests: Sequence[Sequence[int]],

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from cluster.kv.tier_io import host_copies, store_loaded
+from cluster.kv.tier_io import host_copies, read_run, store_loaded
 from cluster.parallel import step_wire
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def follow(engine, msg, group) -> None:
     (`msg`: a `TierWrite`, `TierLoad`, `TierDrop` or `TierClear`); joins the collective of a `TierLoad`."""
     kv, tier = engine.kv, engine.tier
     if isinstance(msg, step_wire.TierLoad):
-        loaded = _load(tier, msg)
+        loaded = read_run(tier, list(zip(msg.hashes, msg.tokens, msg.sources)))
         taken = agree(group, len(loaded))
         store_loaded(kv.block_groups, [d[:taken] for d in msg.dests], loaded[:taken])
     elif tier is None:
@@ -88,19 +88,6 @@ def follow(engine, msg, group) -> None:
         tier.drop([(h, kind) for h, kind in msg.keys])
     elif isinstance(msg, step_wire.TierClear):
         tier.clear()
-
-
-def _load(tier, msg) -> list:
-    """The leading blocks of `msg` this rank can provide: a pool block's id to copy, or its file's arrays."""
-    files = iter(tier.load_many([(h, t) for h, t, s in zip(msg.hashes, msg.tokens, msg.sources) if not s])
-                 if tier is not None else [])
-    out = []
-    for block_hash, source in zip(msg.hashes, msg.sources):
-        got = source if source else next(files, None)
-        if got is None:
-            break
-        out.append(got)
-    return out
 
 
 def open_group_tier(engine, spec, config, parallel: str, rank: int, size: int, group, leader=None) -> Optional[object]:
